@@ -1,0 +1,48 @@
+# The two commands of the README, and the steps behind them.
+#   make demo   set up, build, run the demo on its built-in default
+#   make test   set up, build, run every test (release build, then an ASan+UBSan build)
+#   make bench  build and run the benchmarks (never part of make test)
+
+BUILD      ?= build
+ASAN_BUILD ?= build-asan
+JOBS       ?= $(shell nproc)
+CMAKE_ARGS ?=
+
+.PHONY: all deps build build-asan test test-release test-asan demo bench format clean
+
+all: build
+
+deps:
+	@scripts/setup.sh
+
+build: deps
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+	cmake --build $(BUILD) -j $(JOBS)
+
+# The sanitizer build leaves CUDA out, so it also covers the build-without-CUDA entry points;
+# the release build covers "CUDA built, no device".
+build-asan: deps
+	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Debug -DKVSIFT_SANITIZE=ON \
+	  -DKVSIFT_ENABLE_CUDA=OFF -DKVSIFT_BUILD_BENCH=OFF -DKVSIFT_BUILD_APPS=OFF $(CMAKE_ARGS)
+	cmake --build $(ASAN_BUILD) -j $(JOBS)
+
+test-release: build
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-asan: build-asan
+	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+	  ctest --test-dir $(ASAN_BUILD) --output-on-failure
+
+test: test-release test-asan
+
+demo: build
+	$(BUILD)/apps/kvsift-demo
+
+bench: build
+	$(BUILD)/bench/kvsift-bench-attend --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+
+format:
+	git ls-files '*.cpp' '*.hpp' '*.h' '*.c' '*.cu' | xargs clang-format -i
+
+clean:
+	rm -rf $(BUILD) $(ASAN_BUILD)

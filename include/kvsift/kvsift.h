@@ -1,0 +1,259 @@
+/*
+ * kvsift: sparse decode attention over a KV cache that lives in host memory.
+ *
+ * This is the only public header. It is C11 and C++ compatible.
+ *
+ * Data conventions, fixed once for the whole API:
+ *   - Vectors are float32, row-major, densely packed. "[a, b, d]" means element (i, j, c) sits at
+ *     index (i * b + j) * d + c.
+ *   - Query heads are grouped: query head h belongs to KV head h / group_size (GQA, the Llama
+ *     convention), so a layer has n_kv_heads * group_size query heads.
+ *   - Keys are given after RoPE (what an inference engine has in hand after its projections).
+ *   - Storage is fp16 (default) or bf16; all arithmetic is float32; outputs are float32.
+ *
+ * Errors: every call that can fail returns a kvsift_status. On failure, kvsift_last_error() gives
+ * a message naming the offending argument. No call aborts, throws or prints.
+ *
+ * Thread safety (the one rule): a handle (kvsift_cache) is used by one thread at a time; distinct
+ * handles may be used from distinct threads concurrently. The process-wide settings
+ * (kvsift_set_log_callback, kvsift_set_max_isa) are meant to be set once at start-up, before
+ * handles are created; calling them concurrently with other kvsift calls is a data race.
+ * kvsift_last_error() is per thread. Internally a call may use several OpenMP threads.
+ */
+#ifndef KVSIFT_KVSIFT_H
+#define KVSIFT_KVSIFT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#if defined(_WIN32)
+#define KVSIFT_API
+#else
+#define KVSIFT_API __attribute__((visibility("default")))
+#endif
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Version                                                                                         */
+
+#define KVSIFT_VERSION_MAJOR 0
+#define KVSIFT_VERSION_MINOR 1
+#define KVSIFT_VERSION_PATCH 0
+/* Single number for compile-time comparisons: major * 10000 + minor * 100 + patch. */
+#define KVSIFT_VERSION (KVSIFT_VERSION_MAJOR * 10000 + KVSIFT_VERSION_MINOR * 100 + KVSIFT_VERSION_PATCH)
+
+/* The version of the library actually linked, as KVSIFT_VERSION computes it. */
+KVSIFT_API int kvsift_version(void);
+/* The same as "major.minor.patch". Static storage; never free it. */
+KVSIFT_API const char* kvsift_version_string(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Status and errors                                                                               */
+
+typedef enum kvsift_status {
+  KVSIFT_STATUS_OK = 0,
+  KVSIFT_STATUS_INVALID_ARGUMENT = 1,  /* a NULL, zero, mismatched or out-of-range argument */
+  KVSIFT_STATUS_UNSUPPORTED = 2,       /* valid request this build or machine cannot serve */
+  KVSIFT_STATUS_OUT_OF_MEMORY = 3,     /* the system refused an allocation */
+  KVSIFT_STATUS_CAPACITY_EXCEEDED = 4, /* the cache's page capacity would be exceeded */
+  KVSIFT_STATUS_NOT_FOUND = 5,         /* unknown sequence id (or other named object) */
+  KVSIFT_STATUS_IO_ERROR = 6,          /* a file could not be read */
+  KVSIFT_STATUS_INVALID_FILE = 7,      /* a file's content is malformed or out of bounds */
+  KVSIFT_STATUS_INTERNAL = 8           /* a bug in kvsift: please report the message */
+} kvsift_status;
+
+/* A short constant name for a status ("invalid argument"). Never NULL; static storage. */
+KVSIFT_API const char* kvsift_status_string(kvsift_status status);
+
+/* The message of the last failed call on this thread, or "" if none failed yet. The pointer is
+ * valid until the next kvsift call on this thread. */
+KVSIFT_API const char* kvsift_last_error(void);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Logging: silent unless the host installs a callback                                             */
+
+typedef enum kvsift_log_level {
+  KVSIFT_LOG_DEBUG = 0,
+  KVSIFT_LOG_INFO = 1,
+  KVSIFT_LOG_WARN = 2,
+  KVSIFT_LOG_ERROR = 3
+} kvsift_log_level;
+
+/* message: NUL-terminated, valid only during the call. user: the pointer given at installation. */
+typedef void (*kvsift_log_fn)(kvsift_log_level level, const char* message, void* user);
+
+/* Installs a log callback (NULL removes it: kvsift then logs nothing). Messages below min_level
+ * are dropped. The callback may be called from any thread that calls into kvsift. */
+KVSIFT_API void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_level);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Instruction sets                                                                                */
+
+typedef enum kvsift_isa {
+  KVSIFT_ISA_SCALAR = 0, /* portable reference code */
+  KVSIFT_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
+  KVSIFT_ISA_AVX512 = 2, /* AVX-512 F/CD/DQ/BW/VL */
+  KVSIFT_ISA_AUTO = 255  /* the best the CPU supports, within the process cap */
+} kvsift_isa;
+
+/* The best ISA this CPU and OS support (CPUID + XCR0), ignoring any cap. */
+KVSIFT_API kvsift_isa kvsift_isa_supported(void);
+
+/* Caps the ISA chosen by handles created afterwards. The environment variable KVSIFT_MAX_ISA
+ * (scalar | avx2 | avx512) sets the initial cap; this call replaces it. KVSIFT_ISA_AUTO removes
+ * the cap. Existing handles keep the ISA they chose. Errors: INVALID_ARGUMENT for an unknown
+ * value. */
+KVSIFT_API kvsift_status kvsift_set_max_isa(kvsift_isa max_isa);
+
+/* "scalar", "avx2", "avx512" or "auto"; "unknown" for other values. Static storage. */
+KVSIFT_API const char* kvsift_isa_name(kvsift_isa isa);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The paged host KV cache                                                                         */
+
+typedef struct kvsift_cache kvsift_cache;
+
+typedef enum kvsift_dtype {
+  KVSIFT_DTYPE_F16 = 0, /* IEEE half, round to nearest even on store */
+  KVSIFT_DTYPE_BF16 = 1 /* bfloat16, round to nearest even on store */
+} kvsift_dtype;
+
+typedef enum kvsift_key_form {
+  KVSIFT_KEYS_POST_ROPE = 0, /* keys already rotated by the engine (the only form for now) */
+  KVSIFT_KEYS_PRE_ROPE = 1   /* keys before RoPE; the cache rotates them (not yet: UNSUPPORTED) */
+} kvsift_key_form;
+
+/* Cache parameters. Always fill with kvsift_cache_params_init() first, then change fields, so that
+ * fields added by later versions get their defaults. */
+typedef struct kvsift_cache_params {
+  uint32_t n_layers;    /* >= 1. Default 1. */
+  uint32_t n_kv_heads;  /* >= 1. Default 1. */
+  uint32_t group_size;  /* query heads per KV head, 1..64. Default 1. */
+  uint32_t head_dim;    /* 64, 128 or 256. Default 128. */
+  uint32_t page_tokens; /* tokens per page: 16, 32 or 64. Default 16. */
+  kvsift_dtype dtype;   /* storage type. Default KVSIFT_DTYPE_F16. */
+  kvsift_key_form key_form; /* Default KVSIFT_KEYS_POST_ROPE. */
+  /* Capacity of the page pool, in pages. One page holds page_tokens tokens of K and of V for one
+   * (layer, KV head): 2 * page_tokens * head_dim * 2 bytes. Appends that would need more pages
+   * fail with CAPACITY_EXCEEDED. Host memory is reserved up front but committed lazily as pages
+   * are first written (pinned pools are committed up front). Default 65536 pages. */
+  uint64_t max_pages;
+  int pinned;          /* nonzero: page pool in pinned (page-locked) memory for GPU transfers;
+                          UNSUPPORTED when built without CUDA. Default 0. */
+  uint32_t max_batch;  /* most sequences in one attention call. Default 64. */
+  int n_threads;       /* OpenMP threads for attention; 0 = the OpenMP default. Default 0. */
+  kvsift_isa isa;      /* ISA for this handle, capped by the process cap. Default AUTO. */
+} kvsift_cache_params;
+
+/* Fills *params with the defaults above. params must not be NULL (a NULL is ignored). */
+KVSIFT_API void kvsift_cache_params_init(kvsift_cache_params* params);
+
+/* Creates a cache. *out receives the handle (set to NULL on failure); free it with
+ * kvsift_cache_free. Errors: INVALID_ARGUMENT (NULL pointers, a geometry outside the ranges above),
+ * UNSUPPORTED (pinned without CUDA, pre-RoPE keys, an ISA the CPU lacks), OUT_OF_MEMORY. */
+KVSIFT_API kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out);
+
+/* Frees the cache and every sequence in it. NULL is accepted and ignored. */
+KVSIFT_API void kvsift_cache_free(kvsift_cache* cache);
+
+/* The ISA this cache's kernels run with (never KVSIFT_ISA_AUTO). SCALAR for a NULL cache. */
+KVSIFT_API kvsift_isa kvsift_cache_isa(const kvsift_cache* cache);
+
+/* Creates an empty sequence; *seq_id receives its id (>= 0). Ids of freed sequences are reused.
+ * Errors: INVALID_ARGUMENT (NULL). */
+KVSIFT_API kvsift_status kvsift_sequence_create(kvsift_cache* cache, int32_t* seq_id);
+
+/* Frees a sequence and returns its pages to the pool. Errors: NOT_FOUND (unknown id). */
+KVSIFT_API kvsift_status kvsift_sequence_free(kvsift_cache* cache, int32_t seq_id);
+
+/* *n_tokens receives the number of tokens appended to `layer` of the sequence.
+ * Errors: INVALID_ARGUMENT (NULL, layer out of range), NOT_FOUND. */
+KVSIFT_API kvsift_status kvsift_sequence_length(const kvsift_cache* cache, int32_t seq_id,
+                                                uint32_t layer, uint64_t* n_tokens);
+
+/* Appends n_tokens tokens of K and V to one layer of a sequence: n_tokens > 1 for a prefill chunk,
+ * 1 for a decode step. Layers are appended independently (the host appends each layer as its
+ * forward pass reaches it).
+ *   k, v: [n_tokens, n_kv_heads, head_dim] float32, copied (and rounded to the storage dtype)
+ *         before the call returns; the caller keeps ownership.
+ * A page that becomes full is sealed. The append is all or nothing: on failure nothing changed.
+ * Errors: INVALID_ARGUMENT (NULL, n_tokens == 0, layer out of range), NOT_FOUND,
+ * CAPACITY_EXCEEDED (the pool lacks the pages this append needs). */
+KVSIFT_API kvsift_status kvsift_append(kvsift_cache* cache, int32_t seq_id, uint32_t layer,
+                                       uint32_t n_tokens, const float* k, const float* v);
+
+/* Copies stored tokens [first, first + n_tokens) of one (sequence, layer, KV head) back out as
+ * float32 (the stored values, after rounding), for checks and tools.
+ *   k_out, v_out: [n_tokens, head_dim]; either may be NULL to skip it.
+ * Errors: INVALID_ARGUMENT (range beyond the sequence, indices out of range), NOT_FOUND. */
+KVSIFT_API kvsift_status kvsift_read_tokens(const kvsift_cache* cache, int32_t seq_id,
+                                            uint32_t layer, uint32_t kv_head, uint64_t first,
+                                            uint64_t n_tokens, float* k_out, float* v_out);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Decode attention                                                                                */
+
+/* Optional explicit page lists for one attention call, in compressed-row form over the
+ * n_seqs * n_kv_heads (sequence, KV head) pairs, sequence-major:
+ *   offsets: [n_seqs * n_kv_heads + 1], offsets[0] == 0, non-decreasing; the pages of pair i are
+ *            page_ids[offsets[i] .. offsets[i+1]).
+ *   page_ids: logical page indices within that (sequence, layer, KV head): page p holds tokens
+ *            [p * page_tokens, (p+1) * page_tokens); strictly ascending; each < the number of
+ *            pages the sequence has in that layer (the last one may be partial). A pair may list
+ *            no pages: its output is then zero.
+ * Attention runs over exactly the listed pages (callers that want the open page, sinks or a
+ * recent window include them). Both arrays are read during the call only. */
+typedef struct kvsift_page_list {
+  const uint32_t* offsets;
+  const uint32_t* page_ids;
+} kvsift_page_list;
+
+/* Exact decode attention for one layer and a batch of sequences, one query token each:
+ * out = softmax(q K^T / sqrt(head_dim)) V per query head, float32 online softmax, over every
+ * stored token (pages == NULL) or over the listed pages.
+ *   seq_ids: [n_seqs], distinct, 1 <= n_seqs <= max_batch.
+ *   q:   [n_seqs, n_kv_heads * group_size, head_dim] float32.
+ *   out: [n_seqs, n_kv_heads * group_size, head_dim] float32, written by the call; must not
+ *        overlap q. A sequence with no tokens in this layer gets zeros.
+ * Errors: INVALID_ARGUMENT (NULL, n_seqs out of range, duplicate ids, malformed page lists),
+ * NOT_FOUND (unknown sequence). Validation happens before any output is written. */
+KVSIFT_API kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs,
+                                       const int32_t* seq_ids, const float* q, float* out,
+                                       const kvsift_page_list* pages);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Statistics                                                                                      */
+
+typedef struct kvsift_cache_stats {
+  uint64_t pages_capacity;    /* max_pages */
+  uint64_t pages_in_use;      /* pages held by live sequences */
+  uint64_t pages_high_water;  /* most pages ever in use at once */
+  uint64_t page_bytes;        /* bytes of one page (K + V) */
+  uint64_t bytes_in_use;      /* pages_in_use * page_bytes */
+  uint64_t bytes_reserved;    /* address space of the pool */
+  uint32_t n_sequences;       /* live sequences */
+  /* The last kvsift_attend call: */
+  uint64_t last_pages_read;   /* (page, KV head) units read, K and V */
+  uint64_t last_tokens_read;  /* tokens attended, summed over (sequence, KV head) */
+  uint64_t last_bytes_read;   /* K and V bytes read from the cache */
+} kvsift_cache_stats;
+
+/* Fills *stats. Errors: INVALID_ARGUMENT (NULL). */
+KVSIFT_API kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache,
+                                                kvsift_cache_stats* stats);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* GPU                                                                                             */
+
+/* *n_devices receives the number of usable CUDA devices. Errors: UNSUPPORTED when kvsift was built
+ * without CUDA or no driver/device is present (the message says which). */
+KVSIFT_API kvsift_status kvsift_gpu_device_count(int* n_devices);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* KVSIFT_KVSIFT_H */

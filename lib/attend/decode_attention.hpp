@@ -1,0 +1,75 @@
+// Exact decode attention over the paged cache: a batch of sequences, one query token each, all
+// query heads of one layer, over every stored page or over explicit page lists.
+//
+// Parallel over (sequence x KV head x split of the pages) with OpenMP, then a split-K merge, so
+// every thread streams pages even at batch 1 with one KV head. Each K/V page is read once per
+// GQA group. The workspace is sized at construction: run() does not allocate.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/aligned.hpp"
+
+namespace kvsift {
+
+// Compressed-row page lists over the n_seqs * n_kv_heads (sequence, KV head) pairs,
+// sequence-major (the C API's kvsift_page_list).
+struct PageLists {
+  const uint32_t* offsets = nullptr;  // [pairs + 1]
+  const uint32_t* page_ids = nullptr; // ascending logical page ids per pair
+};
+
+struct AttendCall {
+  uint32_t layer = 0;
+  uint32_t n_seqs = 0;
+  const int32_t* seq_ids = nullptr;  // [n_seqs]
+  const float* q = nullptr;          // [n_seqs, n_query_heads, head_dim]
+  float* out = nullptr;              // [n_seqs, n_query_heads, head_dim]
+  const PageLists* pages = nullptr;  // nullptr: every stored page
+};
+
+struct AttendStats {
+  uint64_t pages_read = 0;   // (page, KV head) units
+  uint64_t tokens_read = 0;  // summed over (sequence, KV head)
+  uint64_t bytes_read = 0;   // K + V bytes
+};
+
+class DecodeAttention {
+ public:
+  // n_threads <= 0: the OpenMP default. Throws invalid_argument / out_of_memory.
+  DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads);
+
+  // Throws Error naming the first bad argument; writes nothing.
+  void validate(const KvCache& cache, const AttendCall& call) const;
+  // Requires a call that validate() accepted against the same cache state.
+  void run(const KvCache& cache, const AttendCall& call) noexcept;
+
+  const AttendStats& last_stats() const noexcept { return stats_; }
+  uint32_t max_batch() const noexcept { return max_batch_; }
+  int n_threads() const noexcept { return n_threads_; }
+
+ private:
+  struct Task {
+    uint32_t pair;   // seq_index * n_kv_heads + kv_head
+    uint32_t first;  // offset into the pair's page range or list
+    uint32_t count;
+  };
+  uint32_t plan(const KvCache& cache, const AttendCall& call) noexcept;
+
+  CacheGeometry geometry_;
+  uint32_t max_batch_;
+  int n_threads_;
+  std::vector<Task> tasks_;           // capacity: most tasks a call can produce
+  std::vector<uint32_t> pair_tasks_;  // [pairs + 1] first task of each pair
+  std::size_t partial_stride_;        // floats per task: m [G], l [G], pad to a line, acc [G, d]
+  std::size_t acc_offset_;
+  AlignedVector<float> q_scaled_;     // [max_batch, n_query_heads, head_dim]
+  AlignedVector<float> partials_;     // [tasks, partial_stride_]
+  AlignedVector<float> scratch_;      // [threads, G * page_tokens]
+  AttendStats stats_;
+};
+
+}  // namespace kvsift

@@ -1,0 +1,162 @@
+#include "lib/cache/kv_cache.hpp"
+
+#include <algorithm>
+#include <limits>
+
+#include "lib/core/error.hpp"
+
+namespace kvsift {
+
+namespace {
+
+const CacheGeometry& validated(const CacheGeometry& geometry) {
+  geometry.validate();
+  return geometry;
+}
+
+uint64_t pages_for(uint64_t tokens, uint32_t page_tokens) {
+  return (tokens + page_tokens - 1) / page_tokens;
+}
+
+}  // namespace
+
+KvCache::KvCache(const CacheGeometry& geometry, const CacheOptions& options)
+    : geometry_(validated(geometry)),
+      kernels_(&simd::kernels_for(simd::resolve_isa(options.isa))),
+      pool_(geometry.slot_bytes(), options.max_pages, options.pinned) {}
+
+int32_t KvCache::create_sequence() {
+  Sequence fresh;
+  fresh.tokens.assign(geometry_.n_layers, 0);
+  fresh.tables.resize(std::size_t{geometry_.n_layers} * geometry_.n_kv_heads);
+  auto hole = std::find_if(sequences_.begin(), sequences_.end(),
+                           [](const std::optional<Sequence>& s) { return !s.has_value(); });
+  int32_t id;
+  if (hole != sequences_.end()) {
+    id = static_cast<int32_t>(hole - sequences_.begin());
+    *hole = std::move(fresh);
+  } else {
+    if (sequences_.size() >= static_cast<std::size_t>(std::numeric_limits<int32_t>::max()))
+      fail(Status::capacity_exceeded, "too many sequences");
+    id = static_cast<int32_t>(sequences_.size());
+    sequences_.emplace_back(std::move(fresh));
+  }
+  ++n_live_;
+  return id;
+}
+
+bool KvCache::has_sequence(int32_t seq_id) const noexcept {
+  return seq_id >= 0 && static_cast<std::size_t>(seq_id) < sequences_.size() &&
+         sequences_[static_cast<std::size_t>(seq_id)].has_value();
+}
+
+const KvCache::Sequence& KvCache::sequence(int32_t seq_id) const {
+  if (!has_sequence(seq_id)) fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
+  return *sequences_[static_cast<std::size_t>(seq_id)];
+}
+
+void KvCache::check_layer(uint32_t layer) const {
+  require(layer < geometry_.n_layers, "layer=", layer, " is out of range (n_layers=",
+          geometry_.n_layers, ")");
+}
+
+void KvCache::free_sequence(int32_t seq_id) {
+  const Sequence& seq = sequence(seq_id);
+  for (const auto& table : seq.tables)
+    for (uint32_t slot : table) pool_.release(slot);
+  sequences_[static_cast<std::size_t>(seq_id)].reset();
+  --n_live_;
+  for (SealListener* listener : listeners_) listener->on_sequence_freed(seq_id);
+}
+
+uint64_t KvCache::length(int32_t seq_id, uint32_t layer) const {
+  const Sequence& seq = sequence(seq_id);
+  check_layer(layer);
+  return seq.tokens[layer];
+}
+
+uint64_t KvCache::length_unchecked(int32_t seq_id, uint32_t layer) const noexcept {
+  return sequences_[static_cast<std::size_t>(seq_id)]->tokens[layer];
+}
+
+const uint32_t* KvCache::page_table(int32_t seq_id, uint32_t layer, uint32_t kv_head) const noexcept {
+  return sequences_[static_cast<std::size_t>(seq_id)]
+      ->tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head]
+      .data();
+}
+
+void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k,
+                     const float* v) {
+  sequence(seq_id);
+  check_layer(layer);
+  require(n_tokens > 0, "n_tokens must be > 0");
+  require(k != nullptr, "k is NULL");
+  require(v != nullptr, "v is NULL");
+  Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
+  const uint32_t B = geometry_.page_tokens, H = geometry_.n_kv_heads, d = geometry_.head_dim;
+  const uint64_t before = seq.tokens[layer];
+  const uint64_t after = before + n_tokens;
+  const uint64_t new_pages_per_head = pages_for(after, B) - pages_for(before, B);
+  if (pages_for(after, B) > kMaxPages)
+    fail(Status::capacity_exceeded, "sequence ", seq_id, " would exceed ", kMaxPages, " pages");
+
+  // Everything that can fail happens before the first change.
+  pool_.reserve(new_pages_per_head * H, "append");
+  for (uint32_t h = 0; h < H; ++h)
+    seq.tables[std::size_t{layer} * H + h].reserve(pages_for(after, B));
+
+  const std::size_t page_elems = geometry_.page_elems();
+  for (uint32_t h = 0; h < H; ++h) {
+    auto& table = seq.tables[std::size_t{layer} * H + h];
+    for (uint64_t i = 0; i < new_pages_per_head; ++i) table.push_back(pool_.acquire());
+    for (uint64_t pos = before; pos < after; ++pos) {
+      const std::size_t row = static_cast<std::size_t>(pos - before) * H + h;
+      auto* slot = reinterpret_cast<uint16_t*>(pool_.slot(table[pos / B]));
+      const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
+      kernels_->encode(k + row * d, slot + offset, d, geometry_.dtype);
+      kernels_->encode(v + row * d, slot + page_elems + offset, d, geometry_.dtype);
+    }
+  }
+  seq.tokens[layer] = after;
+
+  if (listeners_.empty()) return;
+  for (uint64_t page = before / B; page < after / B; ++page) {
+    for (uint32_t h = 0; h < H; ++h) {
+      const auto* slot = reinterpret_cast<const uint16_t*>(
+          pool_.slot(seq.tables[std::size_t{layer} * H + h][page]));
+      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), slot, slot + page_elems};
+      for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
+    }
+  }
+}
+
+void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first,
+                          uint64_t n, float* k_out, float* v_out) const {
+  const Sequence& seq = sequence(seq_id);
+  check_layer(layer);
+  require(kv_head < geometry_.n_kv_heads, "kv_head=", kv_head, " is out of range (n_kv_heads=",
+          geometry_.n_kv_heads, ")");
+  const uint64_t stored = seq.tokens[layer];
+  require(first <= stored && n <= stored - first, "tokens [", first, ", ", first, "+", n,
+          ") are beyond the ", stored, " stored");
+  const uint32_t B = geometry_.page_tokens, d = geometry_.head_dim;
+  const auto& table = seq.tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head];
+  for (uint64_t i = 0; i < n; ++i) {
+    const uint64_t pos = first + i;
+    const auto* slot = reinterpret_cast<const uint16_t*>(pool_.slot(table[pos / B]));
+    const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
+    if (k_out) kernels_->decode(slot + offset, k_out + i * d, d, geometry_.dtype);
+    if (v_out) kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
+  }
+}
+
+void KvCache::add_seal_listener(SealListener* listener) {
+  require(listener != nullptr, "listener is NULL");
+  listeners_.push_back(listener);
+}
+
+void KvCache::remove_seal_listener(SealListener* listener) noexcept {
+  std::erase(listeners_, listener);
+}
+
+}  // namespace kvsift

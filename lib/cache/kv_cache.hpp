@@ -1,0 +1,90 @@
+// The paged host KV cache: a page pool, sequences with one page table per (layer, KV head),
+// append, seal notifications and accounting. Layout: lib/cache/geometry.hpp.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "lib/cache/geometry.hpp"
+#include "lib/cache/page_pool.hpp"
+#include "simd/kernels.hpp"
+
+namespace kvsift {
+
+struct CacheOptions {
+  uint64_t max_pages = 65536;
+  bool pinned = false;
+  simd::Isa isa = simd::Isa::avx512;  // capped by the CPU and the process cap
+};
+
+// A page that just filled up; passed to SealListener while its K/V are final.
+struct SealedPage {
+  int32_t seq_id;
+  uint32_t layer;
+  uint32_t kv_head;
+  uint32_t page;     // logical page index within the (sequence, layer, KV head)
+  const uint16_t* k; // [page_tokens, head_dim] storage values
+  const uint16_t* v; // [page_tokens, head_dim]
+};
+
+// Told when pages seal (selectors build their per-page data then, off the decode path) and when a
+// sequence is freed. Called synchronously from append / free_sequence; must not throw.
+class SealListener {
+ public:
+  virtual ~SealListener() = default;
+  virtual void on_page_sealed(const SealedPage& page) noexcept = 0;
+  virtual void on_sequence_freed(int32_t seq_id) noexcept = 0;
+};
+
+class KvCache {
+ public:
+  // Throws Error (invalid_argument / unsupported / out_of_memory).
+  KvCache(const CacheGeometry& geometry, const CacheOptions& options);
+
+  int32_t create_sequence();
+  void free_sequence(int32_t seq_id);  // throws not_found
+  bool has_sequence(int32_t seq_id) const noexcept;
+  uint32_t n_sequences() const noexcept { return n_live_; }
+
+  // Tokens stored in one layer of a sequence. Throws not_found / invalid_argument.
+  uint64_t length(int32_t seq_id, uint32_t layer) const;
+
+  // k, v: [n_tokens, n_kv_heads, head_dim] float32. All or nothing. Throws not_found,
+  // invalid_argument, capacity_exceeded, out_of_memory.
+  void append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k, const float* v);
+
+  // Stored tokens [first, first + n) of one (sequence, layer, KV head) as float32, [n, head_dim].
+  // k_out or v_out may be null.
+  void read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first, uint64_t n,
+                   float* k_out, float* v_out) const;
+
+  // The listener must outlive the cache or be removed first.
+  void add_seal_listener(SealListener* listener);
+  void remove_seal_listener(SealListener* listener) noexcept;
+
+  // Decode-path access; callers validated seq_id and layer.
+  const uint32_t* page_table(int32_t seq_id, uint32_t layer, uint32_t kv_head) const noexcept;
+  uint64_t length_unchecked(int32_t seq_id, uint32_t layer) const noexcept;
+
+  const CacheGeometry& geometry() const noexcept { return geometry_; }
+  const PagePool& pool() const noexcept { return pool_; }
+  const simd::Kernels& kernels() const noexcept { return *kernels_; }
+
+ private:
+  struct Sequence {
+    std::vector<uint64_t> tokens;               // [n_layers]
+    std::vector<std::vector<uint32_t>> tables;  // [n_layers * n_kv_heads] slot ids per page
+  };
+  const Sequence& sequence(int32_t seq_id) const;
+  void check_layer(uint32_t layer) const;
+
+  CacheGeometry geometry_;
+  const simd::Kernels* kernels_;
+  PagePool pool_;
+  std::vector<std::optional<Sequence>> sequences_;  // index = id; freed ids are reused
+  uint32_t n_live_ = 0;
+  std::vector<SealListener*> listeners_;
+};
+
+}  // namespace kvsift

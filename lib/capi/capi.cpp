@@ -1,0 +1,309 @@
+// The C boundary: argument checks, exceptions to statuses, handle wrappers. The only file that
+// knows C exists.
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "gpu/host_memory.hpp"
+#include "kvsift/kvsift.h"
+#include "lib/attend/decode_attention.hpp"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/error.hpp"
+#include "lib/core/log.hpp"
+#include "simd/isa.hpp"
+
+using kvsift::Error;
+using kvsift::Status;
+
+static_assert(static_cast<int>(Status::ok) == KVSIFT_STATUS_OK);
+static_assert(static_cast<int>(Status::invalid_argument) == KVSIFT_STATUS_INVALID_ARGUMENT);
+static_assert(static_cast<int>(Status::unsupported) == KVSIFT_STATUS_UNSUPPORTED);
+static_assert(static_cast<int>(Status::out_of_memory) == KVSIFT_STATUS_OUT_OF_MEMORY);
+static_assert(static_cast<int>(Status::capacity_exceeded) == KVSIFT_STATUS_CAPACITY_EXCEEDED);
+static_assert(static_cast<int>(Status::not_found) == KVSIFT_STATUS_NOT_FOUND);
+static_assert(static_cast<int>(Status::io_error) == KVSIFT_STATUS_IO_ERROR);
+static_assert(static_cast<int>(Status::invalid_file) == KVSIFT_STATUS_INVALID_FILE);
+static_assert(static_cast<int>(Status::internal) == KVSIFT_STATUS_INTERNAL);
+static_assert(static_cast<int>(kvsift::LogLevel::debug) == KVSIFT_LOG_DEBUG);
+static_assert(static_cast<int>(kvsift::LogLevel::error) == KVSIFT_LOG_ERROR);
+static_assert(static_cast<int>(kvsift::simd::Isa::scalar) == KVSIFT_ISA_SCALAR);
+static_assert(static_cast<int>(kvsift::simd::Isa::avx2) == KVSIFT_ISA_AVX2);
+static_assert(static_cast<int>(kvsift::simd::Isa::avx512) == KVSIFT_ISA_AVX512);
+
+struct kvsift_cache {
+  kvsift::KvCache cache;
+  kvsift::DecodeAttention attention;
+};
+
+namespace {
+
+thread_local std::string t_last_error;
+
+kvsift_status set_error(kvsift_status status, const char* function, const char* message) noexcept {
+  try {
+    t_last_error = std::string(function) + ": " + message;
+  } catch (...) {
+    t_last_error.clear();  // keep the status; the message could not be built
+  }
+  return status;
+}
+
+// Runs body; maps kvsift::Error to its status, bad_alloc to OUT_OF_MEMORY, anything else to
+// INTERNAL, and records the message for kvsift_last_error().
+template <class Body>
+kvsift_status guard(const char* function, Body&& body) noexcept {
+  try {
+    body();
+    return KVSIFT_STATUS_OK;
+  } catch (const Error& e) {
+    return set_error(static_cast<kvsift_status>(e.status()), function, e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(KVSIFT_STATUS_OUT_OF_MEMORY, function, "out of memory");
+  } catch (const std::exception& e) {
+    return set_error(KVSIFT_STATUS_INTERNAL, function, e.what());
+  } catch (...) {
+    return set_error(KVSIFT_STATUS_INTERNAL, function, "unknown exception");
+  }
+}
+
+template <class T>
+void require_pointer(const T* p, const char* name) {
+  if (p == nullptr) kvsift::fail(Status::invalid_argument, name, " is NULL");
+}
+
+kvsift::simd::Isa to_isa(kvsift_isa isa, const char* name) {
+  switch (isa) {
+    case KVSIFT_ISA_SCALAR: return kvsift::simd::Isa::scalar;
+    case KVSIFT_ISA_AVX2: return kvsift::simd::Isa::avx2;
+    case KVSIFT_ISA_AVX512:
+    case KVSIFT_ISA_AUTO: return kvsift::simd::Isa::avx512;
+  }
+  kvsift::fail(Status::invalid_argument, name, "=", static_cast<int>(isa), " is not a kvsift_isa");
+}
+
+// The host's C callback, reached through lib/core's C++ sink.
+struct CLogSink {
+  kvsift_log_fn fn;
+  void* user;
+};
+CLogSink g_c_log{};
+
+void forward_log(kvsift::LogLevel level, const char* message, void* user) {
+  const auto* sink = static_cast<const CLogSink*>(user);
+  sink->fn(static_cast<kvsift_log_level>(level), message, sink->user);
+}
+
+}  // namespace
+
+extern "C" {
+
+int kvsift_version(void) { return KVSIFT_VERSION; }
+
+const char* kvsift_version_string(void) {
+#define KVSIFT_STR2(x) #x
+#define KVSIFT_STR(x) KVSIFT_STR2(x)
+  return KVSIFT_STR(KVSIFT_VERSION_MAJOR) "." KVSIFT_STR(KVSIFT_VERSION_MINOR) "." KVSIFT_STR(
+      KVSIFT_VERSION_PATCH);
+#undef KVSIFT_STR
+#undef KVSIFT_STR2
+}
+
+const char* kvsift_status_string(kvsift_status status) {
+  switch (status) {
+    case KVSIFT_STATUS_OK: return "ok";
+    case KVSIFT_STATUS_INVALID_ARGUMENT: return "invalid argument";
+    case KVSIFT_STATUS_UNSUPPORTED: return "unsupported";
+    case KVSIFT_STATUS_OUT_OF_MEMORY: return "out of memory";
+    case KVSIFT_STATUS_CAPACITY_EXCEEDED: return "capacity exceeded";
+    case KVSIFT_STATUS_NOT_FOUND: return "not found";
+    case KVSIFT_STATUS_IO_ERROR: return "I/O error";
+    case KVSIFT_STATUS_INVALID_FILE: return "invalid file";
+    case KVSIFT_STATUS_INTERNAL: return "internal error";
+  }
+  return "unknown status";
+}
+
+const char* kvsift_last_error(void) { return t_last_error.c_str(); }
+
+void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_level) {
+  if (fn == nullptr) {
+    kvsift::set_log_sink(nullptr, nullptr, kvsift::LogLevel::error);
+    return;
+  }
+  g_c_log = CLogSink{fn, user};
+  kvsift::set_log_sink(forward_log, &g_c_log, static_cast<kvsift::LogLevel>(min_level));
+}
+
+kvsift_isa kvsift_isa_supported(void) {
+  return static_cast<kvsift_isa>(kvsift::simd::detect_isa());
+}
+
+kvsift_status kvsift_set_max_isa(kvsift_isa max_isa) {
+  return guard(__func__, [&] { kvsift::simd::set_max_isa(to_isa(max_isa, "max_isa")); });
+}
+
+const char* kvsift_isa_name(kvsift_isa isa) {
+  switch (isa) {
+    case KVSIFT_ISA_SCALAR:
+    case KVSIFT_ISA_AVX2:
+    case KVSIFT_ISA_AVX512: return kvsift::simd::isa_name(static_cast<kvsift::simd::Isa>(isa));
+    case KVSIFT_ISA_AUTO: return "auto";
+  }
+  return "unknown";
+}
+
+void kvsift_cache_params_init(kvsift_cache_params* params) {
+  if (params == nullptr) return;
+  std::memset(params, 0, sizeof(*params));
+  params->n_layers = 1;
+  params->n_kv_heads = 1;
+  params->group_size = 1;
+  params->head_dim = 128;
+  params->page_tokens = 16;
+  params->dtype = KVSIFT_DTYPE_F16;
+  params->key_form = KVSIFT_KEYS_POST_ROPE;
+  params->max_pages = 65536;
+  params->pinned = 0;
+  params->max_batch = 64;
+  params->n_threads = 0;
+  params->isa = KVSIFT_ISA_AUTO;
+}
+
+kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out) {
+  if (out != nullptr) *out = nullptr;
+  return guard(__func__, [&] {
+    require_pointer(params, "params");
+    require_pointer(out, "out");
+    kvsift::require(params->dtype == KVSIFT_DTYPE_F16 || params->dtype == KVSIFT_DTYPE_BF16,
+                    "params->dtype=", static_cast<int>(params->dtype), " is not a kvsift_dtype");
+    if (params->key_form == KVSIFT_KEYS_PRE_ROPE)
+      kvsift::fail(Status::unsupported, "params->key_form: pre-RoPE keys are not supported yet");
+    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE, "params->key_form=",
+                    static_cast<int>(params->key_form), " is not a kvsift_key_form");
+    kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads, " is negative");
+    kvsift::CacheGeometry geometry;
+    geometry.n_layers = params->n_layers;
+    geometry.n_kv_heads = params->n_kv_heads;
+    geometry.group_size = params->group_size;
+    geometry.head_dim = params->head_dim;
+    geometry.page_tokens = params->page_tokens;
+    geometry.dtype = params->dtype == KVSIFT_DTYPE_F16 ? kvsift::simd::Dtype::f16 : kvsift::simd::Dtype::bf16;
+    kvsift::CacheOptions options;
+    options.max_pages = params->max_pages;
+    options.pinned = params->pinned != 0;
+    options.isa = to_isa(params->isa, "params->isa");
+    if (params->isa != KVSIFT_ISA_AUTO && kvsift::simd::detect_isa() < options.isa)
+      kvsift::fail(Status::unsupported, "params->isa=", kvsift_isa_name(params->isa),
+                   " is not supported by this CPU (best: ",
+                   kvsift::simd::isa_name(kvsift::simd::detect_isa()), ")");
+    if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
+      kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
+    *out = new kvsift_cache{kvsift::KvCache(geometry, options),
+                            kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads)};
+    if (kvsift::log_enabled(kvsift::LogLevel::info))
+      kvsift::log(kvsift::LogLevel::info,
+                  std::string("cache created: isa=") + kvsift::simd::isa_name((*out)->cache.kernels().isa) +
+                      ", threads=" + std::to_string((*out)->attention.n_threads()) +
+                      ", pool bytes=" + std::to_string((*out)->cache.pool().region().size()));
+  });
+}
+
+void kvsift_cache_free(kvsift_cache* cache) { delete cache; }
+
+kvsift_isa kvsift_cache_isa(const kvsift_cache* cache) {
+  if (cache == nullptr) return KVSIFT_ISA_SCALAR;
+  return static_cast<kvsift_isa>(cache->cache.kernels().isa);
+}
+
+kvsift_status kvsift_sequence_create(kvsift_cache* cache, int32_t* seq_id) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    require_pointer(seq_id, "seq_id");
+    *seq_id = cache->cache.create_sequence();
+  });
+}
+
+kvsift_status kvsift_sequence_free(kvsift_cache* cache, int32_t seq_id) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    cache->cache.free_sequence(seq_id);
+  });
+}
+
+kvsift_status kvsift_sequence_length(const kvsift_cache* cache, int32_t seq_id, uint32_t layer,
+                                     uint64_t* n_tokens) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    require_pointer(n_tokens, "n_tokens");
+    *n_tokens = cache->cache.length(seq_id, layer);
+  });
+}
+
+kvsift_status kvsift_append(kvsift_cache* cache, int32_t seq_id, uint32_t layer, uint32_t n_tokens,
+                            const float* k, const float* v) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    cache->cache.append(seq_id, layer, n_tokens, k, v);
+  });
+}
+
+kvsift_status kvsift_read_tokens(const kvsift_cache* cache, int32_t seq_id, uint32_t layer,
+                                 uint32_t kv_head, uint64_t first, uint64_t n_tokens, float* k_out,
+                                 float* v_out) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    cache->cache.read_tokens(seq_id, layer, kv_head, first, n_tokens, k_out, v_out);
+  });
+}
+
+kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs,
+                            const int32_t* seq_ids, const float* q, float* out,
+                            const kvsift_page_list* pages) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    kvsift::PageLists lists;
+    kvsift::AttendCall call;
+    call.layer = layer;
+    call.n_seqs = n_seqs;
+    call.seq_ids = seq_ids;
+    call.q = q;
+    call.out = out;
+    if (pages != nullptr) {
+      lists.offsets = pages->offsets;
+      lists.page_ids = pages->page_ids;
+      call.pages = &lists;
+    }
+    cache->attention.validate(cache->cache, call);
+    cache->attention.run(cache->cache, call);
+  });
+}
+
+kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_stats* stats) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    require_pointer(stats, "stats");
+    const kvsift::PagePool& pool = cache->cache.pool();
+    const kvsift::AttendStats& last = cache->attention.last_stats();
+    *stats = kvsift_cache_stats{};
+    stats->pages_capacity = pool.capacity();
+    stats->pages_in_use = pool.in_use();
+    stats->pages_high_water = pool.high_water();
+    stats->page_bytes = pool.slot_bytes();
+    stats->bytes_in_use = pool.in_use() * pool.slot_bytes();
+    stats->bytes_reserved = pool.region().size();
+    stats->n_sequences = cache->cache.n_sequences();
+    stats->last_pages_read = last.pages_read;
+    stats->last_tokens_read = last.tokens_read;
+    stats->last_bytes_read = last.bytes_read;
+  });
+}
+
+kvsift_status kvsift_gpu_device_count(int* n_devices) {
+  return guard(__func__, [&] {
+    require_pointer(n_devices, "n_devices");
+    const kvsift::gpu::Result r = kvsift::gpu::device_count(n_devices);
+    if (!r.ok) kvsift::fail(r.unsupported ? Status::unsupported : Status::internal, r.message);
+  });
+}
+
+}  // extern "C"

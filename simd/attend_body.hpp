@@ -1,0 +1,146 @@
+// The SIMD kernels, written once over xsimd and instantiated per ISA. Include this only from an
+// ISA translation unit, after defining `IsaOps` there (register type, fp16/bf16 load and store).
+//
+// Everything here has internal linkage, and no standard-library template over a non-arch type is
+// called: an out-of-line copy of such a template, compiled with AVX-512 flags, could otherwise be
+// picked by the linker for baseline callers (pitfall 16 in research/env.md; a test checks the
+// objects with nm).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include <xsimd/xsimd.hpp>
+
+#include "simd/kernels.hpp"
+
+namespace kvsift::simd {
+namespace {
+
+template <class Ops>
+struct Body {
+  using batch = typename Ops::batch;
+  static constexpr uint32_t W = static_cast<uint32_t>(batch::size);
+  static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+  template <Dtype D>
+  static batch load(const uint16_t* p) noexcept {
+    if constexpr (D == Dtype::f16) return Ops::load_f16(p);
+    else return Ops::load_bf16(p);
+  }
+
+  static void encode(const float* src, uint16_t* dst, std::size_t n, Dtype dtype) noexcept {
+    std::size_t i = 0;
+    for (; i + W <= n; i += W) Ops::store(batch::load_unaligned(src + i), dst + i, dtype);
+    if (i == n) return;
+    alignas(64) float in[W] = {};
+    alignas(64) uint16_t out[W];
+    for (std::size_t j = 0; i + j < n; ++j) in[j] = src[i + j];
+    Ops::store(batch::load_aligned(in), out, dtype);
+    for (std::size_t j = 0; i + j < n; ++j) dst[i + j] = out[j];
+  }
+
+  static void decode(const uint16_t* src, float* dst, std::size_t n, Dtype dtype) noexcept {
+    std::size_t i = 0;
+    auto one = [dtype](const uint16_t* p) {
+      return dtype == Dtype::f16 ? Ops::load_f16(p) : Ops::load_bf16(p);
+    };
+    for (; i + W <= n; i += W) one(src + i).store_unaligned(dst + i);
+    if (i == n) return;
+    alignas(64) uint16_t in[W] = {};
+    alignas(64) float out[W];
+    for (std::size_t j = 0; i + j < n; ++j) in[j] = src[i + j];
+    one(in).store_aligned(out);
+    for (std::size_t j = 0; i + j < n; ++j) dst[i + j] = out[j];
+  }
+
+  // One page for a block of NG query heads: logits, online-softmax rescale, V accumulation.
+  // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head.
+  template <Dtype D, uint32_t NG>
+  static void page(const float* q, uint32_t d, uint32_t B, const uint16_t* k, const uint16_t* v,
+                   uint32_t n, float* m, float* l, float* acc, float* s) noexcept {
+    for (uint32_t t = 0; t < n; ++t) {
+      batch a[NG];
+      for (uint32_t g = 0; g < NG; ++g) a[g] = batch(0.0f);
+      const uint16_t* kt = k + std::size_t{t} * d;
+      for (uint32_t c = 0; c < d; c += W) {
+        const batch kc = load<D>(kt + c);
+        for (uint32_t g = 0; g < NG; ++g)
+          a[g] = xsimd::fma(kc, batch::load_unaligned(q + std::size_t{g} * d + c), a[g]);
+      }
+      for (uint32_t g = 0; g < NG; ++g) s[g * B + t] = xsimd::hadd(a[g]);
+    }
+    float alpha[NG];
+    for (uint32_t g = 0; g < NG; ++g) {
+      float* sg = s + g * B;
+      float page_max = kNegInf;
+      for (uint32_t t = 0; t < n; ++t) page_max = sg[t] > page_max ? sg[t] : page_max;
+      for (uint32_t t = n; t < B; ++t) sg[t] = kNegInf;  // exp(-inf) = 0: the tail adds nothing
+      const float m_new = m[g] > page_max ? m[g] : page_max;
+      batch sum(0.0f);
+      const batch shift(m_new);
+      for (uint32_t t = 0; t < B; t += W) {
+        const batch p = xsimd::exp(batch::load_unaligned(sg + t) - shift);
+        p.store_unaligned(sg + t);
+        sum += p;
+      }
+      // m[g] = -inf before the first page: exp(-inf) = 0 clears the (zero) accumulator.
+      alpha[g] = xsimd::exp(batch(m[g] - m_new)).get(0);
+      l[g] = l[g] * alpha[g] + xsimd::hadd(sum);
+      m[g] = m_new;
+    }
+    for (uint32_t c = 0; c < d; c += W) {
+      batch a[NG];
+      for (uint32_t g = 0; g < NG; ++g)
+        a[g] = batch::load_unaligned(acc + std::size_t{g} * d + c) * batch(alpha[g]);
+      for (uint32_t t = 0; t < n; ++t) {
+        const batch vc = load<D>(v + std::size_t{t} * d + c);
+        for (uint32_t g = 0; g < NG; ++g) a[g] = xsimd::fma(vc, batch(s[g * B + t]), a[g]);
+      }
+      for (uint32_t g = 0; g < NG; ++g) a[g].store_unaligned(acc + std::size_t{g} * d + c);
+    }
+  }
+
+  // Pages outer, head blocks inner: a group larger than one block re-reads each page from L1,
+  // never the run from DRAM.
+  template <Dtype D>
+  static void attend_dtype(const AttendJob& job) noexcept {
+    const uint32_t d = job.head_dim, B = job.page_tokens;
+    const std::size_t page_elems = std::size_t{B} * d;
+    for (uint32_t i = 0; i < job.count; ++i) {
+      const uint32_t p = job.logical ? job.logical[job.first + i] : job.first + i;
+      const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[p] * job.slot_bytes);
+      const uint16_t* v = k + page_elems;
+      const uint64_t left = job.seq_tokens - uint64_t{p} * B;
+      const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
+      for (uint32_t g0 = 0; g0 < job.group; g0 += kHeadBlock) {
+        const float* q = job.q + std::size_t{g0} * d;
+        float* acc = job.acc + std::size_t{g0} * d;
+        float* m = job.m + g0;
+        float* l = job.l + g0;
+        switch (job.group - g0) {
+          case 1: page<D, 1>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
+          case 2: page<D, 2>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
+          case 3: page<D, 3>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
+          default: page<D, 4>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
+        }
+      }
+    }
+  }
+
+  static void attend(const AttendJob& job) noexcept {
+    static_assert(kHeadBlock == 4, "attend_dtype's switch covers blocks of up to 4 heads");
+    const std::size_t G = job.group, d = job.head_dim;
+    for (std::size_t g = 0; g < G; ++g) {
+      job.m[g] = kNegInf;
+      job.l[g] = 0.0f;
+    }
+    for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
+    if (job.dtype == Dtype::f16) attend_dtype<Dtype::f16>(job);
+    else attend_dtype<Dtype::bf16>(job);
+  }
+};
+
+}  // namespace
+}  // namespace kvsift::simd

@@ -1,0 +1,61 @@
+// The kernel table: every hot loop of kvsift, once per ISA, chosen once per handle.
+//
+// Page slot layout (owned by lib/cache, stated here because the kernels read it): a slot holds
+// one page of one (layer, KV head): K as [page_tokens, head_dim] then V as [page_tokens, head_dim],
+// both in the storage dtype, contiguous, so a slot is slot_bytes = 2 * page_tokens * head_dim * 2
+// bytes at pool + slot_id * slot_bytes (64-byte aligned).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "simd/isa.hpp"
+
+namespace kvsift::simd {
+
+enum class Dtype : uint8_t { f16 = 0, bf16 = 1 };
+
+// One unit of decode attention: the G query heads of one KV head over a run of pages of one
+// (sequence, layer, KV head). The kernel starts a fresh online-softmax state and leaves the
+// unnormalised partial result (running max m, sum l, accumulator acc) for the split-K merge.
+struct AttendJob {
+  const float* q;            // [group, head_dim], already multiplied by 1/sqrt(head_dim)
+  uint32_t group;            // query heads sharing this KV head
+  uint32_t head_dim;         // 64, 128 or 256
+  uint32_t page_tokens;      // 16, 32 or 64
+  Dtype dtype;
+  const std::byte* pool;     // base of the slot array
+  std::size_t slot_bytes;
+  const uint32_t* table;     // slot id of each logical page of this (sequence, layer, KV head)
+  const uint32_t* logical;   // nullptr: logical pages first .. first+count-1; else logical[first..)
+  uint32_t first;
+  uint32_t count;
+  uint64_t seq_tokens;       // tokens stored: the page holding the last token may be partial
+  float* m;                  // out: [group] running max of the logits (-inf when count == 0)
+  float* l;                  // out: [group] sum of exp(logit - m)
+  float* acc;                // out: [group, head_dim] sum of exp(logit - m) * v
+  float* scratch;            // [group, page_tokens] floats of workspace, 64-byte aligned
+};
+
+struct Kernels {
+  Isa isa;
+  // n float32 values to storage dtype (round to nearest even).
+  void (*encode)(const float* src, uint16_t* dst, std::size_t n, Dtype dtype) noexcept;
+  // n storage values to float32.
+  void (*decode)(const uint16_t* src, float* dst, std::size_t n, Dtype dtype) noexcept;
+  void (*attend)(const AttendJob& job) noexcept;
+};
+
+// The table for an ISA the CPU supports (callers resolve the ISA first with resolve_isa).
+const Kernels& kernels_for(Isa isa) noexcept;
+
+// Per-ISA tables, each defined in its own translation unit.
+const Kernels& scalar_kernels() noexcept;
+const Kernels& avx2_kernels() noexcept;
+const Kernels& avx512_kernels() noexcept;
+
+// Largest group the SIMD kernels take in one pass over a page; larger groups are processed in
+// blocks of this many heads (each block re-reads the page from L1/L2, not from DRAM).
+inline constexpr uint32_t kHeadBlock = 4;
+
+}  // namespace kvsift::simd

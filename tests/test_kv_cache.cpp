@@ -1,0 +1,155 @@
+#include <gtest/gtest.h>
+
+#include <tuple>
+#include <vector>
+
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/error.hpp"
+#include "simd/half.hpp"
+#include "test_util.hpp"
+
+using namespace kvsift;
+
+namespace {
+
+CacheGeometry small_geometry() {
+  CacheGeometry g;
+  g.n_layers = 2;
+  g.n_kv_heads = 3;
+  g.group_size = 2;
+  g.head_dim = 64;
+  g.page_tokens = 16;
+  return g;
+}
+
+struct Recorder : SealListener {
+  std::vector<std::tuple<int32_t, uint32_t, uint32_t, uint32_t>> sealed;
+  std::vector<float> first_k;  // K of each sealed page's first token, element 0
+  std::vector<int32_t> freed;
+  void on_page_sealed(const SealedPage& p) noexcept override {
+    sealed.emplace_back(p.seq_id, p.layer, p.kv_head, p.page);
+    first_k.push_back(simd::f16_to_f32(p.k[0]));
+  }
+  void on_sequence_freed(int32_t seq_id) noexcept override { freed.push_back(seq_id); }
+};
+
+}  // namespace
+
+TEST(KvCache, stored_tokens_read_back_as_the_rounded_inputs) {
+  const CacheGeometry g = small_geometry();
+  KvCache cache(g, CacheOptions{});
+  const int32_t seq = cache.create_sequence();
+  const uint32_t n = 37, H = g.n_kv_heads, d = g.head_dim;
+  const auto k = test::random_floats(n * H * d, 1), v = test::random_floats(n * H * d, 2);
+  cache.append(seq, 1, 20, k.data(), v.data());  // a prefill chunk, then single decode steps
+  for (uint32_t t = 20; t < n; ++t) cache.append(seq, 1, 1, k.data() + t * H * d, v.data() + t * H * d);
+  EXPECT_EQ(cache.length(seq, 1), n);
+  EXPECT_EQ(cache.length(seq, 0), 0u);
+  std::vector<float> k_out(n * d), v_out(n * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    cache.read_tokens(seq, 1, h, 0, n, k_out.data(), v_out.data());
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t c = 0; c < d; ++c) {
+        const std::size_t in = (std::size_t{t} * H + h) * d + c;
+        ASSERT_EQ(k_out[t * d + c], simd::f16_to_f32(simd::f32_to_f16(k[in])));
+        ASSERT_EQ(v_out[t * d + c], simd::f16_to_f32(simd::f32_to_f16(v[in])));
+      }
+  }
+}
+
+TEST(KvCache, pages_seal_once_when_they_fill_in_order) {
+  const CacheGeometry g = small_geometry();
+  KvCache cache(g, CacheOptions{});
+  Recorder recorder;
+  cache.add_seal_listener(&recorder);
+  const int32_t seq = cache.create_sequence();
+  const uint32_t H = g.n_kv_heads, d = g.head_dim;
+  const auto k = test::random_floats(50 * H * d, 3), v = test::random_floats(50 * H * d, 4);
+  cache.append(seq, 0, 15, k.data(), v.data());
+  EXPECT_TRUE(recorder.sealed.empty());  // the open page is never sealed
+  cache.append(seq, 0, 1, k.data() + 15 * H * d, v.data() + 15 * H * d);
+  ASSERT_EQ(recorder.sealed.size(), H);
+  cache.append(seq, 0, 34, k.data() + 16 * H * d, v.data() + 16 * H * d);  // fills pages 1 and 2
+  ASSERT_EQ(recorder.sealed.size(), 3 * H);
+  for (uint32_t i = 0; i < recorder.sealed.size(); ++i) {
+    const uint32_t page = i / H, head = i % H;
+    EXPECT_EQ(recorder.sealed[i], std::make_tuple(seq, 0u, head, page));
+    const float want = simd::f16_to_f32(simd::f32_to_f16(k[(std::size_t{page} * 16 * H + head) * d]));
+    EXPECT_EQ(recorder.first_k[i], want);
+  }
+  cache.free_sequence(seq);
+  EXPECT_EQ(recorder.freed, std::vector<int32_t>{seq});
+  cache.remove_seal_listener(&recorder);
+}
+
+TEST(KvCache, freeing_a_sequence_returns_its_pages_and_its_id) {
+  const CacheGeometry g = small_geometry();
+  KvCache cache(g, CacheOptions{});
+  const int32_t a = cache.create_sequence(), b = cache.create_sequence();
+  const auto k = test::random_floats(33 * g.n_kv_heads * g.head_dim, 5);
+  cache.append(a, 0, 33, k.data(), k.data());
+  cache.append(b, 1, 1, k.data(), k.data());
+  EXPECT_EQ(cache.pool().in_use(), (3u + 1u) * g.n_kv_heads);
+  cache.free_sequence(a);
+  EXPECT_EQ(cache.pool().in_use(), 1u * g.n_kv_heads);
+  EXPECT_FALSE(cache.has_sequence(a));
+  EXPECT_EQ(cache.create_sequence(), a);
+  EXPECT_EQ(cache.n_sequences(), 2u);
+}
+
+TEST(KvCache, an_append_past_capacity_fails_and_changes_nothing) {
+  const CacheGeometry g = small_geometry();
+  CacheOptions options;
+  options.max_pages = 2 * g.n_kv_heads;  // two pages per head
+  KvCache cache(g, options);
+  const int32_t seq = cache.create_sequence();
+  const auto k = test::random_floats(40 * g.n_kv_heads * g.head_dim, 6);
+  cache.append(seq, 0, 20, k.data(), k.data());
+  try {
+    cache.append(seq, 0, 13, k.data(), k.data());  // needs a third page per head
+    FAIL() << "append past capacity did not throw";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::capacity_exceeded);
+  }
+  EXPECT_EQ(cache.length(seq, 0), 20u);
+  EXPECT_EQ(cache.pool().in_use(), 2u * g.n_kv_heads);
+  cache.append(seq, 0, 12, k.data(), k.data());  // exactly fills the second page
+  EXPECT_EQ(cache.length(seq, 0), 32u);
+}
+
+TEST(KvCache, bf16_storage_rounds_to_nearest_even) {
+  CacheGeometry g = small_geometry();
+  g.dtype = simd::Dtype::bf16;
+  KvCache cache(g, CacheOptions{});
+  const int32_t seq = cache.create_sequence();
+  const auto k = test::random_floats(g.n_kv_heads * g.head_dim, 7);
+  cache.append(seq, 0, 1, k.data(), k.data());
+  std::vector<float> out(g.head_dim);
+  cache.read_tokens(seq, 0, 2, 0, 1, out.data(), nullptr);
+  for (uint32_t c = 0; c < g.head_dim; ++c)
+    EXPECT_EQ(out[c], simd::bf16_to_f32(simd::f32_to_bf16(k[2 * g.head_dim + c])));
+}
+
+TEST(CacheGeometry, rejects_shapes_it_cannot_serve) {
+  auto status_of = [](CacheGeometry g) {
+    try {
+      g.validate();
+      return Status::ok;
+    } catch (const Error& e) {
+      return e.status();
+    }
+  };
+  CacheGeometry g = small_geometry();
+  EXPECT_EQ(status_of(g), Status::ok);
+  g.head_dim = 96;
+  EXPECT_EQ(status_of(g), Status::unsupported);
+  g = small_geometry();
+  g.page_tokens = 8;
+  EXPECT_EQ(status_of(g), Status::unsupported);
+  g = small_geometry();
+  g.n_layers = 0;
+  EXPECT_EQ(status_of(g), Status::invalid_argument);
+  g = small_geometry();
+  g.group_size = 65;
+  EXPECT_EQ(status_of(g), Status::invalid_argument);
+}

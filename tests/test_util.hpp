@@ -1,0 +1,42 @@
+// Shared helpers for the test suites: seeded random data and error measures.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "simd/isa.hpp"
+
+namespace kvsift::test {
+
+inline std::vector<float> random_floats(std::size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> dist(0.0f, scale);
+  std::vector<float> out(n);
+  for (float& x : out) x = dist(rng);
+  return out;
+}
+
+// ||a - b||_2 / ||b||_2 (0 when both are zero).
+template <class A, class B>
+double relative_error(const A* a, const B* b, std::size_t n) {
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const double e = double(a[i]) - double(b[i]);
+    diff += e * e;
+    norm += double(b[i]) * double(b[i]);
+  }
+  if (norm == 0.0) return std::sqrt(diff);
+  return std::sqrt(diff / norm);
+}
+
+inline std::vector<simd::Isa> supported_isas() {
+  std::vector<simd::Isa> isas;
+  for (simd::Isa isa : {simd::Isa::scalar, simd::Isa::avx2, simd::Isa::avx512})
+    if (isa <= simd::detect_isa()) isas.push_back(isa);
+  return isas;
+}
+
+}  // namespace kvsift::test
