@@ -36,7 +36,7 @@ Result pinned_alloc(std::size_t bytes, void** out) {
   if (err != cudaSuccess) {
     *out = nullptr;
     cudaGetLastError();
-    return from_cuda(err, "cudaHostAlloc");
+    return from_cuda(err, "pinned host memory (cudaHostAlloc)");
   }
   return Result{};
 }

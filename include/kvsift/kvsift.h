@@ -11,6 +11,9 @@
  *   - Keys are given after RoPE (what an inference engine has in hand after its projections).
  *   - Storage is fp16 (default) or bf16; all arithmetic is float32; outputs are float32.
  *
+ * Enums: each ends with a *_MAX_ENUM value that only widens the type to 32 bits, so that any int
+ * a C caller stores is a valid value; unknown values are rejected with INVALID_ARGUMENT.
+ *
  * Errors: every call that can fail returns a kvsift_status. On failure, kvsift_last_error() gives
  * a message naming the offending argument. No call aborts, throws or prints.
  *
@@ -62,7 +65,8 @@ typedef enum kvsift_status {
   KVSIFT_STATUS_NOT_FOUND = 5,         /* unknown sequence id (or other named object) */
   KVSIFT_STATUS_IO_ERROR = 6,          /* a file could not be read */
   KVSIFT_STATUS_INVALID_FILE = 7,      /* a file's content is malformed or out of bounds */
-  KVSIFT_STATUS_INTERNAL = 8           /* a bug in kvsift: please report the message */
+  KVSIFT_STATUS_INTERNAL = 8,          /* a bug in kvsift: please report the message */
+  KVSIFT_STATUS_MAX_ENUM = 0x7fffffff  /* not a status: makes every int32 value a valid enum */
 } kvsift_status;
 
 /* A short constant name for a status ("invalid argument"). Never NULL; static storage. */
@@ -79,7 +83,8 @@ typedef enum kvsift_log_level {
   KVSIFT_LOG_DEBUG = 0,
   KVSIFT_LOG_INFO = 1,
   KVSIFT_LOG_WARN = 2,
-  KVSIFT_LOG_ERROR = 3
+  KVSIFT_LOG_ERROR = 3,
+  KVSIFT_LOG_MAX_ENUM = 0x7fffffff
 } kvsift_log_level;
 
 /* message: NUL-terminated, valid only during the call. user: the pointer given at installation. */
@@ -96,7 +101,8 @@ typedef enum kvsift_isa {
   KVSIFT_ISA_SCALAR = 0, /* portable reference code */
   KVSIFT_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
   KVSIFT_ISA_AVX512 = 2, /* AVX-512 F/CD/DQ/BW/VL */
-  KVSIFT_ISA_AUTO = 255  /* the best the CPU supports, within the process cap */
+  KVSIFT_ISA_AUTO = 255, /* the best the CPU supports, within the process cap */
+  KVSIFT_ISA_MAX_ENUM = 0x7fffffff
 } kvsift_isa;
 
 /* The best ISA this CPU and OS support (CPUID + XCR0), ignoring any cap. */
@@ -118,12 +124,14 @@ typedef struct kvsift_cache kvsift_cache;
 
 typedef enum kvsift_dtype {
   KVSIFT_DTYPE_F16 = 0, /* IEEE half, round to nearest even on store */
-  KVSIFT_DTYPE_BF16 = 1 /* bfloat16, round to nearest even on store */
+  KVSIFT_DTYPE_BF16 = 1, /* bfloat16, round to nearest even on store */
+  KVSIFT_DTYPE_MAX_ENUM = 0x7fffffff
 } kvsift_dtype;
 
 typedef enum kvsift_key_form {
   KVSIFT_KEYS_POST_ROPE = 0, /* keys already rotated by the engine (the only form for now) */
-  KVSIFT_KEYS_PRE_ROPE = 1   /* keys before RoPE; the cache rotates them (not yet: UNSUPPORTED) */
+  KVSIFT_KEYS_PRE_ROPE = 1,  /* keys before RoPE; the cache rotates them (not yet: UNSUPPORTED) */
+  KVSIFT_KEYS_MAX_ENUM = 0x7fffffff
 } kvsift_key_form;
 
 /* Cache parameters. Always fill with kvsift_cache_params_init() first, then change fields, so that
@@ -152,8 +160,10 @@ typedef struct kvsift_cache_params {
 KVSIFT_API void kvsift_cache_params_init(kvsift_cache_params* params);
 
 /* Creates a cache. *out receives the handle (set to NULL on failure); free it with
- * kvsift_cache_free. Errors: INVALID_ARGUMENT (NULL pointers, a geometry outside the ranges above),
- * UNSUPPORTED (pinned without CUDA, pre-RoPE keys, an ISA the CPU lacks), OUT_OF_MEMORY. */
+ * kvsift_cache_free. Errors: INVALID_ARGUMENT (NULL pointers, counts outside the ranges above,
+ * unknown enum values), UNSUPPORTED (a head_dim or page_tokens kvsift has no kernels for, pinned
+ * memory without CUDA or without a usable driver, pre-RoPE keys, an ISA the CPU lacks),
+ * OUT_OF_MEMORY. */
 KVSIFT_API kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out);
 
 /* Frees the cache and every sequence in it. NULL is accepted and ignored. */

@@ -137,8 +137,8 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
   require(kv_head < geometry_.n_kv_heads, "kv_head=", kv_head, " is out of range (n_kv_heads=",
           geometry_.n_kv_heads, ")");
   const uint64_t stored = seq.tokens[layer];
-  require(first <= stored && n <= stored - first, "tokens [", first, ", ", first, "+", n,
-          ") are beyond the ", stored, " stored");
+  require(first <= stored && n <= stored - first, "first=", first, ", n_tokens=", n,
+          ": the range is beyond the ", stored, " tokens stored");
   const uint32_t B = geometry_.page_tokens, d = geometry_.head_dim;
   const auto& table = seq.tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head];
   for (uint64_t i = 0; i < n; ++i) {

@@ -1,6 +1,7 @@
 // The C boundary: argument checks, exceptions to statuses, handle wrappers. The only file that
 // knows C exists.
 #include <cstring>
+#include <memory>
 #include <new>
 #include <string>
 
@@ -77,6 +78,7 @@ kvsift::simd::Isa to_isa(kvsift_isa isa, const char* name) {
     case KVSIFT_ISA_AVX2: return kvsift::simd::Isa::avx2;
     case KVSIFT_ISA_AVX512:
     case KVSIFT_ISA_AUTO: return kvsift::simd::Isa::avx512;
+    case KVSIFT_ISA_MAX_ENUM: break;
   }
   kvsift::fail(Status::invalid_argument, name, "=", static_cast<int>(isa), " is not a kvsift_isa");
 }
@@ -119,6 +121,7 @@ const char* kvsift_status_string(kvsift_status status) {
     case KVSIFT_STATUS_IO_ERROR: return "I/O error";
     case KVSIFT_STATUS_INVALID_FILE: return "invalid file";
     case KVSIFT_STATUS_INTERNAL: return "internal error";
+    case KVSIFT_STATUS_MAX_ENUM: break;
   }
   return "unknown status";
 }
@@ -148,6 +151,7 @@ const char* kvsift_isa_name(kvsift_isa isa) {
     case KVSIFT_ISA_AVX2:
     case KVSIFT_ISA_AVX512: return kvsift::simd::isa_name(static_cast<kvsift::simd::Isa>(isa));
     case KVSIFT_ISA_AUTO: return "auto";
+    case KVSIFT_ISA_MAX_ENUM: break;
   }
   return "unknown";
 }
@@ -198,13 +202,15 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
                    kvsift::simd::isa_name(kvsift::simd::detect_isa()), ")");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
-    *out = new kvsift_cache{kvsift::KvCache(geometry, options),
-                            kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads)};
+    std::unique_ptr<kvsift_cache> handle(
+        new kvsift_cache{kvsift::KvCache(geometry, options),
+                         kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads)});
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
-                  std::string("cache created: isa=") + kvsift::simd::isa_name((*out)->cache.kernels().isa) +
-                      ", threads=" + std::to_string((*out)->attention.n_threads()) +
-                      ", pool bytes=" + std::to_string((*out)->cache.pool().region().size()));
+                  std::string("cache created: isa=") + kvsift::simd::isa_name(handle->cache.kernels().isa) +
+                      ", threads=" + std::to_string(handle->attention.n_threads()) +
+                      ", pool bytes=" + std::to_string(handle->cache.pool().region().size()));
+    *out = handle.release();
   });
 }
 
