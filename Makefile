@@ -26,17 +26,19 @@ build-asan: deps
 	  -DKVSIFT_ENABLE_CUDA=OFF -DKVSIFT_BUILD_BENCH=OFF -DKVSIFT_BUILD_APPS=OFF $(CMAKE_ARGS)
 	cmake --build $(ASAN_BUILD) -j $(JOBS)
 
+# Tests that need the real model read KVSIFT_MODEL (they skip without it; make test always sets it).
 test-release: build
-	ctest --test-dir $(BUILD) --output-on-failure
+	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" ctest --test-dir $(BUILD) --output-on-failure
 
 test-asan: build-asan
+	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" \
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure
 
 test: test-release test-asan
 
 demo: build
-	$(BUILD)/apps/kvsift-demo
+	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" $(BUILD)/apps/kvsift-demo
 
 bench: build
 	$(BUILD)/bench/kvsift-bench-attend --benchmark_repetitions=5 --benchmark_report_aggregates_only=true

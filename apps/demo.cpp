@@ -1,113 +1,227 @@
-// kvsift-demo, for now: a synthetic long context in the paged host cache, dense decode attention
-// over it, checked against the float64 reference, with the cache's statistics. Uses the C API
-// only, as an embedding application would.
+// kvsift-demo: a long document and a question about a fact planted in it, answered by a real
+// model (SmolLM2-135M-Instruct by default) whose KV cache lives in kvsift's paged host cache.
+// Uses only the public C API, as an embedding application would.
 #include <CLI/CLI.hpp>
+#include <zlib.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <random>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
 #include <vector>
 
 #include "kvsift/kvsift.h"
 
 namespace {
 
-// Exact attention in float64 for one query head over float K/V rows [n, d].
-void reference(const float* q, const std::vector<float>& k, const std::vector<float>& v, uint64_t n,
-               uint32_t d, std::vector<double>& out) {
-  std::vector<double> logits(n);
-  double m = -INFINITY;
-  for (uint64_t t = 0; t < n; ++t) {
-    double dot = 0;
-    for (uint32_t c = 0; c < d; ++c) dot += double(q[c]) * k[t * d + c];
-    logits[t] = dot / std::sqrt(double(d));
-    m = std::max(m, logits[t]);
-  }
-  out.assign(d, 0.0);
-  double sum = 0;
-  for (uint64_t t = 0; t < n; ++t) {
-    const double p = std::exp(logits[t] - m);
-    sum += p;
-    for (uint32_t c = 0; c < d; ++c) out[c] += p * v[t * d + c];
-  }
-  for (double& x : out) x /= sum;
+// The built-in document: the start of Ambrose Bierce's The Devil's Dictionary (public domain,
+// Debian package dict-devil), with one invented fact planted halfway through.
+constexpr const char* kDevilsDictionary = "/usr/share/dictd/devil.dict.dz";
+constexpr std::size_t kDocumentChars = 20000;  // about 4.5K SmolLM2 tokens
+constexpr const char* kPlantedFact =
+    "Editor's note: the lighthouse keeper on Gull Island keeps a grey cat named Marmalade.";
+constexpr const char* kDefaultQuestion =
+    "According to the editor's note in the text above, what is the name of the lighthouse keeper's cat?";
+
+struct Failure {
+  std::string message;
+};
+
+void check(kvsift_status status, const char* what) {
+  if (status != KVSIFT_STATUS_OK)
+    throw Failure{std::string(what) + ": " + kvsift_status_string(status) + ": " + kvsift_last_error()};
 }
 
-int check(kvsift_status status) {
-  if (status == KVSIFT_STATUS_OK) return 0;
-  std::fprintf(stderr, "kvsift-demo: %s: %s\n", kvsift_status_string(status), kvsift_last_error());
-  return 1;
+std::string read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Failure{"cannot read the prompt file " + path};
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::string builtin_document() {
+  gzFile gz = gzopen(kDevilsDictionary, "rb");
+  if (gz == nullptr)
+    throw Failure{std::string("cannot open ") + kDevilsDictionary +
+                  " (the built-in document; install the Debian package dict-devil, or pass --prompt-file)"};
+  std::string text;
+  char buffer[65536];
+  int n;
+  while ((n = gzread(gz, buffer, sizeof buffer)) > 0) text.append(buffer, n);
+  gzclose(gz);
+  const std::size_t begin = text.find("PREFACE");
+  if (begin == std::string::npos || text.size() < begin + kDocumentChars)
+    throw Failure{std::string(kDevilsDictionary) + " does not hold the expected text"};
+  std::string doc = text.substr(begin, kDocumentChars);
+  doc = doc.substr(0, doc.rfind("\n\n"));            // end at a paragraph
+  const std::size_t middle = doc.find("\n\n", doc.size() / 2);
+  return doc.substr(0, middle) + "\n\n" + kPlantedFact + doc.substr(middle);
+}
+
+std::string default_model_path() {
+  if (const char* path = std::getenv("KVSIFT_MODEL")) return path;
+  const char* dir = std::getenv("KVSIFT_MODEL_DIR");
+  const std::string base = dir ? dir : std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") +
+                                           "/.cache/kvsift/models";
+  return base + "/SmolLM2-135M-Instruct.Q4_1.gguf";
+}
+
+template <class Fill>
+std::string two_call(Fill fill) {
+  std::size_t length = 0;
+  std::string out(256, '\0');
+  kvsift_status status = fill(out.data(), out.size(), &length);
+  if (status == KVSIFT_STATUS_BUFFER_TOO_SMALL) {
+    out.resize(length);
+    status = fill(out.data(), out.size(), &length);
+  }
+  check(status, "text output");
+  out.resize(length);
+  return out;
+}
+
+void progress_bar(uint64_t done, uint64_t total, void*) {
+  const int width = 40, filled = static_cast<int>(width * done / total);
+  std::fprintf(stderr, "\rprefill [%s%s] %llu/%llu tokens", std::string(filled, '#').c_str(),
+               std::string(width - filled, '.').c_str(), static_cast<unsigned long long>(done),
+               static_cast<unsigned long long>(total));
+  if (done == total) std::fprintf(stderr, "\n");
+}
+
+struct Options {
+  std::string model = default_model_path();
+  std::string prompt_file;
+  std::string question = kDefaultQuestion;
+  uint32_t ctx = 8192;
+  uint32_t max_new = 48;
+  std::string selector = "dense";
+  double budget = 0.0;
+  int threads = 0;
+  std::string device = "cpu";
+  uint64_t seed = 0;
+  float temperature = 0.0f;
+  float top_p = 1.0f;
+};
+
+int run(const Options& o) {
+  if (o.selector != "dense")
+    throw Failure{"unknown selector '" + o.selector + "' (available: dense)"};
+  if (o.device != "cpu")
+    throw Failure{"--device " + o.device + " is not available in this build (available: cpu)"};
+  if (o.budget != 0.0) std::fprintf(stderr, "note: --budget has no effect on the dense selector\n");
+
+  kvsift_model_params params;
+  kvsift_model_params_init(&params);
+  params.n_ctx = o.ctx;
+  params.n_threads = o.threads;
+  kvsift_model* model = nullptr;
+  std::fprintf(stderr, "loading %s\n", o.model.c_str());
+  const auto t_load = std::chrono::steady_clock::now();
+  check(kvsift_model_load(o.model.c_str(), &params, &model), "loading the model");
+  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  kvsift_model_info info;
+  check(kvsift_model_get_info(model, &info), "model info");
+
+  const std::string document = o.prompt_file.empty() ? builtin_document() : read_file(o.prompt_file);
+  const std::string user = document + "\n\n" + o.question;
+  const kvsift_chat_message messages[] = {{"user", user.c_str()}};
+  const std::string prompt = two_call([&](char* out, std::size_t cap, std::size_t* len) {
+    return kvsift_chat_template(model, messages, 1, 1, out, cap, len);
+  });
+  std::size_t n_prompt = 0;
+  kvsift_status status = kvsift_tokenize(model, prompt.data(), prompt.size(), 1, nullptr, 0, &n_prompt);
+  std::vector<int32_t> tokens(n_prompt);
+  if (status == KVSIFT_STATUS_BUFFER_TOO_SMALL || status == KVSIFT_STATUS_OK)
+    status = kvsift_tokenize(model, prompt.data(), prompt.size(), 1, tokens.data(), tokens.size(), &n_prompt);
+  check(status, "tokenizing the prompt");
+  if (n_prompt + o.max_new > info.n_ctx)
+    throw Failure{"the prompt (" + std::to_string(n_prompt) + " tokens) plus --max-new " +
+                  std::to_string(o.max_new) + " exceeds the context of " + std::to_string(info.n_ctx) +
+                  " positions"};
+  std::fprintf(stderr, "model: %u layers, %u query / %u KV heads, head_dim %u, %u-token vocabulary (loaded in %.2f s)\n",
+               info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, info.n_vocab, load_s);
+  std::fprintf(stderr, "prompt: %zu tokens (document %zu bytes); selector: %s\n", n_prompt, document.size(),
+               o.selector.c_str());
+
+  int32_t seq = -1;
+  check(kvsift_model_sequence_create(model, &seq), "creating the sequence");
+  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, progress_bar, nullptr),
+        "prefill");
+
+  kvsift_sampler_params sp;
+  kvsift_sampler_params_init(&sp);
+  sp.temperature = o.temperature;
+  sp.top_p = o.top_p;
+  sp.seed = o.seed;
+  kvsift_sampler* sampler = nullptr;
+  check(kvsift_sampler_create(&sp, &sampler), "sampler");
+  std::unique_ptr<kvsift_sampler, decltype(&kvsift_sampler_free)> sampler_owner(sampler, kvsift_sampler_free);
+
+  std::printf("\nQ: %s\nA: ", o.question.c_str());
+  std::fflush(stdout);
+  std::vector<int32_t> answer;
+  std::size_t printed = 0;
+  for (uint32_t i = 0; i < o.max_new; ++i) {
+    const float* logits = nullptr;
+    std::size_t n_vocab = 0;
+    check(kvsift_model_logits(model, seq, &logits, &n_vocab), "logits");
+    int32_t next = 0;
+    check(kvsift_sampler_sample(sampler, logits, n_vocab, &next), "sampling");
+    if (kvsift_token_is_end(model, next)) break;
+    answer.push_back(next);
+    const std::string text = two_call([&](char* out, std::size_t cap, std::size_t* len) {
+      return kvsift_detokenize(model, answer.data(), answer.size(), out, cap, len);
+    });
+    std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
+    std::fflush(stdout);
+    printed = text.size();
+    check(kvsift_model_decode(model, 1, &seq, &next), "decode");
+  }
+  std::printf("\n\n");
+
+  kvsift_model_stats stats;
+  check(kvsift_model_get_stats(model, &stats), "stats");
+  std::printf("context tokens:         %zu prompt + %zu generated\n", n_prompt, answer.size());
+  std::printf("prefill:                %.1f tokens/s (%.2f s)\n", stats.prefill_tokens / stats.prefill_seconds,
+              stats.prefill_seconds);
+  if (stats.decode_tokens > 0) {
+    std::printf("decode:                 %.1f tokens/s (%llu steps)\n", stats.decode_tokens / stats.decode_seconds,
+                static_cast<unsigned long long>(stats.decode_tokens));
+    std::printf("attention share:        %.1f%% of decode time\n",
+                100.0 * stats.decode_attention_seconds / stats.decode_seconds);
+  }
+  std::printf("KV held in host memory: %.1f MiB\n", stats.kv_bytes_held / 1048576.0);
+  std::printf("KV read per step:       %.1f MiB (last step, all layers)\n",
+              stats.last_step_kv_bytes_read / 1048576.0);
+  return 0;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvsift-demo: dense decode attention over a synthetic long context in host memory"};
-  uint64_t tokens = 65536;
-  uint32_t kv_heads = 8, group = 4, head_dim = 128;
-  int threads = 0, steps = 10;
-  app.add_option("--tokens", tokens, "context length in tokens")->check(CLI::Range(1, 1 << 24));
-  app.add_option("--kv-heads", kv_heads, "KV heads")->check(CLI::Range(1, 64));
-  app.add_option("--group", group, "query heads per KV head")->check(CLI::Range(1, 64));
-  app.add_option("--head-dim", head_dim, "64, 128 or 256");
-  app.add_option("--threads", threads, "OpenMP threads (0: default)")->check(CLI::Range(0, 1024));
-  app.add_option("--steps", steps, "decode steps to time")->check(CLI::Range(1, 100000));
+  CLI::App app{"kvsift-demo: long-context question answering with the KV cache in host memory"};
+  Options o;
+  app.add_option("--model", o.model, "a Llama-family GGUF file")->capture_default_str();
+  app.add_option("--prompt-file", o.prompt_file, "the document (default: a Devil's Dictionary excerpt with a planted fact)");
+  app.add_option("--question", o.question, "the question asked after the document");
+  app.add_option("--ctx", o.ctx, "context positions (at most the model's)")->capture_default_str();
+  app.add_option("--max-new", o.max_new, "most tokens to generate")->capture_default_str()->check(CLI::Range(1, 8192));
+  app.add_option("--selector", o.selector, "attention selector")->capture_default_str();
+  app.add_option("--budget", o.budget, "selector budget: a fraction of the context (<1) or tokens");
+  app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--device", o.device, "cpu")->capture_default_str();
+  app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();
+  app.add_option("--temperature", o.temperature, "0: greedy")->check(CLI::Range(0.0, 10.0));
+  app.add_option("--top-p", o.top_p, "nucleus sampling")->check(CLI::Range(0.0, 1.0));
   CLI11_PARSE(app, argc, argv);
-
-  kvsift_cache_params params;
-  kvsift_cache_params_init(&params);
-  params.n_kv_heads = kv_heads;
-  params.group_size = group;
-  params.head_dim = head_dim;
-  params.n_threads = threads;
-  params.max_pages = (tokens + steps + params.page_tokens - 1) / params.page_tokens * kv_heads + kv_heads;
-  kvsift_cache* cache = nullptr;
-  int32_t seq = -1;
-  if (check(kvsift_cache_create(&params, &cache)) || check(kvsift_sequence_create(cache, &seq))) return 1;
-
-  const std::size_t row = std::size_t{kv_heads} * head_dim, qsize = row * group;
-  std::mt19937 rng(7);
-  std::normal_distribution<float> normal;
-  std::vector<float> k(tokens * row), v(tokens * row), q(qsize), out(qsize);
-  for (float& x : k) x = normal(rng);
-  for (float& x : v) x = normal(rng);
-  for (float& x : q) x = normal(rng);
-  if (check(kvsift_append(cache, seq, 0, static_cast<uint32_t>(tokens), k.data(), v.data()))) return 1;
-
-  std::vector<double> times;
-  for (int s = 0; s < steps; ++s) {
-    const auto start = std::chrono::steady_clock::now();
-    if (check(kvsift_attend(cache, 0, 1, &seq, q.data(), out.data(), nullptr))) return 1;
-    times.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  try {
+    return run(o);
+  } catch (const Failure& f) {
+    std::fprintf(stderr, "\nkvsift-demo: %s\n", f.message.c_str());
+    return 1;
   }
-  std::sort(times.begin(), times.end());
-
-  // Check query head 0 against float64 on the stored (rounded) keys and values of KV head 0.
-  std::vector<float> k0(tokens * head_dim), v0(tokens * head_dim);
-  if (check(kvsift_read_tokens(cache, seq, 0, 0, 0, tokens, k0.data(), v0.data()))) return 1;
-  std::vector<double> ref;
-  reference(q.data(), k0, v0, tokens, head_dim, ref);
-  double err = 0, norm = 0;
-  for (uint32_t c = 0; c < head_dim; ++c) {
-    err += (out[c] - ref[c]) * (out[c] - ref[c]);
-    norm += ref[c] * ref[c];
-  }
-
-  kvsift_cache_stats stats;
-  if (check(kvsift_cache_get_stats(cache, &stats))) return 1;
-  const double median_ms = times[times.size() / 2];
-  std::printf("kvsift %s, isa %s\n", kvsift_version_string(), kvsift_isa_name(kvsift_cache_isa(cache)));
-  std::printf("context: %llu tokens, %u KV heads x %u query heads each, head_dim %u, fp16 pages of %u tokens\n",
-              static_cast<unsigned long long>(tokens), kv_heads, group, head_dim, params.page_tokens);
-  std::printf("cache: %llu pages in use (%.1f MiB), %llu reserved\n",
-              static_cast<unsigned long long>(stats.pages_in_use), stats.bytes_in_use / 1048576.0,
-              static_cast<unsigned long long>(stats.pages_capacity));
-  std::printf("dense attention: %.3f ms median of %d steps (min %.3f, max %.3f), %.1f MiB read, %.1f GB/s\n",
-              median_ms, steps, times.front(), times.back(), stats.last_bytes_read / 1048576.0,
-              stats.last_bytes_read / median_ms / 1e6);
-  std::printf("relative error against float64 (query head 0): %.2e\n", std::sqrt(err / norm));
-  kvsift_cache_free(cache);
-  return 0;
 }

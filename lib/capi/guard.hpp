@@ -1,0 +1,49 @@
+// The C boundary's one guard: runs a body, maps kvsift::Error to its status, bad_alloc to
+// OUT_OF_MEMORY and anything else to INTERNAL, and keeps the message for kvsift_last_error().
+#pragma once
+
+#include <new>
+#include <string>
+
+#include "kvsift/kvsift.h"
+#include "lib/core/error.hpp"
+#include "simd/isa.hpp"
+#include "simd/kernels.hpp"
+
+namespace kvsift::capi {
+
+kvsift_status set_error(kvsift_status status, const char* function, const char* message) noexcept;
+const char* last_error() noexcept;
+
+template <class Body>
+kvsift_status guard(const char* function, Body&& body) noexcept {
+  try {
+    body();
+    return KVSIFT_STATUS_OK;
+  } catch (const Error& e) {
+    return set_error(static_cast<kvsift_status>(e.status()), function, e.what());
+  } catch (const std::bad_alloc&) {
+    return set_error(KVSIFT_STATUS_OUT_OF_MEMORY, function, "out of memory");
+  } catch (const std::exception& e) {
+    return set_error(KVSIFT_STATUS_INTERNAL, function, e.what());
+  } catch (...) {
+    return set_error(KVSIFT_STATUS_INTERNAL, function, "unknown exception");
+  }
+}
+
+template <class T>
+void require_pointer(const T* p, const char* name) {
+  if (p == nullptr) fail(Status::invalid_argument, name, " is NULL");
+}
+
+// Copies bytes to a caller buffer of `capacity`, reporting the size needed in *length: the
+// two-call pattern of kvsift_detokenize and kvsift_chat_template.
+void copy_out(const std::string& bytes, char* out, std::size_t capacity, std::size_t* length);
+
+// C enums to their C++ twins; unknown values throw invalid_argument naming the field.
+simd::Isa to_isa(kvsift_isa isa, const char* name);
+// Also throws unsupported for an explicit ISA the CPU lacks (AUTO is always fine).
+simd::Isa to_supported_isa(kvsift_isa isa, const char* name);
+simd::Dtype to_dtype(kvsift_dtype dtype, const char* name);
+
+}  // namespace kvsift::capi

@@ -1,0 +1,390 @@
+#include "lib/model/llama_model.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+
+#include "lib/core/error.hpp"
+#include "lib/model/dequantize.hpp"
+
+namespace kvsift::model {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+uint32_t get_u32(const GgufFile& file, const std::string& key) {
+  const uint64_t value = file.get_uint(key);
+  if (value == 0 || value > (1u << 30)) fail(Status::invalid_file, key, "=", value, " is out of range");
+  return static_cast<uint32_t>(value);
+}
+
+void check_dims(const GgufTensor& t, uint64_t d0, uint64_t d1) {
+  const bool ok = d1 == 1 ? (t.n_dims == 1 || (t.n_dims == 2 && t.dims[1] == 1)) && t.dims[0] == d0
+                          : t.n_dims == 2 && t.dims[0] == d0 && t.dims[1] == d1;
+  if (!ok)
+    fail(Status::invalid_file, "tensor '", t.name, "' has shape [", t.dims[0], ", ", t.dims[1],
+         "], expected [", d0, ", ", d1, "]");
+}
+
+LlamaConfig read_config(const GgufFile& file) {
+  const std::string& arch = file.get_string("general.architecture");
+  if (arch != "llama")
+    fail(Status::unsupported, "general.architecture='", arch, "': kvsift runs the Llama family ('llama')");
+  LlamaConfig c;
+  c.n_layers = get_u32(file, "llama.block_count");
+  c.n_embd = get_u32(file, "llama.embedding_length");
+  c.n_ff = get_u32(file, "llama.feed_forward_length");
+  c.n_heads = get_u32(file, "llama.attention.head_count");
+  c.n_kv_heads = file.find("llama.attention.head_count_kv") ? get_u32(file, "llama.attention.head_count_kv")
+                                                            : c.n_heads;
+  c.n_ctx_train = get_u32(file, "llama.context_length");
+  if (file.find("llama.rope.freq_base")) c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
+  c.rms_eps = static_cast<float>(file.get_float("llama.attention.layer_norm_rms_epsilon"));
+  if (c.n_embd % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
+    fail(Status::invalid_file, "embedding_length=", c.n_embd, ", head_count=", c.n_heads,
+         ", head_count_kv=", c.n_kv_heads, " do not divide");
+  c.head_dim = c.n_embd / c.n_heads;
+  if (file.find("llama.rope.dimension_count") && file.get_uint("llama.rope.dimension_count") != c.head_dim)
+    fail(Status::unsupported, "llama.rope.dimension_count=", file.get_uint("llama.rope.dimension_count"),
+         ": partial rotary embeddings are not supported (head_dim ", c.head_dim, ")");
+  if (!(c.rope_theta > 0.0f) || !(c.rms_eps > 0.0f))
+    fail(Status::invalid_file, "rope freq_base and rms epsilon must be positive");
+  const GgufTensor& embd = file.require_tensor("token_embd.weight");
+  if (embd.n_dims != 2 || embd.dims[0] != c.n_embd)
+    fail(Status::invalid_file, "token_embd.weight has row length ", embd.dims[0], ", expected ", c.n_embd);
+  c.n_vocab = static_cast<uint32_t>(embd.dims[1]);
+  c.tied_output = file.tensor("output.weight") == nullptr;
+  return c;
+}
+
+}  // namespace
+
+std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const ModelOptions& options) {
+  GgufFile file = GgufFile::open(path);
+  const LlamaConfig config = read_config(file);
+  Tokenizer tokenizer = Tokenizer::from_gguf(file);
+  if (tokenizer.vocab_size() != config.n_vocab)
+    fail(Status::invalid_file, "the tokenizer has ", tokenizer.vocab_size(), " tokens but token_embd has ",
+         config.n_vocab, " rows");
+  return std::unique_ptr<LlamaModel>(new LlamaModel(std::move(file), std::move(tokenizer), config, options));
+}
+
+namespace {
+
+uint32_t context_for(const LlamaConfig& config, const ModelOptions& options) {
+  const uint32_t n = options.n_ctx == 0 ? config.n_ctx_train : options.n_ctx;
+  require(n <= config.n_ctx_train, "n_ctx=", n, " is beyond the model's ", config.n_ctx_train, " positions");
+  return n;
+}
+
+CacheGeometry geometry_for(const LlamaConfig& config, const ModelOptions& options) {
+  CacheGeometry g;
+  g.n_layers = config.n_layers;
+  g.n_kv_heads = config.n_kv_heads;
+  g.group_size = config.n_heads / config.n_kv_heads;
+  g.head_dim = config.head_dim;
+  g.page_tokens = options.page_tokens;
+  g.dtype = options.kv_dtype;
+  g.validate();
+  return g;
+}
+
+CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& options) {
+  require(options.max_seqs >= 1 && options.max_seqs <= 4096, "max_seqs=", options.max_seqs,
+          " is not in 1..4096");
+  const uint64_t n_ctx = context_for(config, options);
+  CacheOptions o;
+  o.max_pages = uint64_t{options.max_seqs} * config.n_layers * config.n_kv_heads *
+                ((n_ctx + options.page_tokens - 1) / options.page_tokens);
+  o.isa = options.isa;
+  return o;
+}
+
+}  // namespace
+
+LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config,
+                       const ModelOptions& options)
+    : file_(std::move(file)),
+      tokenizer_(std::move(tokenizer)),
+      config_(config),
+      options_(options),
+      n_ctx_(context_for(config, options)),
+      cache_(geometry_for(config, options), cache_options_for(config, options)),
+      decode_attention_(geometry_for(config, options), options.max_seqs, options.n_threads),
+      prefill_attention_(geometry_for(config, options),
+                         std::clamp<uint32_t>(options.prefill_chunk, 1, 4096), n_ctx_) {
+  require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096, "prefill_chunk=",
+          options.prefill_chunk, " is not in 1..4096");
+  if (options.n_threads > 0) omp_set_num_threads(options.n_threads);
+  const uint32_t E = config.n_embd, qdim = config.n_heads * config.head_dim,
+                 kvdim = config.n_kv_heads * config.head_dim;
+  layers_.resize(config.n_layers);
+  for (uint32_t l = 0; l < config.n_layers; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    Layer& L = layers_[l];
+    for (auto [name, dst] : {std::pair{"attn_norm.weight", &L.attn_norm}, std::pair{"ffn_norm.weight", &L.ffn_norm}}) {
+      const GgufTensor& t = file_.require_tensor(p + name);
+      check_dims(t, E, 1);
+      dst->resize(E);
+      dequantize(t.type, t.data, dst->data(), E);
+    }
+    L.wqkv = load_linear({{p + "attn_q.weight", qdim}, {p + "attn_k.weight", kvdim}, {p + "attn_v.weight", kvdim}}, E);
+    L.wo = load_linear({{p + "attn_output.weight", E}}, qdim);
+    L.w_gate_up = load_linear({{p + "ffn_gate.weight", config.n_ff}, {p + "ffn_up.weight", config.n_ff}}, E);
+    L.w_down = load_linear({{p + "ffn_down.weight", E}}, config.n_ff);
+  }
+  const GgufTensor& norm = file_.require_tensor("output_norm.weight");
+  check_dims(norm, E, 1);
+  output_norm_.resize(E);
+  dequantize(norm.type, norm.data, output_norm_.data(), E);
+  token_embd_ = &file_.require_tensor("token_embd.weight");
+  row_bytes(token_embd_->type, E);  // validates the type and row length
+  output_ = load_linear({{config.tied_output ? "token_embd.weight" : "output.weight", config.n_vocab}}, E);
+
+  // RoPE as GGUF stores Llama weights: adjacent pairs (2i, 2i+1) rotate by pos * theta^(-2i/d).
+  const uint32_t half = config.head_dim / 2;
+  rope_cos_.resize(std::size_t{n_ctx_} * half);
+  rope_sin_.resize(std::size_t{n_ctx_} * half);
+  for (uint32_t pos = 0; pos < n_ctx_; ++pos)
+    for (uint32_t i = 0; i < half; ++i) {
+      const double angle = pos * std::pow(double{config.rope_theta}, -2.0 * i / config.head_dim);
+      rope_cos_[std::size_t{pos} * half + i] = static_cast<float>(std::cos(angle));
+      rope_sin_[std::size_t{pos} * half + i] = static_cast<float>(std::sin(angle));
+    }
+
+  max_rows_ = std::max(options.prefill_chunk, options.max_seqs);
+  const std::size_t rows = max_rows_;
+  x_.resize(rows * E);
+  h_.resize(rows * E);
+  qkv_.resize(rows * (qdim + 2 * kvdim));
+  q_.resize(rows * qdim);
+  attn_.resize(rows * qdim);
+  k_.resize(rows * kvdim);
+  v_.resize(rows * kvdim);
+  gate_up_.resize(rows * 2 * config.n_ff);
+  ffn_.resize(rows * config.n_ff);
+  x_bf16_.resize(rows * std::max({E, qdim, config.n_ff}));
+}
+
+LlamaModel::Linear LlamaModel::load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts,
+                                           uint32_t in) const {
+  Linear w;
+  w.in = in;
+  for (const auto& part : parts) w.out += part.second;
+  const bool bf16 = options_.weight_type == MatType::bf16;
+  if (bf16) w.bf16.resize(std::size_t{in} * w.out);
+  else w.f32.resize(std::size_t{in} * w.out);
+  const simd::Kernels& kernels = cache_.kernels();
+  uint32_t first_row = 0;
+  for (const auto& [name, out] : parts) {
+    const GgufTensor& t = file_.require_tensor(name);
+    check_dims(t, in, out);
+    const std::size_t stride = row_bytes(t.type, in);
+#pragma omp parallel
+    {
+      std::vector<float> row(in);
+#pragma omp for schedule(static)
+      for (int64_t r = 0; r < out; ++r) {
+        const std::size_t dst_row = (first_row + r) * std::size_t{in};
+        float* dst = bf16 ? row.data() : w.f32.data() + dst_row;
+        dequantize(t.type, t.data + r * stride, dst, in);
+        if (bf16) kernels.encode(row.data(), w.bf16.data() + dst_row, in, simd::Dtype::bf16);
+      }
+    }
+    first_row += out;
+  }
+  return w;
+}
+
+void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* y) {
+  if (options_.weight_type == MatType::bf16) {
+    cache_.kernels().encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
+    matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(), WeightLayout::rows_are_outputs,
+                w.out, y);
+  } else {
+    matmul_.run(MatType::f32, x, rows, w.in, w.f32.data(), WeightLayout::rows_are_outputs, w.out, y);
+  }
+}
+
+void LlamaModel::embed(int32_t token, float* x) const {
+  const std::size_t stride = row_bytes(token_embd_->type, config_.n_embd);
+  dequantize(token_embd_->type, token_embd_->data + std::size_t(token) * stride, x, config_.n_embd);
+}
+
+void LlamaModel::rope(float* x, uint32_t n_heads, uint64_t position) const {
+  const uint32_t d = config_.head_dim, half = d / 2;
+  const float* c = rope_cos_.data() + position * half;
+  const float* s = rope_sin_.data() + position * half;
+  for (uint32_t h = 0; h < n_heads; ++h) {
+    float* v = x + std::size_t{h} * d;
+    for (uint32_t i = 0; i < half; ++i) {
+      const float a = v[2 * i], b = v[2 * i + 1];
+      v[2 * i] = a * c[i] - b * s[i];
+      v[2 * i + 1] = a * s[i] + b * c[i];
+    }
+  }
+}
+
+void LlamaModel::rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows, float* y) const {
+  const uint32_t E = config_.n_embd;
+  for (uint32_t r = 0; r < rows; ++r) {
+    const float* xr = x + std::size_t{r} * E;
+    double sum = 0.0;
+    for (uint32_t i = 0; i < E; ++i) sum += double{xr[i]} * xr[i];
+    const float inv = static_cast<float>(1.0 / std::sqrt(sum / E + config_.rms_eps));
+    float* yr = y + std::size_t{r} * E;
+    for (uint32_t i = 0; i < E; ++i) yr[i] = xr[i] * inv * weight[i];
+  }
+}
+
+template <class Attend>
+void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& attend) {
+  const uint32_t E = config_.n_embd, F = config_.n_ff;
+  const uint32_t qdim = config_.n_heads * config_.head_dim, kvdim = config_.n_kv_heads * config_.head_dim;
+  for (uint32_t l = 0; l < config_.n_layers; ++l) {
+    Layer& L = layers_[l];
+    rms_norm(x_.data(), L.attn_norm, rows, h_.data());
+    project(L.wqkv, h_.data(), rows, qkv_.data());
+    for (uint32_t r = 0; r < rows; ++r) {
+      const float* row = qkv_.data() + std::size_t{r} * (qdim + 2 * kvdim);
+      float* q = q_.data() + std::size_t{r} * qdim;
+      float* k = k_.data() + std::size_t{r} * kvdim;
+      std::copy_n(row, qdim, q);
+      std::copy_n(row + qdim, kvdim, k);
+      std::copy_n(row + qdim + kvdim, kvdim, v_.data() + std::size_t{r} * kvdim);
+      rope(q, config_.n_heads, positions[r]);
+      rope(k, config_.n_kv_heads, positions[r]);
+    }
+    attend(l);
+    project(L.wo, attn_.data(), rows, h_.data());
+    for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
+    rms_norm(x_.data(), L.ffn_norm, rows, h_.data());
+    project(L.w_gate_up, h_.data(), rows, gate_up_.data());
+    for (uint32_t r = 0; r < rows; ++r) {
+      const float* gate = gate_up_.data() + std::size_t{r} * 2 * F;
+      const float* up = gate + F;
+      float* out = ffn_.data() + std::size_t{r} * F;
+      for (uint32_t i = 0; i < F; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(gate) * up
+    }
+    project(L.w_down, ffn_.data(), rows, h_.data());
+    for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
+  }
+}
+
+void LlamaModel::output_logits(const float* hidden, uint32_t rows, float* logits) {
+  rms_norm(hidden, output_norm_, rows, h_.data());
+  project(output_, h_.data(), rows, logits);
+}
+
+int32_t LlamaModel::create_sequence() {
+  const int32_t id = cache_.create_sequence();
+  if (logits_.size() <= static_cast<std::size_t>(id)) logits_.resize(id + 1);
+  logits_[id].assign(config_.n_vocab, 0.0f);
+  return id;
+}
+
+void LlamaModel::free_sequence(int32_t seq_id) {
+  cache_.free_sequence(seq_id);
+  logits_[seq_id].clear();
+  logits_[seq_id].shrink_to_fit();
+}
+
+uint64_t LlamaModel::position(int32_t seq_id) const { return cache_.length(seq_id, 0); }
+
+void LlamaModel::check_sequence(int32_t seq_id) const {
+  if (!cache_.has_sequence(seq_id)) fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
+}
+
+void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
+                         void (*progress)(uint64_t, uint64_t, void*), void* user) {
+  check_sequence(seq_id);
+  require(!tokens.empty(), "no tokens to prefill");
+  const uint64_t start = position(seq_id);
+  if (start + tokens.size() > n_ctx_)
+    fail(Status::capacity_exceeded, "sequence ", seq_id, " would hold ", start + tokens.size(),
+         " tokens, beyond the context of ", n_ctx_, " positions");
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i, "]=",
+            tokens[i], " is not in the vocabulary (", config_.n_vocab, " tokens)");
+  const auto t0 = Clock::now();
+  const uint32_t chunk = options_.prefill_chunk, E = config_.n_embd;
+  std::vector<uint64_t> positions(chunk);
+  for (std::size_t done = 0; done < tokens.size();) {
+    const uint32_t T = static_cast<uint32_t>(std::min<std::size_t>(chunk, tokens.size() - done));
+    const uint64_t pos0 = start + done;
+    for (uint32_t t = 0; t < T; ++t) {
+      embed(tokens[done + t], x_.data() + std::size_t{t} * E);
+      positions[t] = pos0 + t;
+    }
+    blocks(T, positions.data(), [&](uint32_t l) {
+      cache_.append(seq_id, l, T, k_.data(), v_.data());
+      prefill_attention_.run(cache_, seq_id, l, pos0, T, q_.data(), attn_.data(), matmul_);
+    });
+    done += T;
+    if (all_logits != nullptr) {
+      output_logits(x_.data(), T, all_logits + (done - T) * config_.n_vocab);
+      if (done == tokens.size())
+        std::copy_n(all_logits + (done - 1) * config_.n_vocab, config_.n_vocab, logits_[seq_id].begin());
+    } else if (done == tokens.size()) {
+      output_logits(x_.data() + std::size_t{T - 1} * E, 1, logits_[seq_id].data());
+    }
+    if (progress) progress(done, tokens.size(), user);
+  }
+  stats_.prefill_tokens += tokens.size();
+  stats_.prefill_seconds += seconds_since(t0);
+}
+
+void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens) {
+  const uint32_t n = static_cast<uint32_t>(seq_ids.size());
+  require(n >= 1 && n <= options_.max_seqs, "decoding ", n, " sequences; max_seqs is ", options_.max_seqs);
+  require(tokens.size() == seq_ids.size(), "tokens and seq_ids differ in length");
+  std::vector<uint64_t> positions(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    check_sequence(seq_ids[i]);
+    for (uint32_t j = 0; j < i; ++j) require(seq_ids[j] != seq_ids[i], "seq_ids repeats ", seq_ids[i]);
+    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i, "]=",
+            tokens[i], " is not in the vocabulary");
+    positions[i] = position(seq_ids[i]);
+    if (positions[i] >= n_ctx_)
+      fail(Status::capacity_exceeded, "sequence ", seq_ids[i], " is full: ", n_ctx_, " positions");
+  }
+  const auto t0 = Clock::now();
+  double attention_seconds = 0.0;
+  const uint32_t E = config_.n_embd, kvdim = config_.n_kv_heads * config_.head_dim;
+  for (uint32_t r = 0; r < n; ++r) embed(tokens[r], x_.data() + std::size_t{r} * E);
+  AttendCall call;
+  call.n_seqs = n;
+  call.seq_ids = seq_ids.data();
+  call.q = q_.data();
+  call.out = attn_.data();
+  uint64_t bytes_read = 0;
+  blocks(n, positions.data(), [&](uint32_t l) {
+    const auto a0 = Clock::now();
+    for (uint32_t r = 0; r < n; ++r)
+      cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim, v_.data() + std::size_t{r} * kvdim);
+    call.layer = l;
+    decode_attention_.validate(cache_, call);
+    decode_attention_.run(cache_, call);
+    bytes_read += decode_attention_.last_stats().bytes_read;
+    attention_seconds += seconds_since(a0);
+  });
+  for (uint32_t r = 0; r < n; ++r) output_logits(x_.data() + std::size_t{r} * E, 1, logits_[seq_ids[r]].data());
+  stats_.decode_tokens += n;
+  stats_.decode_seconds += seconds_since(t0);
+  stats_.decode_attention_seconds += attention_seconds;
+  stats_.last_step_kv_bytes_read = bytes_read;
+}
+
+std::span<const float> LlamaModel::logits(int32_t seq_id) const {
+  check_sequence(seq_id);
+  return logits_[seq_id];
+}
+
+}  // namespace kvsift::model

@@ -1,0 +1,141 @@
+// A Llama-family decoder (RMSNorm, RoPE on adjacent pairs as GGUF stores it, GQA attention,
+// SwiGLU MLP, tied or separate output head) running on the CPU, with its KV cache in kvsift's
+// paged host cache and its attention through kvsift's attention.
+//
+// Weights are dequantized at load to bf16 (default) or f32 and multiplied with oneDNN. Memory
+// this costs, for SmolLM2-135M: 134.5M parameters x 2 bytes = 269 MB in bf16 (538 MB in f32),
+// against 98 MB for the Q4_1 file. The projection type (Linear) is the one place a
+// quantized-weight kernel would plug in.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lib/attend/decode_attention.hpp"
+#include "lib/attend/prefill_attention.hpp"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/aligned.hpp"
+#include "lib/core/matmul.hpp"
+#include "lib/model/gguf_file.hpp"
+#include "lib/model/tokenizer.hpp"
+
+namespace kvsift::model {
+
+struct LlamaConfig {
+  uint32_t n_layers = 0;
+  uint32_t n_embd = 0;
+  uint32_t n_ff = 0;
+  uint32_t n_heads = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t n_ctx_train = 0;
+  uint32_t n_vocab = 0;
+  float rope_theta = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_output = true;
+};
+
+struct ModelOptions {
+  uint32_t n_ctx = 0;            // positions per sequence; 0 = the model's training context
+  uint32_t max_seqs = 1;         // sequences decoded together
+  uint32_t prefill_chunk = 256;  // tokens per prefill step
+  MatType weight_type = MatType::bf16;
+  simd::Dtype kv_dtype = simd::Dtype::f16;
+  uint32_t page_tokens = 16;
+  int n_threads = 0;             // 0 = OpenMP default
+  simd::Isa isa = simd::Isa::avx512;
+};
+
+struct ModelStats {
+  uint64_t prefill_tokens = 0;
+  double prefill_seconds = 0;
+  uint64_t decode_tokens = 0;      // tokens decoded (summed over sequences)
+  double decode_seconds = 0;
+  double decode_attention_seconds = 0;
+  uint64_t last_step_kv_bytes_read = 0;
+};
+
+class LlamaModel {
+ public:
+  // Throws Error: io_error, invalid_file (malformed, missing tensors or metadata, inconsistent
+  // shapes), unsupported (architecture, tensor types, head_dim), invalid_argument (options).
+  static std::unique_ptr<LlamaModel> load(const std::string& path, const ModelOptions& options);
+
+  const LlamaConfig& config() const noexcept { return config_; }
+  const Tokenizer& tokenizer() const noexcept { return tokenizer_; }
+  const KvCache& cache() const noexcept { return cache_; }
+  const ModelStats& stats() const noexcept { return stats_; }
+  uint32_t n_ctx() const noexcept { return n_ctx_; }
+
+  int32_t create_sequence();
+  void free_sequence(int32_t seq_id);
+  uint64_t position(int32_t seq_id) const;  // tokens processed so far
+
+  // Runs the tokens through the model in chunks, appending their K/V. Afterwards logits(seq)
+  // holds the next-token logits after the last token. all_logits, when not null, receives
+  // [tokens.size(), n_vocab]. progress(done, total) is called after each chunk.
+  void prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
+               void (*progress)(uint64_t done, uint64_t total, void* user), void* user);
+
+  // One token for each listed sequence (distinct ids), decoded together.
+  void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens);
+
+  // Next-token logits of a sequence, [n_vocab]; valid until its next prefill/decode.
+  std::span<const float> logits(int32_t seq_id) const;
+
+ private:
+  struct Linear {
+    AlignedVector<uint16_t> bf16;  // [out, in] when weight_type is bf16
+    AlignedVector<float> f32;      // [out, in] when weight_type is f32
+    uint32_t in = 0, out = 0;
+  };
+  // Q, K and V are one product (rows stacked [q | k | v]), as are gate and up: fewer, larger
+  // products, which matters most at decode where each is a matrix-vector product.
+  struct Layer {
+    std::vector<float> attn_norm, ffn_norm;
+    Linear wqkv, wo, w_gate_up, w_down;
+  };
+
+  LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config, const ModelOptions& options);
+  // The named [in, out_i] tensors stacked along their outputs into one [sum out_i, in] weight.
+  Linear load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in) const;
+  void project(const Linear& w, const float* x, uint32_t rows, float* y);
+  void embed(int32_t token, float* x) const;
+  void rope(float* x, uint32_t n_heads, uint64_t position) const;
+  void rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows, float* y) const;
+  // The transformer blocks over `rows` tokens in x_; attend(layer) appends the layer's K/V from
+  // k_, v_ and writes attn_ from q_ (prefill and decode differ only there).
+  template <class Attend>
+  void blocks(uint32_t rows, const uint64_t* positions, Attend&& attend);
+  void output_logits(const float* hidden, uint32_t rows, float* logits);
+  void check_sequence(int32_t seq_id) const;
+
+  GgufFile file_;
+  Tokenizer tokenizer_;
+  LlamaConfig config_;
+  ModelOptions options_;
+  uint32_t n_ctx_;
+  std::vector<Layer> layers_;
+  std::vector<float> output_norm_;
+  Linear output_;                   // [n_vocab, n_embd]: token_embd when tied
+  const GgufTensor* token_embd_;
+  std::vector<float> rope_cos_, rope_sin_;  // [n_ctx, head_dim / 2]
+
+  KvCache cache_;
+  DecodeAttention decode_attention_;
+  PrefillAttention prefill_attention_;
+  Matmul matmul_;
+  ModelStats stats_;
+
+  // Workspaces sized for max(prefill_chunk, max_seqs) rows.
+  uint32_t max_rows_;
+  AlignedVector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, ffn_;
+  AlignedVector<uint16_t> x_bf16_;
+  std::vector<std::vector<float>> logits_;  // per sequence id
+};
+
+}  // namespace kvsift::model

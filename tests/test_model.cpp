@@ -1,0 +1,224 @@
+// The model runner through the C API, on the real SmolLM2 file (KVSIFT_MODEL; make test sets it,
+// and the tests skip without it): prefill and decode agree, chunking does not change results,
+// bad files and options give clear statuses.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "kvsift/kvsift.h"
+#include "test_util.hpp"
+
+namespace {
+
+const char* model_path() { return std::getenv("KVSIFT_MODEL"); }
+
+struct ModelFree {
+  void operator()(kvsift_model* m) const { kvsift_model_free(m); }
+};
+using Model = std::unique_ptr<kvsift_model, ModelFree>;
+
+Model load(uint32_t chunk, int weights_f32 = 0, uint32_t n_ctx = 1024) {
+  kvsift_model_params params;
+  kvsift_model_params_init(&params);
+  params.n_ctx = n_ctx;
+  params.prefill_chunk = chunk;
+  params.weights_f32 = weights_f32;
+  kvsift_model* model = nullptr;
+  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK) << kvsift_last_error();
+  return Model(model);
+}
+
+std::vector<int32_t> tokenize(kvsift_model* model, const std::string& text) {
+  std::size_t n = 0;
+  kvsift_tokenize(model, text.data(), text.size(), 1, nullptr, 0, &n);
+  std::vector<int32_t> ids(n);
+  EXPECT_EQ(kvsift_tokenize(model, text.data(), text.size(), 1, ids.data(), ids.size(), &n), KVSIFT_STATUS_OK);
+  return ids;
+}
+
+const std::string kText =
+    "The Devil's Dictionary was begun in a weekly paper in 1881, and was continued in a desultory "
+    "way at long intervals until 1906. In that year a large part of it was published in covers.";
+
+class ModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (model_path() == nullptr) GTEST_SKIP() << "KVSIFT_MODEL is not set (make test sets it)";
+  }
+};
+
+}  // namespace
+
+// Prefill computes all positions at once through matrix products and causal attention; decode
+// computes one through kvsift's decode attention. Both must give the same next-token logits.
+// Returns the worst relative logit difference; expects the same top-1 token when exact_top1.
+double prefill_versus_decode(int weights_f32, bool exact_top1) {
+  Model model = load(64, weights_f32);
+  const auto ids = tokenize(model.get(), kText);
+  EXPECT_GT(ids.size(), 30u);
+  kvsift_model_info info;
+  EXPECT_EQ(kvsift_model_get_info(model.get(), &info), KVSIFT_STATUS_OK);
+  std::vector<float> all(ids.size() * info.n_vocab);
+  int32_t a = -1, b = -1;
+  EXPECT_EQ(kvsift_model_sequence_create(model.get(), &a), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_model_prefill(model.get(), a, ids.data(), ids.size(), all.data(), nullptr, nullptr),
+            KVSIFT_STATUS_OK) << kvsift_last_error();
+  EXPECT_EQ(kvsift_model_sequence_create(model.get(), &b), KVSIFT_STATUS_OK);
+  const std::size_t split = 10;
+  EXPECT_EQ(kvsift_model_prefill(model.get(), b, ids.data(), split, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+  double worst = 0.0;
+  for (std::size_t pos = split; pos < ids.size(); ++pos) {
+    const float* logits = nullptr;
+    EXPECT_EQ(kvsift_model_logits(model.get(), b, &logits, nullptr), KVSIFT_STATUS_OK);
+    const float* want = all.data() + (pos - 1) * info.n_vocab;
+    worst = std::max(worst, kvsift::test::relative_error(logits, want, info.n_vocab));
+    if (exact_top1) {
+      EXPECT_EQ(std::max_element(logits, logits + info.n_vocab) - logits,
+                std::max_element(want, want + info.n_vocab) - want) << "position " << pos;
+    }
+    EXPECT_EQ(kvsift_model_decode(model.get(), 1, &b, &ids[pos]), KVSIFT_STATUS_OK) << kvsift_last_error();
+  }
+  std::printf("prefill vs decode (%s weights): worst relative logit difference %.3g\n",
+              weights_f32 ? "f32" : "bf16", worst);
+  return worst;
+}
+
+// With float32 weights the two paths differ only in float32 summation order.
+TEST_F(ModelTest, prefill_and_token_by_token_decode_give_the_same_logits) {
+  EXPECT_LT(prefill_versus_decode(1, true), 2e-3);
+}
+
+// With bf16 weights every product rounds its input activations to bf16 (8-bit mantissa): a
+// summation-order difference that moves an activation across a rounding boundary changes it by
+// 2^-8, and 30 layers compound that. Measured: 1.8e-2 worst relative difference, so the bound is
+// 5e-2 and near-tied top-1 tokens may swap.
+TEST_F(ModelTest, prefill_and_decode_agree_within_bf16_rounding_with_bf16_weights) {
+  EXPECT_LT(prefill_versus_decode(0, false), 5e-2);
+}
+
+TEST_F(ModelTest, prefill_chunk_size_does_not_change_the_logits) {
+  Model small = load(7), large = load(256);
+  const auto ids = tokenize(small.get(), kText);
+  std::vector<const float*> logits;
+  for (kvsift_model* m : {small.get(), large.get()}) {
+    int32_t seq = -1;
+    ASSERT_EQ(kvsift_model_sequence_create(m, &seq), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_prefill(m, seq, ids.data(), ids.size(), nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+    const float* l = nullptr;
+    std::size_t n = 0;
+    ASSERT_EQ(kvsift_model_logits(m, seq, &l, &n), KVSIFT_STATUS_OK);
+    logits.push_back(l);
+  }
+  EXPECT_LT(kvsift::test::relative_error(logits[0], logits[1], 49152), 1e-4);
+}
+
+TEST_F(ModelTest, batched_decode_equals_one_sequence_at_a_time) {
+  kvsift_model_params params;
+  kvsift_model_params_init(&params);
+  params.n_ctx = 512;
+  params.max_seqs = 2;
+  kvsift_model* raw = nullptr;
+  ASSERT_EQ(kvsift_model_load(model_path(), &params, &raw), KVSIFT_STATUS_OK);
+  Model model(raw);
+  const auto one = tokenize(raw, "Once upon a time"), two = tokenize(raw, kText);
+  int32_t seqs[2];
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_EQ(kvsift_model_sequence_create(raw, &seqs[i]), KVSIFT_STATUS_OK);
+    const auto& ids = i == 0 ? one : two;
+    ASSERT_EQ(kvsift_model_prefill(raw, seqs[i], ids.data(), ids.size() - 1, nullptr, nullptr, nullptr),
+              KVSIFT_STATUS_OK);
+  }
+  const int32_t next[2] = {one.back(), two.back()};
+  ASSERT_EQ(kvsift_model_decode(raw, 2, seqs, next), KVSIFT_STATUS_OK);
+  std::vector<float> batched[2];
+  for (int i = 0; i < 2; ++i) {
+    const float* l = nullptr;
+    ASSERT_EQ(kvsift_model_logits(raw, seqs[i], &l, nullptr), KVSIFT_STATUS_OK);
+    batched[i].assign(l, l + 49152);
+  }
+  // The same second step, one sequence at a time, from fresh sequences.
+  for (int i = 0; i < 2; ++i) {
+    int32_t s = -1;
+    ASSERT_EQ(kvsift_model_sequence_create(raw, &s), KVSIFT_STATUS_OK);
+    const auto& ids = i == 0 ? one : two;
+    ASSERT_EQ(kvsift_model_prefill(raw, s, ids.data(), ids.size() - 1, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_decode(raw, 1, &s, &next[i]), KVSIFT_STATUS_OK);
+    const float* l = nullptr;
+    ASSERT_EQ(kvsift_model_logits(raw, s, &l, nullptr), KVSIFT_STATUS_OK);
+    EXPECT_LT(kvsift::test::relative_error(batched[i].data(), l, 49152), 1e-4) << "sequence " << i;
+    ASSERT_EQ(kvsift_model_sequence_free(raw, s), KVSIFT_STATUS_OK);
+  }
+}
+
+TEST_F(ModelTest, bad_files_and_options_are_clear_errors) {
+  kvsift_model_params params;
+  kvsift_model_params_init(&params);
+  kvsift_model* model = nullptr;
+  EXPECT_EQ(kvsift_model_load("/nonexistent/model.gguf", &params, &model), KVSIFT_STATUS_IO_ERROR);
+  EXPECT_EQ(model, nullptr);
+  // A truncated copy of the real file.
+  const std::string truncated = ::testing::TempDir() + "kvsift_truncated.gguf";
+  {
+    std::ifstream in(model_path(), std::ios::binary);
+    std::vector<char> head(3 << 20);
+    in.read(head.data(), head.size());
+    std::ofstream(truncated, std::ios::binary).write(head.data(), in.gcount());
+  }
+  EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE);
+  EXPECT_NE(std::string(kvsift_last_error()), "");
+  std::remove(truncated.c_str());
+  params.n_ctx = 8193;
+  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvsift_last_error()).find("8192"), std::string::npos) << kvsift_last_error();
+}
+
+TEST_F(ModelTest, a_sequence_cannot_grow_past_its_context) {
+  Model model = load(64, 0, 32);
+  const auto ids = tokenize(model.get(), kText);
+  int32_t seq = -1;
+  ASSERT_EQ(kvsift_model_sequence_create(model.get(), &seq), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 33, nullptr, nullptr, nullptr),
+            KVSIFT_STATUS_CAPACITY_EXCEEDED);
+  ASSERT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 32, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_model_decode(model.get(), 1, &seq, &ids[0]), KVSIFT_STATUS_CAPACITY_EXCEEDED);
+  const int32_t bad = 49152;
+  int32_t other = -1;
+  ASSERT_EQ(kvsift_model_sequence_create(model.get(), &other), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_model_prefill(model.get(), other, &bad, 1, nullptr, nullptr, nullptr),
+            KVSIFT_STATUS_INVALID_ARGUMENT);
+}
+
+TEST(Sampler, greedy_picks_the_argmax_and_a_seed_repeats_a_run) {
+  const auto logits = kvsift::test::random_floats(1000, 3);
+  kvsift_sampler_params p;
+  kvsift_sampler_params_init(&p);
+  kvsift_sampler* greedy = nullptr;
+  ASSERT_EQ(kvsift_sampler_create(&p, &greedy), KVSIFT_STATUS_OK);
+  int32_t token = -1;
+  ASSERT_EQ(kvsift_sampler_sample(greedy, logits.data(), logits.size(), &token), KVSIFT_STATUS_OK);
+  EXPECT_EQ(token, std::max_element(logits.begin(), logits.end()) - logits.begin());
+  kvsift_sampler_free(greedy);
+  p.temperature = 0.8f;
+  p.top_p = 0.9f;
+  p.seed = 42;
+  std::vector<int32_t> runs[2];
+  for (auto& run : runs) {
+    kvsift_sampler* s = nullptr;
+    ASSERT_EQ(kvsift_sampler_create(&p, &s), KVSIFT_STATUS_OK);
+    for (int i = 0; i < 50; ++i) {
+      ASSERT_EQ(kvsift_sampler_sample(s, logits.data(), logits.size(), &token), KVSIFT_STATUS_OK);
+      run.push_back(token);
+    }
+    kvsift_sampler_free(s);
+  }
+  EXPECT_EQ(runs[0], runs[1]);
+  p.top_p = 1.5f;
+  kvsift_sampler* bad = nullptr;
+  EXPECT_EQ(kvsift_sampler_create(&p, &bad), KVSIFT_STATUS_INVALID_ARGUMENT);
+}
