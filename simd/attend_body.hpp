@@ -108,17 +108,14 @@ struct Body {
   static void attend_dtype(const AttendJob& job) noexcept {
     const uint32_t d = job.head_dim, B = job.page_tokens;
     const std::size_t page_elems = std::size_t{B} * d;
-    auto slot_of = [&job](uint32_t i) {
-      const uint32_t p = job.logical ? job.logical[job.first + i] : job.first + i;
-      return job.pool + job.table[p] * job.slot_bytes;
-    };
+    auto page_of = [&job](uint32_t i) { return job.logical ? job.logical[job.first + i] : job.first + i; };
     for (uint32_t i = 0; i < job.count; ++i) {
-      const uint32_t p = job.logical ? job.logical[job.first + i] : job.first + i;
+      const uint32_t p = page_of(i);
       const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[p] * job.slot_bytes);
       // Slots of one (sequence, KV head) are scattered through the pool, and hardware prefetchers
       // stop at 4 KiB boundaries: request the next page's lines while this one is computed.
       if (i + 1 < job.count) {
-        const std::byte* next = slot_of(i + 1);
+        const std::byte* next = job.pool + job.table[page_of(i + 1)] * job.slot_bytes;
         for (std::size_t line = 0; line < job.slot_bytes; line += 64) __builtin_prefetch(next + line);
       }
       const uint16_t* v = k + page_elems;

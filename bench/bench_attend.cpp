@@ -1,0 +1,345 @@
+// Dense decode attention through the C API, measured against the machine's own read bandwidth.
+//
+// Decode attention reads every K/V byte once per call, so its ceiling is the streaming read
+// bandwidth of the threads that run it. Each BM_attend_dense case therefore reports, besides
+// bytes/s, `bw_ratio`: its KV bytes/s over the bandwidth that BM_read_bandwidth's probe measures
+// in the same process with the same thread count (`read_GBps`). The dev box is noisy (about
+// +-10%, and bimodal on 2 threads: research/env.md section 6), so compare medians of repetitions.
+//
+//   kvsift-bench-attend --benchmark_filter='llama8b/ctx:131072/batch:1/threads:2'
+//                       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kvsift/kvsift.h"
+
+namespace {
+
+struct Shape {
+  const char* name;
+  uint32_t n_kv_heads;
+  uint32_t group_size;
+  uint32_t head_dim;
+};
+
+constexpr Shape kShapes[] = {
+    {"llama8b", 8, 4, 128},  // Llama-3-8B: 32 query heads over 8 KV heads
+    {"smollm2", 3, 3, 64},   // SmolLM2-135M: 9 query heads over 3 KV heads
+};
+constexpr uint64_t kContexts[] = {4096, 8192, 32768, 131072, 524288};
+constexpr uint32_t kBatches[] = {1, 8};
+constexpr int kThreadCounts[] = {1, 2};
+constexpr uint32_t kPageTokens = 16;
+// The dev box has 24 GiB: larger caches are not registered. The one case this drops is llama8b at
+// 512K tokens and batch 8 (16 GiB of K+V).
+constexpr uint64_t kMaxKvBytes = uint64_t{8} << 30;
+// Tokens per kvsift_append: a prefill-sized chunk, so each (sequence, KV head) gets runs of
+// consecutive page slots, as after a real prefill.
+constexpr uint32_t kAppendTokens = 4096;
+constexpr uint64_t kSeed = 0x6b7673696674;  // "kvsift"
+
+uint64_t kv_bytes(const Shape& shape, uint64_t context, uint32_t batch) {
+  return context * batch * shape.n_kv_heads * shape.head_dim * 2 /* K, V */ * 2 /* fp16 */;
+}
+
+// splitmix64: fast enough to fill gigabytes, and fixed-seed reproducible.
+class Random {
+ public:
+  explicit Random(uint64_t seed) : state_(seed) {}
+  void fill(std::vector<float>& values) {
+    for (float& x : values) x = uniform();
+  }
+
+ private:
+  float uniform() {  // [-1, 1)
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111eb;
+    z ^= z >> 31;
+    return static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;
+  }
+  uint64_t state_;
+};
+
+// ---- Read-bandwidth probe ----------------------------------------------------------------------
+
+// 1 GiB: 32 times the L3, so a pass streams from DRAM.
+constexpr std::size_t kProbeFloats = std::size_t{1} << 28;
+constexpr int kProbePasses = 7;
+
+// Anonymous mmap like kvsift's page pool, so both get the same (transparent huge) pages.
+class ProbeBuffer {
+ public:
+  ProbeBuffer() {
+    void* p = mmap(nullptr, bytes(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED) return;
+    data_ = static_cast<float*>(p);
+#pragma omp parallel for schedule(static)
+    for (std::size_t i = 0; i < kProbeFloats; ++i) data_[i] = 1.0f;  // commit it, untimed
+  }
+  ~ProbeBuffer() {
+    if (data_ != nullptr) munmap(data_, bytes());
+  }
+  ProbeBuffer(const ProbeBuffer&) = delete;
+  ProbeBuffer& operator=(const ProbeBuffer&) = delete;
+
+  const float* data() const { return data_; }
+  static constexpr std::size_t bytes() { return kProbeFloats * sizeof(float); }
+
+ private:
+  float* data_ = nullptr;
+};
+
+const ProbeBuffer& probe_buffer() {
+  static const ProbeBuffer buffer;
+  return buffer;
+}
+
+// Sixteen independent sums, which GCC turns into four 4-wide SSE2 chains at baseline. On the dev
+// box it reads as fast as an AVX-512 loop with eight 16-wide accumulators and as an fp16-converting
+// one (medians of 7 passes over 1 GiB, 3 rounds x {1, 2} threads: fastest of the three in 5 of the
+// 6), so the probe needs no ISA dispatch.
+float sum_floats(const float* p, std::size_t n) {
+  float acc[16] = {};
+  for (std::size_t i = 0; i + 16 <= n; i += 16)
+    for (int j = 0; j < 16; ++j) acc[j] += p[i + j];
+  float total = 0.0f;
+  for (float a : acc) total += a;
+  return total;
+}
+
+// One pass over the buffer with `threads` threads, each summing one contiguous slice.
+double read_pass_seconds(const float* data, int threads, float* sink) {
+  float total = 0.0f;
+  const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const std::size_t n = omp_get_num_threads(), t = omp_get_thread_num();
+    const std::size_t first = kProbeFloats * t / n, last = kProbeFloats * (t + 1) / n;
+    total += sum_floats(data + first, last - first);
+  }
+  const auto stop = std::chrono::steady_clock::now();
+  *sink = total;
+  return std::chrono::duration<double>(stop - start).count();
+}
+
+// Bytes/s of a streaming read with `threads` threads: the median of kProbePasses passes after
+// one warm-up pass, measured once per thread count and process. 0 when the buffer is missing.
+double read_bandwidth(int threads) {
+  static std::map<int, double> measured;
+  if (auto it = measured.find(threads); it != measured.end()) return it->second;
+  const float* data = probe_buffer().data();
+  if (data == nullptr) return 0.0;
+  float sink = 0.0f;
+  read_pass_seconds(data, threads, &sink);
+  std::vector<double> seconds(kProbePasses);
+  for (double& s : seconds) s = read_pass_seconds(data, threads, &sink);
+  benchmark::DoNotOptimize(sink);
+  std::nth_element(seconds.begin(), seconds.begin() + kProbePasses / 2, seconds.end());
+  return measured[threads] = ProbeBuffer::bytes() / seconds[kProbePasses / 2];
+}
+
+void BM_read_bandwidth(benchmark::State& state, int threads) {
+  const float* data = probe_buffer().data();
+  if (data == nullptr) {
+    state.SkipWithError("cannot map the 1 GiB probe buffer");
+    return;
+  }
+  float sink = 0.0f;
+  read_pass_seconds(data, threads, &sink);  // starts the thread pool
+  double seconds = 0.0;
+  for (auto _ : state) seconds += read_pass_seconds(data, threads, &sink);
+  benchmark::DoNotOptimize(sink);
+  const double bytes = static_cast<double>(state.iterations()) * ProbeBuffer::bytes();
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  state.counters["GBps"] = seconds > 0.0 ? bytes / seconds * 1e-9 : 0.0;
+  state.counters["threads"] = threads;
+}
+
+// ---- Dense decode attention --------------------------------------------------------------------
+
+struct CacheDeleter {
+  void operator()(kvsift_cache* cache) const { kvsift_cache_free(cache); }
+};
+using CachePtr = std::unique_ptr<kvsift_cache, CacheDeleter>;
+
+struct CaseKey {
+  const Shape* shape;
+  uint64_t context;
+  uint32_t batch;
+  int threads;
+  bool operator==(const CaseKey&) const = default;
+};
+
+// The filled cache of the case that ran last. Google Benchmark calls a case's function several
+// times (iteration estimate, repetitions); building a multi-GiB cache once per case, and holding
+// only one at a time, keeps a filtered run short and the process within memory.
+struct Filled {
+  CaseKey key{};
+  CachePtr cache;
+  std::vector<int32_t> seq_ids;
+  std::vector<float> q, out;
+};
+
+Filled& held_case() {
+  static Filled held;
+  return held;
+}
+
+// Builds the case's cache unless it is the one held; "" on success, else the failing call's error.
+std::string fill_case(const CaseKey& key) {
+  Filled& held = held_case();
+  if (held.cache && held.key == key) return "";
+  held = Filled{};  // frees the previous cache first
+  const Shape& shape = *key.shape;
+  const uint32_t H = shape.n_kv_heads, d = shape.head_dim;
+  kvsift_cache_params params;
+  kvsift_cache_params_init(&params);
+  params.n_kv_heads = H;
+  params.group_size = shape.group_size;
+  params.head_dim = d;
+  params.page_tokens = kPageTokens;
+  params.dtype = KVSIFT_DTYPE_F16;
+  params.max_pages = uint64_t{key.batch} * H * ((key.context + kPageTokens - 1) / kPageTokens);
+  params.max_batch = key.batch;
+  params.n_threads = key.threads;
+  kvsift_cache* raw = nullptr;
+  if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
+  CachePtr cache(raw);
+
+  Random random(kSeed);
+  std::vector<float> k(std::size_t{kAppendTokens} * H * d), v(k.size());
+  std::vector<int32_t> seq_ids(key.batch);
+  for (int32_t& id : seq_ids) {
+    if (kvsift_sequence_create(cache.get(), &id) != KVSIFT_STATUS_OK) return kvsift_last_error();
+    for (uint64_t done = 0; done < key.context; done += kAppendTokens) {
+      const auto n = static_cast<uint32_t>(std::min<uint64_t>(kAppendTokens, key.context - done));
+      random.fill(k);
+      random.fill(v);
+      if (kvsift_append(cache.get(), id, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK)
+        return kvsift_last_error();
+    }
+  }
+  held.q.resize(std::size_t{key.batch} * H * shape.group_size * d);
+  held.out.resize(held.q.size());
+  random.fill(held.q);
+  held.key = key;
+  held.cache = std::move(cache);
+  held.seq_ids = std::move(seq_ids);
+  return "";
+}
+
+void BM_attend_dense(benchmark::State& state, CaseKey key) {
+  if (const std::string error = fill_case(key); !error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  Filled& held = held_case();
+  kvsift_cache* cache = held.cache.get();
+  const double read_bps = read_bandwidth(key.threads);
+  if (read_bps <= 0.0) {
+    state.SkipWithError("cannot map the 1 GiB probe buffer");
+    return;
+  }
+  auto attend = [&] {
+    return kvsift_attend(cache, 0, key.batch, held.seq_ids.data(), held.q.data(), held.out.data(),
+                         nullptr);
+  };
+  // One untimed call: fails early, starts the thread pool, and gives the bytes a call reads.
+  kvsift_cache_stats stats;
+  if (attend() != KVSIFT_STATUS_OK || kvsift_cache_get_stats(cache, &stats) != KVSIFT_STATUS_OK) {
+    state.SkipWithError(kvsift_last_error());
+    return;
+  }
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) {
+    if (attend() != KVSIFT_STATUS_OK) {
+      state.SkipWithError(kvsift_last_error());
+      break;
+    }
+  }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  benchmark::DoNotOptimize(held.out.data());
+  const double bytes = static_cast<double>(state.iterations()) * stats.last_bytes_read;
+  state.SetBytesProcessed(static_cast<int64_t>(bytes));
+  state.SetLabel(kvsift_isa_name(kvsift_cache_isa(cache)));
+  // Plain numbers from the loop's own clock (the same real time the benchmark measures), so that
+  // bw_ratio prints as a ratio rather than as a rate.
+  const double achieved_bps = seconds > 0.0 ? bytes / seconds : 0.0;
+  state.counters["GBps"] = achieved_bps * 1e-9;
+  state.counters["read_GBps"] = read_bps * 1e-9;
+  state.counters["bw_ratio"] = achieved_bps / read_bps;
+  state.counters["threads"] = key.threads;
+}
+
+void register_benchmarks() {
+  for (int threads : kThreadCounts) {
+    const std::string name = "BM_read_bandwidth/threads:" + std::to_string(threads);
+    benchmark::RegisterBenchmark(name.c_str(), BM_read_bandwidth, threads)
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  }
+  for (const Shape& shape : kShapes)
+    for (uint64_t context : kContexts)
+      for (uint32_t batch : kBatches) {
+        if (kv_bytes(shape, context, batch) > kMaxKvBytes) continue;
+        for (int threads : kThreadCounts) {
+          const std::string name = std::string("BM_attend_dense/") + shape.name +
+                                   "/ctx:" + std::to_string(context) +
+                                   "/batch:" + std::to_string(batch) +
+                                   "/threads:" + std::to_string(threads);
+          benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
+                                       CaseKey{&shape, context, batch, threads})
+              ->UseRealTime()
+              ->Unit(benchmark::kMillisecond);
+        }
+      }
+}
+
+// The ISA a default cache picks (the CPU's best under KVSIFT_MAX_ISA), for the context block.
+std::string default_isa() {
+  kvsift_cache_params params;
+  kvsift_cache_params_init(&params);
+  params.max_pages = 1;
+  kvsift_cache* cache = nullptr;
+  if (kvsift_cache_create(&params, &cache) != KVSIFT_STATUS_OK)
+    return std::string("error: ") + kvsift_last_error();
+  const std::string name = kvsift_isa_name(kvsift_cache_isa(cache));
+  kvsift_cache_free(cache);
+  return name;
+}
+
+std::string env_or(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value != nullptr ? value : fallback;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_benchmarks();
+  benchmark::AddCustomContext("kvsift_version", kvsift_version_string());
+  benchmark::AddCustomContext("kvsift_isa", default_isa());
+  benchmark::AddCustomContext("kvsift_isa_supported", kvsift_isa_name(kvsift_isa_supported()));
+  benchmark::AddCustomContext("omp_max_threads", std::to_string(omp_get_max_threads()));
+  benchmark::AddCustomContext("threads", "per case: kvsift_cache_params.n_threads (name suffix)");
+  benchmark::AddCustomContext("KVSIFT_MAX_ISA", env_or("KVSIFT_MAX_ISA", "(unset)"));
+  benchmark::AddCustomContext("OMP_PROC_BIND", env_or("OMP_PROC_BIND", "(unset)"));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
