@@ -107,11 +107,12 @@ struct Options {
 };
 
 int run(const Options& o) {
-  if (o.selector != "dense")
-    throw Failure{"unknown selector '" + o.selector + "' (available: dense)"};
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  check(kvsift_selector_from_name(o.selector.c_str(), &policy.selector), "--selector");
+  policy.budget = o.budget;
   if (o.device != "cpu")
     throw Failure{"--device " + o.device + " is not available in this build (available: cpu)"};
-  if (o.budget != 0.0) std::fprintf(stderr, "note: --budget has no effect on the dense selector\n");
 
   kvsift_model_params params;
   kvsift_model_params_init(&params);
@@ -125,6 +126,7 @@ int run(const Options& o) {
   const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   kvsift_model_info info;
   check(kvsift_model_get_info(model, &info), "model info");
+  check(kvsift_model_set_selector(model, &policy), "--selector/--budget");
 
   const std::string document = o.prompt_file.empty() ? builtin_document() : read_file(o.prompt_file);
   const std::string user = document + "\n\n" + o.question;

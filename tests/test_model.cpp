@@ -222,3 +222,26 @@ TEST(Sampler, greedy_picks_the_argmax_and_a_seed_repeats_a_run) {
   kvsift_sampler* bad = nullptr;
   EXPECT_EQ(kvsift_sampler_create(&p, &bad), KVSIFT_STATUS_INVALID_ARGUMENT);
 }
+
+TEST(Selector, names_resolve_and_unknown_ones_are_not_found) {
+  kvsift_selector selector = KVSIFT_SELECTOR_MAX_ENUM;
+  ASSERT_EQ(kvsift_selector_from_name("dense", &selector), KVSIFT_STATUS_OK);
+  EXPECT_EQ(selector, KVSIFT_SELECTOR_DENSE);
+  EXPECT_STREQ(kvsift_selector_name(selector), "dense");
+  EXPECT_EQ(kvsift_selector_from_name("locks", &selector), KVSIFT_STATUS_NOT_FOUND);
+  EXPECT_NE(std::string(kvsift_last_error()).find("available: dense"), std::string::npos);
+  EXPECT_EQ(kvsift_selector_from_name(nullptr, &selector), KVSIFT_STATUS_INVALID_ARGUMENT);
+}
+
+TEST_F(ModelTest, the_dense_policy_is_accepted_and_a_budget_for_it_is_refused) {
+  Model model = load(64, 0, 64);
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  EXPECT_EQ(kvsift_model_set_selector(model.get(), &policy), KVSIFT_STATUS_OK);
+  policy.budget = 0.05;
+  EXPECT_EQ(kvsift_model_set_selector(model.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvsift_last_error()).find("budget"), std::string::npos);
+  policy.budget = 0.0;
+  policy.selector = static_cast<kvsift_selector>(42);
+  EXPECT_EQ(kvsift_model_set_selector(model.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+}

@@ -361,6 +361,35 @@ typedef struct kvsift_model_stats {
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_stats* stats);
 
+/* Which pages or tokens each decode step attends to. Only the dense selector exists so far; the
+ * sparse selectors (oracle, quest, locks, louver, s4r) join this enum as they land. */
+typedef enum kvsift_selector {
+  KVSIFT_SELECTOR_DENSE = 0, /* every stored token: exact attention */
+  KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
+} kvsift_selector;
+
+/* Fill with kvsift_selector_policy_init() first. */
+typedef struct kvsift_selector_policy {
+  kvsift_selector selector; /* Default KVSIFT_SELECTOR_DENSE. */
+  /* Tokens per (layer, KV head) per step, sink and window pages counted inside (the papers'
+   * meaning): a fraction of the context when in (0, 1), a token count when >= 1, none when 0.
+   * The dense selector takes no budget. Default 0. */
+  double budget;
+  uint32_t sink_pages;   /* leading pages always attended. Default 1. */
+  uint32_t window_pages; /* most recent pages always attended (the open page always is). Default 1. */
+} kvsift_selector_policy;
+
+KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
+/* "dense", ...; "unknown" for other values. Static storage. */
+KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
+/* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message
+ * lists the known ones). */
+KVSIFT_API kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector);
+/* Makes every later decode step of the model use the policy. Errors: INVALID_ARGUMENT (unknown
+ * selector, a negative budget, a budget given to the dense selector). */
+KVSIFT_API kvsift_status kvsift_model_set_selector(kvsift_model* model,
+                                                   const kvsift_selector_policy* policy);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Sampling                                                                                        */
 
