@@ -51,7 +51,7 @@ namespace kvsift::simd {
 
 const Kernels& avx2_kernels() noexcept {
   static const Kernels table{Isa::avx2, Body<IsaOps>::encode, Body<IsaOps>::decode,
-                             Body<IsaOps>::attend};
+                             Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16};
   return table;
 }
 

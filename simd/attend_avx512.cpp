@@ -48,7 +48,7 @@ namespace kvsift::simd {
 
 const Kernels& avx512_kernels() noexcept {
   static const Kernels table{Isa::avx512, Body<IsaOps>::encode, Body<IsaOps>::decode,
-                             Body<IsaOps>::attend};
+                             Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16};
   return table;
 }
 

@@ -55,6 +55,46 @@ struct Body {
     for (std::size_t j = 0; i + j < n; ++j) dst[i + j] = out[j];
   }
 
+  // Streams each bf16 weight row once for all M vectors; per vector two accumulators (even and
+  // odd chunks) hide the FMA latency, the same order for every M.
+  template <std::size_t M>
+  static void matvec_rows(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
+                          float* y, std::size_t y_stride) noexcept {
+    for (std::size_t r = 0; r < rows; ++r) {
+      const uint16_t* wr = w + r * cols;
+      batch a0[M], a1[M];
+      for (std::size_t m = 0; m < M; ++m) a0[m] = a1[m] = batch(0.0f);
+      std::size_t c = 0;
+      for (; c + 2 * W <= cols; c += 2 * W) {
+        const batch w0 = Ops::load_bf16(wr + c), w1 = Ops::load_bf16(wr + c + W);
+        for (std::size_t m = 0; m < M; ++m) {
+          a0[m] = xsimd::fma(w0, batch::load_unaligned(x + m * cols + c), a0[m]);
+          a1[m] = xsimd::fma(w1, batch::load_unaligned(x + m * cols + c + W), a1[m]);
+        }
+      }
+      for (; c < cols; c += W) {
+        const batch w0 = Ops::load_bf16(wr + c);
+        for (std::size_t m = 0; m < M; ++m) a0[m] = xsimd::fma(w0, batch::load_unaligned(x + m * cols + c), a0[m]);
+      }
+      for (std::size_t m = 0; m < M; ++m) y[m * y_stride + r] = xsimd::hadd(a0[m] + a1[m]);
+    }
+  }
+
+  static void matvec_bf16(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
+                          std::size_t n_vectors, float* y, std::size_t y_stride) noexcept {
+    static_assert(kMaxVectors == 8, "the switch covers 1..8 vectors");
+    switch (n_vectors) {
+      case 1: matvec_rows<1>(w, rows, cols, x, y, y_stride); break;
+      case 2: matvec_rows<2>(w, rows, cols, x, y, y_stride); break;
+      case 3: matvec_rows<3>(w, rows, cols, x, y, y_stride); break;
+      case 4: matvec_rows<4>(w, rows, cols, x, y, y_stride); break;
+      case 5: matvec_rows<5>(w, rows, cols, x, y, y_stride); break;
+      case 6: matvec_rows<6>(w, rows, cols, x, y, y_stride); break;
+      case 7: matvec_rows<7>(w, rows, cols, x, y, y_stride); break;
+      default: matvec_rows<8>(w, rows, cols, x, y, y_stride); break;
+    }
+  }
+
   // One page for a block of NG query heads: logits, online-softmax rescale, V accumulation.
   // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head.
   template <Dtype D, uint32_t NG>

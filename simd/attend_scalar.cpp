@@ -61,10 +61,20 @@ void attend(const AttendJob& job) noexcept {
   }
 }
 
+void matvec_bf16(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
+                 std::size_t n_vectors, float* y, std::size_t y_stride) noexcept {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t m = 0; m < n_vectors; ++m) {
+      float sum = 0.0f;
+      for (std::size_t c = 0; c < cols; ++c) sum += bf16_to_f32(w[r * cols + c]) * x[m * cols + c];
+      y[m * y_stride + r] = sum;
+    }
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Isa::scalar, encode, decode, attend};
+  static const Kernels table{Isa::scalar, encode, decode, attend, matvec_bf16};
   return table;
 }
 

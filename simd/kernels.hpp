@@ -44,6 +44,12 @@ struct Kernels {
   // n storage values to float32.
   void (*decode)(const uint16_t* src, float* dst, std::size_t n, Dtype dtype) noexcept;
   void (*attend)(const AttendJob& job) noexcept;
+  // y[m, r] = sum_c w[r, c] * x[m, c] for m < n_vectors (1..kMaxVectors), r < rows: bf16 weights
+  // [rows, cols] row-major, float32 x [n_vectors, cols], y rows y_stride apart; cols a multiple
+  // of 16. The decode-step projection: each weight row is streamed once for all vectors, and every
+  // vector is summed in the same order whatever n_vectors is (results do not depend on batching).
+  void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
+                      std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
 };
 
 // The table for an ISA the CPU supports (callers resolve the ISA first with resolve_isa).
@@ -57,5 +63,7 @@ const Kernels& avx512_kernels() noexcept;
 // Largest group the SIMD kernels take in one pass over a page; larger groups are processed in
 // blocks of this many heads (each block re-reads the page from L1/L2, not from DRAM).
 inline constexpr uint32_t kHeadBlock = 4;
+// Most vectors matvec_bf16 takes at once.
+inline constexpr std::size_t kMaxVectors = 8;
 
 }  // namespace kvsift::simd

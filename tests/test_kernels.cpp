@@ -169,3 +169,29 @@ TEST_P(Kernels, explicit_page_lists_attend_only_the_listed_pages) {
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
                          isa_test_name);
+
+TEST_P(Kernels, bf16_matrix_vector_products_match_float64_for_every_batch) {
+  for (std::size_t cols : {16u, 64u, 576u, 1536u}) {
+    const std::size_t rows = 37, y_stride = 41;
+    const auto wf = test::random_floats(rows * cols, 7 + static_cast<uint32_t>(cols));
+    const auto x = test::random_floats(simd::kMaxVectors * cols, 8);
+    std::vector<uint16_t> w(wf.size());
+    simd::scalar_kernels().encode(wf.data(), w.data(), w.size(), Dtype::bf16);
+    std::vector<float> one(rows);
+    k().matvec_bf16(w.data(), rows, cols, x.data(), 1, one.data(), rows);
+    for (std::size_t n = 1; n <= simd::kMaxVectors; ++n) {
+      std::vector<float> y(n * y_stride, -1.0f);
+      k().matvec_bf16(w.data(), rows, cols, x.data(), n, y.data(), y_stride);
+      for (std::size_t m = 0; m < n; ++m) {
+        std::vector<double> want(rows, 0.0);
+        for (std::size_t r = 0; r < rows; ++r)
+          for (std::size_t c = 0; c < cols; ++c)
+            want[r] += double(simd::bf16_to_f32(w[r * cols + c])) * x[m * cols + c];
+        EXPECT_LT(test::relative_error(y.data() + m * y_stride, want.data(), rows), 1e-6)
+            << "cols=" << cols << " n=" << n << " m=" << m;
+      }
+      // The first vector's sums do not depend on how many vectors ride along.
+      EXPECT_EQ(0, std::memcmp(y.data(), one.data(), rows * sizeof(float))) << "n=" << n;
+    }
+  }
+}

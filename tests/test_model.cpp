@@ -96,7 +96,7 @@ TEST_F(ModelTest, prefill_and_token_by_token_decode_give_the_same_logits) {
 
 // With bf16 weights every product rounds its input activations to bf16 (8-bit mantissa): a
 // summation-order difference that moves an activation across a rounding boundary changes it by
-// 2^-8, and 30 layers compound that. Measured: 1.8e-2 worst relative difference, so the bound is
+// 2^-8, and 30 layers compound that. Measured: 2.2e-2 worst relative difference, so the bound is
 // 5e-2 and near-tied top-1 tokens may swap.
 TEST_F(ModelTest, prefill_and_decode_agree_within_bf16_rounding_with_bf16_weights) {
   EXPECT_LT(prefill_versus_decode(0, false), 5e-2);

@@ -160,10 +160,11 @@ TEST_P(PeerAgreement, greedy_continuations_match_llama_cpp) {
     }
     std::printf("%s: %d of %zu greedy tokens agree; identical free-running prefix %zu\n",
                 run["name"].get<std::string>().c_str(), same, peer.size(), free_running);
-    // The issue asks for 30 of 32; a prompt whose continuation runs through several near-ties
-    // (the story prompt: 4 steps with llama.cpp margins of 0.03-0.13) cannot promise that to any
-    // runtime that rounds differently, so the count is reported and the decided steps asserted.
-    EXPECT_GE(same, static_cast<int>(peer.size()) - 4) << run["name"];
+    // 30 of 32 per prompt. Near-ties make this a property of the prompt as much as of the
+    // runtime: a continuation with several steps below the noise floor (an earlier "dragon story"
+    // prompt had four, with llama.cpp margins of 0.03-0.13) cannot promise it to any runtime that
+    // rounds differently; the decided steps above are the strict check.
+    EXPECT_GE(same, static_cast<int>(peer.size()) - 2) << run["name"];
     ASSERT_EQ(kvsift_model_sequence_free(model_.get(), seq), KVSIFT_STATUS_OK);
   }
 }

@@ -171,6 +171,7 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   gate_up_.resize(rows * 2 * config.n_ff);
   ffn_.resize(rows * config.n_ff);
   x_bf16_.resize(rows * std::max({E, qdim, config.n_ff}));
+  x_rounded_.resize(simd::kMaxVectors * std::max({E, qdim, config.n_ff}));
 }
 
 LlamaModel::Linear LlamaModel::load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts,
@@ -204,7 +205,21 @@ LlamaModel::Linear LlamaModel::load_linear(const std::vector<std::pair<std::stri
 }
 
 void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* y) {
-  if (options_.weight_type == MatType::bf16) {
+  if (options_.weight_type == MatType::bf16 && decoding_ && rows <= simd::kMaxVectors && w.in % 16 == 0) {
+    // A decode step (a few sequences): matrix-vector products that stream the weights once, split
+    // by output rows across threads. x is rounded to bf16 as the matrix-product path rounds it.
+    const simd::Kernels& kernels = cache_.kernels();
+    const std::size_t n = std::size_t{rows} * w.in;
+    kernels.encode(x, x_bf16_.data(), n, simd::Dtype::bf16);
+    kernels.decode(x_bf16_.data(), x_rounded_.data(), n, simd::Dtype::bf16);
+#pragma omp parallel
+    {
+      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
+      const std::size_t first = std::size_t{w.out} * t / threads, last = std::size_t{w.out} * (t + 1) / threads;
+      kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(), rows,
+                          y + first, w.out);
+    }
+  } else if (options_.weight_type == MatType::bf16) {
     cache_.kernels().encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
     matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(), WeightLayout::rows_are_outputs,
                 w.out, y);
@@ -357,6 +372,13 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   }
   const auto t0 = Clock::now();
   double attention_seconds = 0.0;
+  // Decode rows take the matrix-vector path; prefill always the matrix products, so a prompt's
+  // logits do not depend on how it was chunked.
+  struct DecodingScope {
+    bool& flag;
+    explicit DecodingScope(bool& f) : flag(f) { flag = true; }
+    ~DecodingScope() { flag = false; }
+  } decoding_scope(decoding_);
   const uint32_t E = config_.n_embd, kvdim = config_.n_kv_heads * config_.head_dim;
   for (uint32_t r = 0; r < n; ++r) embed(tokens[r], x_.data() + std::size_t{r} * E);
   AttendCall call;

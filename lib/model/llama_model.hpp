@@ -130,11 +130,13 @@ class LlamaModel {
   PrefillAttention prefill_attention_;
   Matmul matmul_;
   ModelStats stats_;
+  bool decoding_ = false;  // inside decode(): project() takes the matrix-vector path
 
   // Workspaces sized for max(prefill_chunk, max_seqs) rows.
   uint32_t max_rows_;
   AlignedVector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, ffn_;
   AlignedVector<uint16_t> x_bf16_;
+  AlignedVector<float> x_rounded_;  // x_bf16_ back in float32, for matvec_bf16 (decode rows)
   std::vector<std::vector<float>> logits_;  // per sequence id
 };
 

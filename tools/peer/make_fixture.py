@@ -117,7 +117,7 @@ GREEDY_PROMPTS = [
     # top1_top2_margin). The bare "What is the capital of France?" is a near-tie on this Q4_1 file:
     # its first token is "L" (24.740) vs "The" (24.651) and the answer wanders off in French.
     ("capital", chat("What is the capital of France? Tell me about it.")),
-    ("story", chat("Tell me a short story about a dragon and a knight.")),
+    ("story", chat("Write a short story about a brave little mouse.")),
     ("math", chat("A farmer has 17 sheep and buys 8 more, then sells 5. How many sheep does he have? "
                   "Explain step by step.")),
     ("list", chat("Name five countries in Europe and their capitals.")),
