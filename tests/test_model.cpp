@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "kvsift/kvsift.h"
@@ -171,7 +172,20 @@ TEST_F(ModelTest, bad_files_and_options_are_clear_errors) {
     std::ofstream(truncated, std::ios::binary).write(head.data(), in.gcount());
   }
   EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE);
-  EXPECT_NE(std::string(kvsift_last_error()), "");
+  EXPECT_NE(std::string(kvsift_last_error()).find("past the end"), std::string::npos) << kvsift_last_error();
+  // The same bytes with a wrong magic, then (magic restored) an unsupported version.
+  const std::tuple<int, char, int, char, const char*> edits[] = {{0, 'X', 0, 'X', "not a GGUF file"},
+                                                                 {0, 'G', 4, '\x01', "version 1"}};
+  for (auto [at1, byte1, at2, byte2, expected] : edits) {
+    std::fstream f(truncated, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(at1);
+    f.put(byte1);
+    f.seekp(at2);
+    f.put(byte2);
+    f.close();
+    EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE) << expected;
+    EXPECT_NE(std::string(kvsift_last_error()).find(expected), std::string::npos) << kvsift_last_error();
+  }
   std::remove(truncated.c_str());
   params.n_ctx = 8193;
   EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_INVALID_ARGUMENT);
