@@ -270,7 +270,10 @@ typedef struct kvsift_model_params {
                              default bf16, closer to the file's values). Default 0. */
   kvsift_dtype kv_dtype;  /* KV cache storage. Default KVSIFT_DTYPE_F16. */
   uint32_t page_tokens;   /* KV page size: 16, 32 or 64. Default 16. */
-  int n_threads;          /* OpenMP threads; 0 = the OpenMP default. Default 0. */
+  int n_threads;          /* OpenMP threads; 0 = the OpenMP default. A positive value also sets
+                             the process's OpenMP default (omp_set_num_threads): oneDNN, which runs
+                             the model's matrix products, takes its thread count from there.
+                             Default 0. */
   kvsift_isa isa;         /* Default AUTO. */
 } kvsift_model_params;
 
