@@ -1,8 +1,8 @@
 // kvsift-demo: a long document and a question about a fact planted in it, answered by a real
 // model (SmolLM2-135M-Instruct by default) whose KV cache lives in kvsift's paged host cache.
 // Uses only the public C API, as an embedding application would.
-#include <CLI/CLI.hpp>
 #include <zlib.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cstdio>
@@ -23,7 +23,8 @@ constexpr std::size_t kDocumentChars = 20000;  // about 4.5K SmolLM2 tokens
 constexpr const char* kPlantedFact =
     "Editor's note: the lighthouse keeper on Gull Island keeps a grey cat named Marmalade.";
 constexpr const char* kDefaultQuestion =
-    "According to the editor's note in the text above, what is the name of the lighthouse keeper's cat?";
+    "According to the editor's note in the text above, what is the name of the lighthouse keeper's "
+    "cat?";
 
 struct Failure {
   std::string message;
@@ -31,7 +32,8 @@ struct Failure {
 
 void check(kvsift_status status, const char* what) {
   if (status != KVSIFT_STATUS_OK)
-    throw Failure{std::string(what) + ": " + kvsift_status_string(status) + ": " + kvsift_last_error()};
+    throw Failure{std::string(what) + ": " + kvsift_status_string(status) + ": " +
+                  kvsift_last_error()};
 }
 
 std::string read_file(const std::string& path) {
@@ -45,8 +47,9 @@ std::string read_file(const std::string& path) {
 std::string builtin_document() {
   gzFile gz = gzopen(kDevilsDictionary, "rb");
   if (gz == nullptr)
-    throw Failure{std::string("cannot open ") + kDevilsDictionary +
-                  " (the built-in document; install the Debian package dict-devil, or pass --prompt-file)"};
+    throw Failure{
+        std::string("cannot open ") + kDevilsDictionary +
+        " (the built-in document; install the Debian package dict-devil, or pass --prompt-file)"};
   std::string text;
   char buffer[65536];
   int n;
@@ -56,7 +59,7 @@ std::string builtin_document() {
   if (begin == std::string::npos || text.size() < begin + kDocumentChars)
     throw Failure{std::string(kDevilsDictionary) + " does not hold the expected text"};
   std::string doc = text.substr(begin, kDocumentChars);
-  doc = doc.substr(0, doc.rfind("\n\n"));            // end at a paragraph
+  doc = doc.substr(0, doc.rfind("\n\n"));  // end at a paragraph
   const std::size_t middle = doc.find("\n\n", doc.size() / 2);
   return doc.substr(0, middle) + "\n\n" + kPlantedFact + doc.substr(middle);
 }
@@ -64,8 +67,9 @@ std::string builtin_document() {
 std::string default_model_path() {
   if (const char* path = std::getenv("KVSIFT_MODEL")) return path;
   const char* dir = std::getenv("KVSIFT_MODEL_DIR");
-  const std::string base = dir ? dir : std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") +
-                                           "/.cache/kvsift/models";
+  const std::string base =
+      dir ? dir
+          : std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") + "/.cache/kvsift/models";
   return base + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
@@ -123,35 +127,42 @@ int run(const Options& o) {
   const auto t_load = std::chrono::steady_clock::now();
   check(kvsift_model_load(o.model.c_str(), &params, &model), "loading the model");
   std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
-  const double load_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
+  const double load_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   kvsift_model_info info;
   check(kvsift_model_get_info(model, &info), "model info");
   check(kvsift_model_set_selector(model, &policy), "--selector/--budget");
 
-  const std::string document = o.prompt_file.empty() ? builtin_document() : read_file(o.prompt_file);
+  const std::string document =
+      o.prompt_file.empty() ? builtin_document() : read_file(o.prompt_file);
   const std::string user = document + "\n\n" + o.question;
   const kvsift_chat_message messages[] = {{"user", user.c_str()}};
   const std::string prompt = two_call([&](char* out, std::size_t cap, std::size_t* len) {
     return kvsift_chat_template(model, messages, 1, 1, out, cap, len);
   });
   std::size_t n_prompt = 0;
-  kvsift_status status = kvsift_tokenize(model, prompt.data(), prompt.size(), 1, nullptr, 0, &n_prompt);
+  kvsift_status status =
+      kvsift_tokenize(model, prompt.data(), prompt.size(), 1, nullptr, 0, &n_prompt);
   std::vector<int32_t> tokens(n_prompt);
   if (status == KVSIFT_STATUS_BUFFER_TOO_SMALL || status == KVSIFT_STATUS_OK)
-    status = kvsift_tokenize(model, prompt.data(), prompt.size(), 1, tokens.data(), tokens.size(), &n_prompt);
+    status = kvsift_tokenize(model, prompt.data(), prompt.size(), 1, tokens.data(), tokens.size(),
+                             &n_prompt);
   check(status, "tokenizing the prompt");
   if (n_prompt + o.max_new > info.n_ctx)
     throw Failure{"the prompt (" + std::to_string(n_prompt) + " tokens) plus --max-new " +
-                  std::to_string(o.max_new) + " exceeds the context of " + std::to_string(info.n_ctx) +
-                  " positions"};
-  std::fprintf(stderr, "model: %u layers, %u query / %u KV heads, head_dim %u, %u-token vocabulary (loaded in %.2f s)\n",
+                  std::to_string(o.max_new) + " exceeds the context of " +
+                  std::to_string(info.n_ctx) + " positions"};
+  std::fprintf(stderr,
+               "model: %u layers, %u query / %u KV heads, head_dim %u, %u-token vocabulary (loaded "
+               "in %.2f s)\n",
                info.n_layers, info.n_heads, info.n_kv_heads, info.head_dim, info.n_vocab, load_s);
-  std::fprintf(stderr, "prompt: %zu tokens (document %zu bytes); selector: %s\n", n_prompt, document.size(),
-               o.selector.c_str());
+  std::fprintf(stderr, "prompt: %zu tokens (document %zu bytes); selector: %s\n", n_prompt,
+               document.size(), o.selector.c_str());
 
   int32_t seq = -1;
   check(kvsift_model_sequence_create(model, &seq), "creating the sequence");
-  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, progress_bar, nullptr),
+  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, progress_bar,
+                             nullptr),
         "prefill");
 
   kvsift_sampler_params sp;
@@ -161,7 +172,8 @@ int run(const Options& o) {
   sp.seed = o.seed;
   kvsift_sampler* sampler = nullptr;
   check(kvsift_sampler_create(&sp, &sampler), "sampler");
-  std::unique_ptr<kvsift_sampler, decltype(&kvsift_sampler_free)> sampler_owner(sampler, kvsift_sampler_free);
+  std::unique_ptr<kvsift_sampler, decltype(&kvsift_sampler_free)> sampler_owner(
+      sampler, kvsift_sampler_free);
 
   std::printf("\nQ: %s\nA: ", o.question.c_str());
   std::fflush(stdout);
@@ -188,10 +200,11 @@ int run(const Options& o) {
   kvsift_model_stats stats;
   check(kvsift_model_get_stats(model, &stats), "stats");
   std::printf("context tokens:         %zu prompt + %zu generated\n", n_prompt, answer.size());
-  std::printf("prefill:                %.1f tokens/s (%.2f s)\n", stats.prefill_tokens / stats.prefill_seconds,
-              stats.prefill_seconds);
+  std::printf("prefill:                %.1f tokens/s (%.2f s)\n",
+              stats.prefill_tokens / stats.prefill_seconds, stats.prefill_seconds);
   if (stats.decode_tokens > 0) {
-    std::printf("decode:                 %.1f tokens/s (%llu steps)\n", stats.decode_tokens / stats.decode_seconds,
+    std::printf("decode:                 %.1f tokens/s (%llu steps)\n",
+                stats.decode_tokens / stats.decode_seconds,
                 static_cast<unsigned long long>(stats.decode_tokens));
     std::printf("attention share:        %.1f%% of decode time\n",
                 100.0 * stats.decode_attention_seconds / stats.decode_seconds);
@@ -208,10 +221,13 @@ int main(int argc, char** argv) {
   CLI::App app{"kvsift-demo: long-context question answering with the KV cache in host memory"};
   Options o;
   app.add_option("--model", o.model, "a Llama-family GGUF file")->capture_default_str();
-  app.add_option("--prompt-file", o.prompt_file, "the document (default: a Devil's Dictionary excerpt with a planted fact)");
+  app.add_option("--prompt-file", o.prompt_file,
+                 "the document (default: a Devil's Dictionary excerpt with a planted fact)");
   app.add_option("--question", o.question, "the question asked after the document");
   app.add_option("--ctx", o.ctx, "context positions (at most the model's)")->capture_default_str();
-  app.add_option("--max-new", o.max_new, "most tokens to generate")->capture_default_str()->check(CLI::Range(1, 8192));
+  app.add_option("--max-new", o.max_new, "most tokens to generate")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 8192));
   app.add_option("--selector", o.selector, "attention selector")->capture_default_str();
   app.add_option("--budget", o.budget, "selector budget: a fraction of the context (<1) or tokens");
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));

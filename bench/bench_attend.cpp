@@ -94,8 +94,12 @@ class ProbeBuffer {
   ProbeBuffer(const ProbeBuffer&) = delete;
   ProbeBuffer& operator=(const ProbeBuffer&) = delete;
 
-  const float* data() const { return data_; }
-  static constexpr std::size_t bytes() { return kProbeFloats * sizeof(float); }
+  const float* data() const {
+    return data_;
+  }
+  static constexpr std::size_t bytes() {
+    return kProbeFloats * sizeof(float);
+  }
 
  private:
   float* data_ = nullptr;
@@ -296,10 +300,9 @@ void register_benchmarks() {
       for (uint32_t batch : kBatches) {
         if (kv_bytes(shape, context, batch) > kMaxKvBytes) continue;
         for (int threads : kThreadCounts) {
-          const std::string name = std::string("BM_attend_dense/") + shape.name +
-                                   "/ctx:" + std::to_string(context) +
-                                   "/batch:" + std::to_string(batch) +
-                                   "/threads:" + std::to_string(threads);
+          const std::string name =
+              std::string("BM_attend_dense/") + shape.name + "/ctx:" + std::to_string(context) +
+              "/batch:" + std::to_string(batch) + "/threads:" + std::to_string(threads);
           benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
                                        CaseKey{&shape, context, batch, threads})
               ->UseRealTime()

@@ -41,7 +41,8 @@ int main(int argc, char** argv) {
   app.add_option("--weights-f32", weights_f32, "1: float32 weights instead of bf16");
   CLI11_PARSE(app, argc, argv);
 
-  std::vector<int32_t> tokens = nlohmann::json::parse(std::ifstream(tokens_file)).get<std::vector<int32_t>>();
+  std::vector<int32_t> tokens =
+      nlohmann::json::parse(std::ifstream(tokens_file)).get<std::vector<int32_t>>();
   kvsift_model_params params;
   kvsift_model_params_init(&params);
   params.n_ctx = ctx;
@@ -55,7 +56,8 @@ int main(int argc, char** argv) {
 
   using Clock = std::chrono::steady_clock;
   const auto t0 = Clock::now();
-  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, nullptr, nullptr), "prefill");
+  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, nullptr, nullptr),
+        "prefill");
   const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
   double tok_s = tokens.size() / prefill_s;
   double attention_share = 0.0;
@@ -73,7 +75,8 @@ int main(int argc, char** argv) {
     check(kvsift_model_get_stats(model, &stats), "stats");
     attention_share = stats.decode_attention_seconds / stats.decode_seconds;
   }
-  nlohmann::json out = {{"tok_s", tok_s}, {"version", std::string("kvsift ") + kvsift_version_string()},
+  nlohmann::json out = {{"tok_s", tok_s},
+                        {"version", std::string("kvsift ") + kvsift_version_string()},
                         {"weights", weights_f32 ? "f32" : "bf16"}};
   if (mode == "decode") out["attention_share"] = attention_share;
   std::printf("%s\n", out.dump().c_str());

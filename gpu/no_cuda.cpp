@@ -10,7 +10,9 @@ Result unsupported(const char* what) {
 
 }  // namespace
 
-bool built_with_cuda() noexcept { return false; }
+bool built_with_cuda() noexcept {
+  return false;
+}
 
 Result device_count(int* n_devices) {
   *n_devices = 0;

@@ -10,13 +10,16 @@ Result from_cuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return Result{};
   // No driver or no device (the dev box and CI): "unsupported", not a failure of the request.
   const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                      err == cudaErrorInitializationError || err == cudaErrorCompatNotSupportedOnDevice;
+                      err == cudaErrorInitializationError ||
+                      err == cudaErrorCompatNotSupportedOnDevice;
   return Result{false, absent, std::string(what) + ": " + cudaGetErrorString(err)};
 }
 
 }  // namespace
 
-bool built_with_cuda() noexcept { return true; }
+bool built_with_cuda() noexcept {
+  return true;
+}
 
 Result device_count(int* n_devices) {
   *n_devices = 0;
@@ -41,6 +44,8 @@ Result pinned_alloc(std::size_t bytes, void** out) {
   return Result{};
 }
 
-void pinned_free(void* p) noexcept { cudaFreeHost(p); }
+void pinned_free(void* p) noexcept {
+  cudaFreeHost(p);
+}
 
 }  // namespace kvsift::gpu

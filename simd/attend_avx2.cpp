@@ -19,7 +19,8 @@ struct IsaOps {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static batch load_bf16(const uint16_t* p) noexcept {
-    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    const __m256i wide =
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static void store(batch x, uint16_t* p, Dtype dtype) noexcept {
@@ -29,13 +30,15 @@ struct IsaOps {
     } else {
       const __m256i bits = _mm256_castps_si256(x);
       const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-      const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
+      const __m256i rounded =
+          _mm256_add_epi32(bits, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff)));
       const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
       const __m256i quiet = _mm256_or_si256(bits, _mm256_set1_epi32(0x400000));
       const __m256i chosen = _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(nan));
       // The top halves fit 16 bits, so unsigned saturation in packus is exact; packus works per
       // 128-bit lane, so gather the two lanes' results with a 64-bit permute.
-      const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(chosen, 16), _mm256_setzero_si256());
+      const __m256i packed =
+          _mm256_packus_epi32(_mm256_srli_epi32(chosen, 16), _mm256_setzero_si256());
       out = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), out);

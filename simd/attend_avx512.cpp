@@ -20,7 +20,8 @@ struct IsaOps {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static batch load_bf16(const uint16_t* p) noexcept {
-    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    const __m512i wide =
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
   }
   static void store(batch x, uint16_t* p, Dtype dtype) noexcept {
@@ -30,10 +31,12 @@ struct IsaOps {
     } else {
       const __m512i bits = _mm512_castps_si512(x);
       const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
+      const __m512i rounded =
+          _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
       const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
       const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
-      out = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16));
+      out =
+          _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_mask_mov_epi32(rounded, nan, quiet), 16));
     }
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), out);
   }

@@ -26,8 +26,10 @@ struct Body {
 
   template <Dtype D>
   static batch load(const uint16_t* p) noexcept {
-    if constexpr (D == Dtype::f16) return Ops::load_f16(p);
-    else return Ops::load_bf16(p);
+    if constexpr (D == Dtype::f16)
+      return Ops::load_f16(p);
+    else
+      return Ops::load_bf16(p);
   }
 
   static void encode(const float* src, uint16_t* dst, std::size_t n, Dtype dtype) noexcept {
@@ -74,7 +76,8 @@ struct Body {
       }
       for (; c < cols; c += W) {
         const batch w0 = Ops::load_bf16(wr + c);
-        for (std::size_t m = 0; m < M; ++m) a0[m] = xsimd::fma(w0, batch::load_unaligned(x + m * cols + c), a0[m]);
+        for (std::size_t m = 0; m < M; ++m)
+          a0[m] = xsimd::fma(w0, batch::load_unaligned(x + m * cols + c), a0[m]);
       }
       for (std::size_t m = 0; m < M; ++m) y[m * y_stride + r] = xsimd::hadd(a0[m] + a1[m]);
     }
@@ -148,7 +151,9 @@ struct Body {
   static void attend_dtype(const AttendJob& job) noexcept {
     const uint32_t d = job.head_dim, B = job.page_tokens;
     const std::size_t page_elems = std::size_t{B} * d;
-    auto page_of = [&job](uint32_t i) { return job.logical ? job.logical[job.first + i] : job.first + i; };
+    auto page_of = [&job](uint32_t i) {
+      return job.logical ? job.logical[job.first + i] : job.first + i;
+    };
     for (uint32_t i = 0; i < job.count; ++i) {
       const uint32_t p = page_of(i);
       const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[p] * job.slot_bytes);
@@ -156,7 +161,8 @@ struct Body {
       // stop at 4 KiB boundaries: request the next page's lines while this one is computed.
       if (i + 1 < job.count) {
         const std::byte* next = job.pool + job.table[page_of(i + 1)] * job.slot_bytes;
-        for (std::size_t line = 0; line < job.slot_bytes; line += 64) __builtin_prefetch(next + line);
+        for (std::size_t line = 0; line < job.slot_bytes; line += 64)
+          __builtin_prefetch(next + line);
       }
       const uint16_t* v = k + page_elems;
       const uint64_t left = job.seq_tokens - uint64_t{p} * B;
@@ -184,8 +190,10 @@ struct Body {
       job.l[g] = 0.0f;
     }
     for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
-    if (job.dtype == Dtype::f16) attend_dtype<Dtype::f16>(job);
-    else attend_dtype<Dtype::bf16>(job);
+    if (job.dtype == Dtype::f16)
+      attend_dtype<Dtype::f16>(job);
+    else
+      attend_dtype<Dtype::bf16>(job);
   }
 };
 

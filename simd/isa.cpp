@@ -47,8 +47,8 @@ struct Cap {
     if (auto isa = parse_isa(env)) {
       value = static_cast<int>(*isa);
     } else {
-      env_error = std::string("KVSIFT_MAX_ISA='") + env +
-                  "' is not one of scalar, avx2, avx512; ignored";
+      env_error =
+          std::string("KVSIFT_MAX_ISA='") + env + "' is not one of scalar, avx2, avx512; ignored";
     }
   }
 };
@@ -60,9 +60,15 @@ Cap& cap() {
 
 }  // namespace
 
-Isa max_isa() noexcept { return static_cast<Isa>(cap().value.load()); }
-void set_max_isa(Isa isa) noexcept { cap().value = static_cast<int>(isa); }
-std::string_view env_max_isa_error() noexcept { return cap().env_error; }
+Isa max_isa() noexcept {
+  return static_cast<Isa>(cap().value.load());
+}
+void set_max_isa(Isa isa) noexcept {
+  cap().value = static_cast<int>(isa);
+}
+std::string_view env_max_isa_error() noexcept {
+  return cap().env_error;
+}
 
 Isa resolve_isa(Isa requested) noexcept {
   static const Isa detected = detect_isa();

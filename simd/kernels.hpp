@@ -19,22 +19,22 @@ enum class Dtype : uint8_t { f16 = 0, bf16 = 1 };
 // (sequence, layer, KV head). The kernel starts a fresh online-softmax state and leaves the
 // unnormalised partial result (running max m, sum l, accumulator acc) for the split-K merge.
 struct AttendJob {
-  const float* q;            // [group, head_dim], already multiplied by 1/sqrt(head_dim)
-  uint32_t group;            // query heads sharing this KV head
-  uint32_t head_dim;         // 64, 128 or 256
-  uint32_t page_tokens;      // 16, 32 or 64
+  const float* q;        // [group, head_dim], already multiplied by 1/sqrt(head_dim)
+  uint32_t group;        // query heads sharing this KV head
+  uint32_t head_dim;     // 64, 128 or 256
+  uint32_t page_tokens;  // 16, 32 or 64
   Dtype dtype;
-  const std::byte* pool;     // base of the slot array
+  const std::byte* pool;  // base of the slot array
   std::size_t slot_bytes;
-  const uint32_t* table;     // slot id of each logical page of this (sequence, layer, KV head)
-  const uint32_t* logical;   // nullptr: logical pages first .. first+count-1; else logical[first..)
+  const uint32_t* table;    // slot id of each logical page of this (sequence, layer, KV head)
+  const uint32_t* logical;  // nullptr: logical pages first .. first+count-1; else logical[first..)
   uint32_t first;
   uint32_t count;
-  uint64_t seq_tokens;       // tokens stored: the page holding the last token may be partial
-  float* m;                  // out: [group] running max of the logits (-inf when count == 0)
-  float* l;                  // out: [group] sum of exp(logit - m)
-  float* acc;                // out: [group, head_dim] sum of exp(logit - m) * v
-  float* scratch;            // [group, page_tokens] floats of workspace, 64-byte aligned
+  uint64_t seq_tokens;  // tokens stored: the page holding the last token may be partial
+  float* m;             // out: [group] running max of the logits (-inf when count == 0)
+  float* l;             // out: [group] sum of exp(logit - m)
+  float* acc;           // out: [group, head_dim] sum of exp(logit - m) * v
+  float* scratch;       // [group, page_tokens] floats of workspace, 64-byte aligned
 };
 
 struct Kernels {

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <string>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "lib/attend/decode_attention.hpp"
@@ -23,14 +23,16 @@ struct FilledCache {
   std::vector<int32_t> seqs;
   std::vector<std::vector<float>> raw_k, raw_v;  // per sequence [tokens, H, d], as appended
 
-  FilledCache(const CacheGeometry& g, simd::Isa isa, const std::vector<uint64_t>& lengths, uint32_t seed)
+  FilledCache(const CacheGeometry& g, simd::Isa isa, const std::vector<uint64_t>& lengths,
+              uint32_t seed)
       : geometry(g), cache(g, options(isa)) {
     for (uint64_t n : lengths) {
       const int32_t seq = cache.create_sequence();
       seqs.push_back(seq);
       raw_k.push_back(test::random_floats(n * g.n_kv_heads * g.head_dim, ++seed, 2.0f));
       raw_v.push_back(test::random_floats(n * g.n_kv_heads * g.head_dim, ++seed));
-      if (n > 0) cache.append(seq, 0, static_cast<uint32_t>(n), raw_k.back().data(), raw_v.back().data());
+      if (n > 0)
+        cache.append(seq, 0, static_cast<uint32_t>(n), raw_k.back().data(), raw_v.back().data());
     }
   }
   static CacheOptions options(simd::Isa isa) {
@@ -43,7 +45,8 @@ struct FilledCache {
   // Reference output for sequence i over the tokens of the listed pages (all when null), from
   // the stored values (stored == true) or from the float inputs before rounding.
   std::vector<double> reference(std::size_t i, const std::vector<float>& q,
-                                const std::vector<std::vector<uint32_t>>* pages, bool stored) const {
+                                const std::vector<std::vector<uint32_t>>* pages,
+                                bool stored) const {
     const uint32_t H = geometry.n_kv_heads, G = geometry.group_size, d = geometry.head_dim;
     const uint32_t B = geometry.page_tokens;
     const uint64_t n = cache.length(seqs[i], 0);
@@ -69,8 +72,8 @@ struct FilledCache {
         ks.insert(ks.end(), k_all.begin() + t * d, k_all.begin() + (t + 1) * d);
         vs.insert(vs.end(), v_all.begin() + t * d, v_all.begin() + (t + 1) * d);
       }
-      reference_attention(q.data() + std::size_t{h} * G * d, ks.data(), vs.data(), ks.size() / d, G, d,
-                          out.data() + std::size_t{h} * G * d);
+      reference_attention(q.data() + std::size_t{h} * G * d, ks.data(), vs.data(), ks.size() / d, G,
+                          d, out.data() + std::size_t{h} * G * d);
     }
     return out;
   }
@@ -96,7 +99,8 @@ class DecodeAttentionIsa : public ::testing::TestWithParam<simd::Isa> {
 
 TEST_P(DecodeAttentionIsa, ragged_batches_match_float64_on_one_and_two_threads) {
   const std::vector<uint64_t> lengths = {1, 3, 7, 17, 300, 1000};
-  for (const CacheGeometry& g : {geometry(2, 3, 64), geometry(2, 4, 128), geometry(1, 1, 256, 64)}) {
+  for (const CacheGeometry& g :
+       {geometry(2, 3, 64), geometry(2, 4, 128), geometry(1, 1, 256, 64)}) {
     const FilledCache s(g, GetParam(), lengths, 10);
     ASSERT_EQ(s.cache.kernels().isa, GetParam());
     const std::size_t per_seq = std::size_t{g.n_query_heads()} * g.head_dim;
@@ -160,7 +164,8 @@ TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
   // 6 + 3 + 1 pages; tokens: full pages but the open one (9 tokens), twice in sequence 0.
   EXPECT_EQ(attention.last_stats().pages_read, 10u);
   EXPECT_EQ(attention.last_stats().tokens_read, (5 + 2) * 16u + 2 * 9u + 16u);
-  EXPECT_EQ(attention.last_stats().bytes_read, attention.last_stats().tokens_read * g.token_bytes());
+  EXPECT_EQ(attention.last_stats().bytes_read,
+            attention.last_stats().tokens_read * g.token_bytes());
 }
 
 TEST(DecodeAttention, split_count_does_not_change_the_result_beyond_rounding) {
@@ -211,12 +216,16 @@ TEST(DecodeAttention, sixty_four_thousand_tokens_stay_within_fp16_storage_error)
   DecodeAttention attention(g, 1, 2);
   attention.validate(s.cache, call);
   attention.run(s.cache, call);
-  const double arithmetic = test::relative_error(out.data(), s.reference(0, q, nullptr, true).data(), q.size());
-  const double storage = test::relative_error(out.data(), s.reference(0, q, nullptr, false).data(), q.size());
+  const double arithmetic =
+      test::relative_error(out.data(), s.reference(0, q, nullptr, true).data(), q.size());
+  const double storage =
+      test::relative_error(out.data(), s.reference(0, q, nullptr, false).data(), q.size());
   RecordProperty("relative_error_vs_stored_fp16", std::to_string(arithmetic));
   RecordProperty("relative_error_vs_fp32_inputs", std::to_string(storage));
-  std::printf("64K tokens: relative error %.3g against float64 on the stored values, %.3g against "
-              "the unrounded fp32 inputs\n", arithmetic, storage);
+  std::printf(
+      "64K tokens: relative error %.3g against float64 on the stored values, %.3g against "
+      "the unrounded fp32 inputs\n",
+      arithmetic, storage);
   EXPECT_LT(arithmetic, 1e-5);
   EXPECT_LT(storage, 1e-3);
   EXPECT_EQ(attention.last_stats().tokens_read, n);

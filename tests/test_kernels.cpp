@@ -111,7 +111,8 @@ struct Pages {
       }
     }
     std::vector<double> out(std::size_t{G} * head_dim);
-    reference_attention(q.data(), ks.data(), vs.data(), ks.size() / head_dim, G, head_dim, out.data());
+    reference_attention(q.data(), ks.data(), vs.data(), ks.size() / head_dim, G, head_dim,
+                        out.data());
     return out;
   }
 };

@@ -42,7 +42,8 @@ TEST(KvCache, stored_tokens_read_back_as_the_rounded_inputs) {
   const uint32_t n = 37, H = g.n_kv_heads, d = g.head_dim;
   const auto k = test::random_floats(n * H * d, 1), v = test::random_floats(n * H * d, 2);
   cache.append(seq, 1, 20, k.data(), v.data());  // a prefill chunk, then single decode steps
-  for (uint32_t t = 20; t < n; ++t) cache.append(seq, 1, 1, k.data() + t * H * d, v.data() + t * H * d);
+  for (uint32_t t = 20; t < n; ++t)
+    cache.append(seq, 1, 1, k.data() + t * H * d, v.data() + t * H * d);
   EXPECT_EQ(cache.length(seq, 1), n);
   EXPECT_EQ(cache.length(seq, 0), 0u);
   std::vector<float> k_out(n * d), v_out(n * d);
@@ -74,7 +75,8 @@ TEST(KvCache, pages_seal_once_when_they_fill_in_order) {
   for (uint32_t i = 0; i < recorder.sealed.size(); ++i) {
     const uint32_t page = i / H, head = i % H;
     EXPECT_EQ(recorder.sealed[i], std::make_tuple(seq, 0u, head, page));
-    const float want = simd::f16_to_f32(simd::f32_to_f16(k[(std::size_t{page} * 16 * H + head) * d]));
+    const float want =
+        simd::f16_to_f32(simd::f32_to_f16(k[(std::size_t{page} * 16 * H + head) * d]));
     EXPECT_EQ(recorder.first_k[i], want);
   }
   cache.free_sequence(seq);

@@ -17,7 +17,9 @@
 
 namespace {
 
-const char* model_path() { return std::getenv("KVSIFT_MODEL"); }
+const char* model_path() {
+  return std::getenv("KVSIFT_MODEL");
+}
 
 struct ModelFree {
   void operator()(kvsift_model* m) const { kvsift_model_free(m); }
@@ -31,7 +33,8 @@ Model load(uint32_t chunk, int weights_f32 = 0, uint32_t n_ctx = 1024) {
   params.prefill_chunk = chunk;
   params.weights_f32 = weights_f32;
   kvsift_model* model = nullptr;
-  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK) << kvsift_last_error();
+  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK)
+      << kvsift_last_error();
   return Model(model);
 }
 
@@ -39,7 +42,8 @@ std::vector<int32_t> tokenize(kvsift_model* model, const std::string& text) {
   std::size_t n = 0;
   kvsift_tokenize(model, text.data(), text.size(), 1, nullptr, 0, &n);
   std::vector<int32_t> ids(n);
-  EXPECT_EQ(kvsift_tokenize(model, text.data(), text.size(), 1, ids.data(), ids.size(), &n), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_tokenize(model, text.data(), text.size(), 1, ids.data(), ids.size(), &n),
+            KVSIFT_STATUS_OK);
   return ids;
 }
 
@@ -68,11 +72,14 @@ double prefill_versus_decode(int weights_f32, bool exact_top1) {
   std::vector<float> all(ids.size() * info.n_vocab);
   int32_t a = -1, b = -1;
   EXPECT_EQ(kvsift_model_sequence_create(model.get(), &a), KVSIFT_STATUS_OK);
-  EXPECT_EQ(kvsift_model_prefill(model.get(), a, ids.data(), ids.size(), all.data(), nullptr, nullptr),
-            KVSIFT_STATUS_OK) << kvsift_last_error();
+  EXPECT_EQ(
+      kvsift_model_prefill(model.get(), a, ids.data(), ids.size(), all.data(), nullptr, nullptr),
+      KVSIFT_STATUS_OK)
+      << kvsift_last_error();
   EXPECT_EQ(kvsift_model_sequence_create(model.get(), &b), KVSIFT_STATUS_OK);
   const std::size_t split = 10;
-  EXPECT_EQ(kvsift_model_prefill(model.get(), b, ids.data(), split, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_model_prefill(model.get(), b, ids.data(), split, nullptr, nullptr, nullptr),
+            KVSIFT_STATUS_OK);
   double worst = 0.0;
   for (std::size_t pos = split; pos < ids.size(); ++pos) {
     const float* logits = nullptr;
@@ -81,9 +88,11 @@ double prefill_versus_decode(int weights_f32, bool exact_top1) {
     worst = std::max(worst, kvsift::test::relative_error(logits, want, info.n_vocab));
     if (exact_top1) {
       EXPECT_EQ(std::max_element(logits, logits + info.n_vocab) - logits,
-                std::max_element(want, want + info.n_vocab) - want) << "position " << pos;
+                std::max_element(want, want + info.n_vocab) - want)
+          << "position " << pos;
     }
-    EXPECT_EQ(kvsift_model_decode(model.get(), 1, &b, &ids[pos]), KVSIFT_STATUS_OK) << kvsift_last_error();
+    EXPECT_EQ(kvsift_model_decode(model.get(), 1, &b, &ids[pos]), KVSIFT_STATUS_OK)
+        << kvsift_last_error();
   }
   std::printf("prefill vs decode (%s weights): worst relative logit difference %.3g\n",
               weights_f32 ? "f32" : "bf16", worst);
@@ -110,7 +119,8 @@ TEST_F(ModelTest, prefill_chunk_size_does_not_change_the_logits) {
   for (kvsift_model* m : {small.get(), large.get()}) {
     int32_t seq = -1;
     ASSERT_EQ(kvsift_model_sequence_create(m, &seq), KVSIFT_STATUS_OK);
-    ASSERT_EQ(kvsift_model_prefill(m, seq, ids.data(), ids.size(), nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_prefill(m, seq, ids.data(), ids.size(), nullptr, nullptr, nullptr),
+              KVSIFT_STATUS_OK);
     const float* l = nullptr;
     std::size_t n = 0;
     ASSERT_EQ(kvsift_model_logits(m, seq, &l, &n), KVSIFT_STATUS_OK);
@@ -132,8 +142,9 @@ TEST_F(ModelTest, batched_decode_equals_one_sequence_at_a_time) {
   for (int i = 0; i < 2; ++i) {
     ASSERT_EQ(kvsift_model_sequence_create(raw, &seqs[i]), KVSIFT_STATUS_OK);
     const auto& ids = i == 0 ? one : two;
-    ASSERT_EQ(kvsift_model_prefill(raw, seqs[i], ids.data(), ids.size() - 1, nullptr, nullptr, nullptr),
-              KVSIFT_STATUS_OK);
+    ASSERT_EQ(
+        kvsift_model_prefill(raw, seqs[i], ids.data(), ids.size() - 1, nullptr, nullptr, nullptr),
+        KVSIFT_STATUS_OK);
   }
   const int32_t next[2] = {one.back(), two.back()};
   ASSERT_EQ(kvsift_model_decode(raw, 2, seqs, next), KVSIFT_STATUS_OK);
@@ -148,7 +159,8 @@ TEST_F(ModelTest, batched_decode_equals_one_sequence_at_a_time) {
     int32_t s = -1;
     ASSERT_EQ(kvsift_model_sequence_create(raw, &s), KVSIFT_STATUS_OK);
     const auto& ids = i == 0 ? one : two;
-    ASSERT_EQ(kvsift_model_prefill(raw, s, ids.data(), ids.size() - 1, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_prefill(raw, s, ids.data(), ids.size() - 1, nullptr, nullptr, nullptr),
+              KVSIFT_STATUS_OK);
     ASSERT_EQ(kvsift_model_decode(raw, 1, &s, &next[i]), KVSIFT_STATUS_OK);
     const float* l = nullptr;
     ASSERT_EQ(kvsift_model_logits(raw, s, &l, nullptr), KVSIFT_STATUS_OK);
@@ -172,10 +184,11 @@ TEST_F(ModelTest, bad_files_and_options_are_clear_errors) {
     std::ofstream(truncated, std::ios::binary).write(head.data(), in.gcount());
   }
   EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE);
-  EXPECT_NE(std::string(kvsift_last_error()).find("past the end"), std::string::npos) << kvsift_last_error();
+  EXPECT_NE(std::string(kvsift_last_error()).find("past the end"), std::string::npos)
+      << kvsift_last_error();
   // The same bytes with a wrong magic, then (magic restored) an unsupported version.
-  const std::tuple<int, char, int, char, const char*> edits[] = {{0, 'X', 0, 'X', "not a GGUF file"},
-                                                                 {0, 'G', 4, '\x01', "version 1"}};
+  const std::tuple<int, char, int, char, const char*> edits[] = {
+      {0, 'X', 0, 'X', "not a GGUF file"}, {0, 'G', 4, '\x01', "version 1"}};
   for (auto [at1, byte1, at2, byte2, expected] : edits) {
     std::fstream f(truncated, std::ios::in | std::ios::out | std::ios::binary);
     f.seekp(at1);
@@ -183,13 +196,16 @@ TEST_F(ModelTest, bad_files_and_options_are_clear_errors) {
     f.seekp(at2);
     f.put(byte2);
     f.close();
-    EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE) << expected;
-    EXPECT_NE(std::string(kvsift_last_error()).find(expected), std::string::npos) << kvsift_last_error();
+    EXPECT_EQ(kvsift_model_load(truncated.c_str(), &params, &model), KVSIFT_STATUS_INVALID_FILE)
+        << expected;
+    EXPECT_NE(std::string(kvsift_last_error()).find(expected), std::string::npos)
+        << kvsift_last_error();
   }
   std::remove(truncated.c_str());
   params.n_ctx = 8193;
   EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_INVALID_ARGUMENT);
-  EXPECT_NE(std::string(kvsift_last_error()).find("8192"), std::string::npos) << kvsift_last_error();
+  EXPECT_NE(std::string(kvsift_last_error()).find("8192"), std::string::npos)
+      << kvsift_last_error();
 }
 
 TEST_F(ModelTest, a_sequence_cannot_grow_past_its_context) {
@@ -199,7 +215,8 @@ TEST_F(ModelTest, a_sequence_cannot_grow_past_its_context) {
   ASSERT_EQ(kvsift_model_sequence_create(model.get(), &seq), KVSIFT_STATUS_OK);
   EXPECT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 33, nullptr, nullptr, nullptr),
             KVSIFT_STATUS_CAPACITY_EXCEEDED);
-  ASSERT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 32, nullptr, nullptr, nullptr), KVSIFT_STATUS_OK);
+  ASSERT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 32, nullptr, nullptr, nullptr),
+            KVSIFT_STATUS_OK);
   EXPECT_EQ(kvsift_model_decode(model.get(), 1, &seq, &ids[0]), KVSIFT_STATUS_CAPACITY_EXCEEDED);
   const int32_t bad = 49152;
   int32_t other = -1;

@@ -23,7 +23,9 @@ namespace {
 
 using nlohmann::json;
 
-const char* model_path() { return std::getenv("KVSIFT_MODEL"); }
+const char* model_path() {
+  return std::getenv("KVSIFT_MODEL");
+}
 
 const json& fixture() {
   static const json data = json::parse(std::ifstream(KVSIFT_TEST_DATA "/smollm2_llamacpp.json"));
@@ -41,7 +43,8 @@ Model load(int weights_f32) {
   params.n_ctx = 2048;
   params.weights_f32 = weights_f32;
   kvsift_model* model = nullptr;
-  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK) << kvsift_last_error();
+  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK)
+      << kvsift_last_error();
   return Model(model);
 }
 
@@ -88,10 +91,12 @@ TEST(PeerAgreementTokens, tokenization_is_identical_to_llama_cpp) {
     const bool special = entry["special"];
     std::vector<int32_t> ids(text.size() + 8);
     std::size_t n = 0;
-    ASSERT_EQ(kvsift_tokenize(model.get(), text.data(), text.size(), special, ids.data(), ids.size(), &n),
-              KVSIFT_STATUS_OK);
+    ASSERT_EQ(
+        kvsift_tokenize(model.get(), text.data(), text.size(), special, ids.data(), ids.size(), &n),
+        KVSIFT_STATUS_OK);
     ids.resize(n);
-    EXPECT_EQ(ids, entry["ids"].get<std::vector<int32_t>>()) << "text: " << text << " special: " << special;
+    EXPECT_EQ(ids, entry["ids"].get<std::vector<int32_t>>())
+        << "text: " << text << " special: " << special;
   }
 }
 
@@ -103,8 +108,10 @@ TEST_P(PeerAgreement, next_token_distributions_match_at_recorded_positions) {
     std::vector<float> all(ids.size() * V);
     int32_t seq = -1;
     ASSERT_EQ(kvsift_model_sequence_create(model_.get(), &seq), KVSIFT_STATUS_OK);
-    ASSERT_EQ(kvsift_model_prefill(model_.get(), seq, ids.data(), ids.size(), all.data(), nullptr, nullptr),
-              KVSIFT_STATUS_OK) << kvsift_last_error();
+    ASSERT_EQ(kvsift_model_prefill(model_.get(), seq, ids.data(), ids.size(), all.data(), nullptr,
+                                   nullptr),
+              KVSIFT_STATUS_OK)
+        << kvsift_last_error();
     for (const auto& at : prompt["positions"]) {
       const std::size_t pos = at["pos"];
       const float* logits = all.data() + pos * V;
@@ -136,7 +143,8 @@ TEST_P(PeerAgreement, greedy_continuations_match_llama_cpp) {
     // so one near-tie cannot derail the rest of the comparison.
     int32_t seq = -1;
     ASSERT_EQ(kvsift_model_sequence_create(model_.get(), &seq), KVSIFT_STATUS_OK);
-    ASSERT_EQ(kvsift_model_prefill(model_.get(), seq, prompt.data(), prompt.size(), nullptr, nullptr, nullptr),
+    ASSERT_EQ(kvsift_model_prefill(model_.get(), seq, prompt.data(), prompt.size(), nullptr,
+                                   nullptr, nullptr),
               KVSIFT_STATUS_OK);
     int same = 0;
     std::size_t free_running = 0;
@@ -149,10 +157,13 @@ TEST_P(PeerAgreement, greedy_continuations_match_llama_cpp) {
       same += ours == peer[i];
       const double peer_margin = run["top1_top2_margin"][i];
       if (ours != peer[i]) {
-        std::printf("  %s step %zu: kvsift %d, llama.cpp %d; llama.cpp's top-2 margin %.3f, kvsift's %.3f\n",
-                    run["name"].get<std::string>().c_str(), i, ours, peer[i], peer_margin,
-                    logits[ours] - logits[peer[i]]);
-        EXPECT_LT(peer_margin, kDecidedMargin) << run["name"] << " step " << i << ": a decided step differs";
+        std::printf(
+            "  %s step %zu: kvsift %d, llama.cpp %d; llama.cpp's top-2 margin %.3f, kvsift's "
+            "%.3f\n",
+            run["name"].get<std::string>().c_str(), i, ours, peer[i], peer_margin,
+            logits[ours] - logits[peer[i]]);
+        EXPECT_LT(peer_margin, kDecidedMargin)
+            << run["name"] << " step " << i << ": a decided step differs";
       }
       diverged = diverged || ours != peer[i];
       free_running += diverged ? 0 : 1;

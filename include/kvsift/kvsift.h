@@ -40,13 +40,14 @@ extern "C" {
 #endif
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Version                                                                                         */
+/* Version */
 
 #define KVSIFT_VERSION_MAJOR 0
 #define KVSIFT_VERSION_MINOR 1
 #define KVSIFT_VERSION_PATCH 0
 /* Single number for compile-time comparisons: major * 10000 + minor * 100 + patch. */
-#define KVSIFT_VERSION (KVSIFT_VERSION_MAJOR * 10000 + KVSIFT_VERSION_MINOR * 100 + KVSIFT_VERSION_PATCH)
+#define KVSIFT_VERSION \
+  (KVSIFT_VERSION_MAJOR * 10000 + KVSIFT_VERSION_MINOR * 100 + KVSIFT_VERSION_PATCH)
 
 /* The version of the library actually linked, as KVSIFT_VERSION computes it. */
 KVSIFT_API int kvsift_version(void);
@@ -54,7 +55,7 @@ KVSIFT_API int kvsift_version(void);
 KVSIFT_API const char* kvsift_version_string(void);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Status and errors                                                                               */
+/* Status and errors */
 
 typedef enum kvsift_status {
   KVSIFT_STATUS_OK = 0,
@@ -66,8 +67,9 @@ typedef enum kvsift_status {
   KVSIFT_STATUS_IO_ERROR = 6,          /* a file could not be read */
   KVSIFT_STATUS_INVALID_FILE = 7,      /* a file's content is malformed or out of bounds */
   KVSIFT_STATUS_INTERNAL = 8,          /* a bug in kvsift: please report the message */
-  KVSIFT_STATUS_BUFFER_TOO_SMALL = 9,  /* an output buffer is too small; the size needed is returned */
-  KVSIFT_STATUS_MAX_ENUM = 0x7fffffff  /* not a status: makes every int32 value a valid enum */
+  KVSIFT_STATUS_BUFFER_TOO_SMALL =
+      9, /* an output buffer is too small; the size needed is returned */
+  KVSIFT_STATUS_MAX_ENUM = 0x7fffffff /* not a status: makes every int32 value a valid enum */
 } kvsift_status;
 
 /* A short constant name for a status ("invalid argument"). Never NULL; static storage. */
@@ -78,7 +80,7 @@ KVSIFT_API const char* kvsift_status_string(kvsift_status status);
 KVSIFT_API const char* kvsift_last_error(void);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Logging: silent unless the host installs a callback                                             */
+/* Logging: silent unless the host installs a callback */
 
 typedef enum kvsift_log_level {
   KVSIFT_LOG_DEBUG = 0,
@@ -96,7 +98,7 @@ typedef void (*kvsift_log_fn)(kvsift_log_level level, const char* message, void*
 KVSIFT_API void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_level);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Instruction sets                                                                                */
+/* Instruction sets */
 
 typedef enum kvsift_isa {
   KVSIFT_ISA_SCALAR = 0, /* portable reference code */
@@ -119,12 +121,12 @@ KVSIFT_API kvsift_status kvsift_set_max_isa(kvsift_isa max_isa);
 KVSIFT_API const char* kvsift_isa_name(kvsift_isa isa);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* The paged host KV cache                                                                         */
+/* The paged host KV cache */
 
 typedef struct kvsift_cache kvsift_cache;
 
 typedef enum kvsift_dtype {
-  KVSIFT_DTYPE_F16 = 0, /* IEEE half, round to nearest even on store */
+  KVSIFT_DTYPE_F16 = 0,  /* IEEE half, round to nearest even on store */
   KVSIFT_DTYPE_BF16 = 1, /* bfloat16, round to nearest even on store */
   KVSIFT_DTYPE_MAX_ENUM = 0x7fffffff
 } kvsift_dtype;
@@ -138,23 +140,23 @@ typedef enum kvsift_key_form {
 /* Cache parameters. Always fill with kvsift_cache_params_init() first, then change fields, so that
  * fields added by later versions get their defaults. */
 typedef struct kvsift_cache_params {
-  uint32_t n_layers;    /* >= 1. Default 1. */
-  uint32_t n_kv_heads;  /* >= 1. Default 1. */
-  uint32_t group_size;  /* query heads per KV head, 1..64. Default 1. */
-  uint32_t head_dim;    /* 64, 128 or 256. Default 128. */
-  uint32_t page_tokens; /* tokens per page: 16, 32 or 64. Default 16. */
-  kvsift_dtype dtype;   /* storage type. Default KVSIFT_DTYPE_F16. */
+  uint32_t n_layers;        /* >= 1. Default 1. */
+  uint32_t n_kv_heads;      /* >= 1. Default 1. */
+  uint32_t group_size;      /* query heads per KV head, 1..64. Default 1. */
+  uint32_t head_dim;        /* 64, 128 or 256. Default 128. */
+  uint32_t page_tokens;     /* tokens per page: 16, 32 or 64. Default 16. */
+  kvsift_dtype dtype;       /* storage type. Default KVSIFT_DTYPE_F16. */
   kvsift_key_form key_form; /* Default KVSIFT_KEYS_POST_ROPE. */
   /* Capacity of the page pool, in pages. One page holds page_tokens tokens of K and of V for one
    * (layer, KV head): 2 * page_tokens * head_dim * 2 bytes. Appends that would need more pages
    * fail with CAPACITY_EXCEEDED. Host memory is reserved up front but committed lazily as pages
    * are first written (pinned pools are committed up front). Default 65536 pages. */
   uint64_t max_pages;
-  int pinned;          /* nonzero: page pool in pinned (page-locked) memory for GPU transfers;
-                          UNSUPPORTED when built without CUDA. Default 0. */
-  uint32_t max_batch;  /* most sequences in one attention call. Default 64. */
-  int n_threads;       /* OpenMP threads for attention; 0 = the OpenMP default. Default 0. */
-  kvsift_isa isa;      /* ISA for this handle, capped by the process cap. Default AUTO. */
+  int pinned;         /* nonzero: page pool in pinned (page-locked) memory for GPU transfers;
+                         UNSUPPORTED when built without CUDA. Default 0. */
+  uint32_t max_batch; /* most sequences in one attention call. Default 64. */
+  int n_threads;      /* OpenMP threads for attention; 0 = the OpenMP default. Default 0. */
+  kvsift_isa isa;     /* ISA for this handle, capped by the process cap. Default AUTO. */
 } kvsift_cache_params;
 
 /* Fills *params with the defaults above. params must not be NULL (a NULL is ignored). */
@@ -205,7 +207,7 @@ KVSIFT_API kvsift_status kvsift_read_tokens(const kvsift_cache* cache, int32_t s
                                             uint64_t n_tokens, float* k_out, float* v_out);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Decode attention                                                                                */
+/* Decode attention */
 
 /* Optional explicit page lists for one attention call, in compressed-row form over the
  * n_seqs * n_kv_heads (sequence, KV head) pairs, sequence-major:
@@ -236,20 +238,20 @@ KVSIFT_API kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint
                                        const kvsift_page_list* pages);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Statistics                                                                                      */
+/* Statistics */
 
 typedef struct kvsift_cache_stats {
-  uint64_t pages_capacity;    /* max_pages */
-  uint64_t pages_in_use;      /* pages held by live sequences */
-  uint64_t pages_high_water;  /* most pages ever in use at once */
-  uint64_t page_bytes;        /* bytes of one page (K + V) */
-  uint64_t bytes_in_use;      /* pages_in_use * page_bytes */
-  uint64_t bytes_reserved;    /* address space of the pool */
-  uint32_t n_sequences;       /* live sequences */
+  uint64_t pages_capacity;   /* max_pages */
+  uint64_t pages_in_use;     /* pages held by live sequences */
+  uint64_t pages_high_water; /* most pages ever in use at once */
+  uint64_t page_bytes;       /* bytes of one page (K + V) */
+  uint64_t bytes_in_use;     /* pages_in_use * page_bytes */
+  uint64_t bytes_reserved;   /* address space of the pool */
+  uint32_t n_sequences;      /* live sequences */
   /* The last kvsift_attend call: */
-  uint64_t last_pages_read;   /* (page, KV head) units read, K and V */
-  uint64_t last_tokens_read;  /* tokens attended, summed over (sequence, KV head) */
-  uint64_t last_bytes_read;   /* K and V bytes read from the cache */
+  uint64_t last_pages_read;  /* (page, KV head) units read, K and V */
+  uint64_t last_tokens_read; /* tokens attended, summed over (sequence, KV head) */
+  uint64_t last_bytes_read;  /* K and V bytes read from the cache */
 } kvsift_cache_stats;
 
 /* Fills *stats. Errors: INVALID_ARGUMENT (NULL). */
@@ -257,7 +259,7 @@ KVSIFT_API kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache,
                                                 kvsift_cache_stats* stats);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* The model runner: a Llama-family GGUF model on the CPU, its KV cache in a kvsift cache          */
+/* The model runner: a Llama-family GGUF model on the CPU, its KV cache in a kvsift cache */
 
 typedef struct kvsift_model kvsift_model;
 
@@ -355,14 +357,15 @@ KVSIFT_API kvsift_status kvsift_model_logits(const kvsift_model* model, int32_t 
 typedef struct kvsift_model_stats {
   uint64_t prefill_tokens;
   double prefill_seconds;
-  uint64_t decode_tokens;             /* summed over sequences */
+  uint64_t decode_tokens; /* summed over sequences */
   double decode_seconds;
-  double decode_attention_seconds;    /* of decode_seconds: appends and attention */
-  uint64_t kv_bytes_held;             /* host memory the KV pages in use take */
-  uint64_t last_step_kv_bytes_read;   /* K+V bytes the last decode step's attention read */
+  double decode_attention_seconds;  /* of decode_seconds: appends and attention */
+  uint64_t kv_bytes_held;           /* host memory the KV pages in use take */
+  uint64_t last_step_kv_bytes_read; /* K+V bytes the last decode step's attention read */
 } kvsift_model_stats;
 
-KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_stats* stats);
+KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,
+                                                kvsift_model_stats* stats);
 
 /* Which pages or tokens each decode step attends to. Only the dense selector exists so far; the
  * sparse selectors (oracle, quest, locks, louver, s4r) join this enum as they land. */
@@ -378,8 +381,9 @@ typedef struct kvsift_selector_policy {
    * meaning): a fraction of the context when in (0, 1), a token count when >= 1, none when 0.
    * The dense selector takes no budget. Default 0. */
   double budget;
-  uint32_t sink_pages;   /* leading pages always attended. Default 1. */
-  uint32_t window_pages; /* most recent pages always attended (the open page always is). Default 1. */
+  uint32_t sink_pages; /* leading pages always attended. Default 1. */
+  uint32_t
+      window_pages; /* most recent pages always attended (the open page always is). Default 1. */
 } kvsift_selector_policy;
 
 KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
@@ -394,7 +398,7 @@ KVSIFT_API kvsift_status kvsift_model_set_selector(kvsift_model* model,
                                                    const kvsift_selector_policy* policy);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* Sampling                                                                                        */
+/* Sampling */
 
 typedef struct kvsift_sampler kvsift_sampler;
 
@@ -413,7 +417,7 @@ KVSIFT_API kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const fl
                                                size_t n, int32_t* token);
 
 /* ---------------------------------------------------------------------------------------------- */
-/* GPU                                                                                             */
+/* GPU */
 
 /* *n_devices receives the number of usable CUDA devices. Errors: UNSUPPORTED when kvsift was built
  * without CUDA or no driver/device is present (the message says which). */

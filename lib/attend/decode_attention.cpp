@@ -41,12 +41,14 @@ DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_bat
   pair_tasks_.resize(pairs + 1);
   q_scaled_.resize(std::size_t{max_batch} * H * G * d);
   partials_.resize(max_tasks * partial_stride_);
-  scratch_.resize(static_cast<std::size_t>(n_threads_) * round_to_lines<float>(G * geometry_.page_tokens));
+  scratch_.resize(static_cast<std::size_t>(n_threads_) *
+                  round_to_lines<float>(G * geometry_.page_tokens));
 }
 
 void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) const {
   const CacheGeometry& g = cache.geometry();
-  require(call.layer < g.n_layers, "layer=", call.layer, " is out of range (n_layers=", g.n_layers, ")");
+  require(call.layer < g.n_layers, "layer=", call.layer, " is out of range (n_layers=", g.n_layers,
+          ")");
   require(call.n_seqs >= 1 && call.n_seqs <= max_batch_, "n_seqs=", call.n_seqs, " is not in 1..",
           max_batch_, " (max_batch)");
   require(call.seq_ids != nullptr, "seq_ids is NULL");
@@ -61,8 +63,8 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
     if (!cache.has_sequence(call.seq_ids[i]))
       fail(Status::not_found, "seq_ids[", i, "]=", call.seq_ids[i], " is not a live sequence");
     for (uint32_t j = 0; j < i; ++j)
-      require(call.seq_ids[j] != call.seq_ids[i], "seq_ids[", j, "] and seq_ids[", i,
-              "] are both ", call.seq_ids[i]);
+      require(call.seq_ids[j] != call.seq_ids[i], "seq_ids[", j, "] and seq_ids[", i, "] are both ",
+              call.seq_ids[i]);
   }
   if (call.pages == nullptr) return;
   const PageLists& lists = *call.pages;
@@ -105,14 +107,16 @@ uint32_t DecodeAttention::plan(const KvCache& cache, const AttendCall& call) noe
     const uint64_t splits = (n + chunk - 1) / chunk;
     for (uint64_t s = 0; s < splits; ++s) {
       const uint64_t first = n * s / splits, last = n * (s + 1) / splits;
-      tasks_[n_tasks++] = Task{pair, static_cast<uint32_t>(first), static_cast<uint32_t>(last - first)};
+      tasks_[n_tasks++] =
+          Task{pair, static_cast<uint32_t>(first), static_cast<uint32_t>(last - first)};
     }
     const uint64_t length = cache.length_unchecked(call.seq_ids[pair / H], call.layer);
     uint64_t tokens = length;
     if (call.pages) {
       // Every listed page is full but the one holding the last token.
-      const bool has_open = n > 0 && uint64_t{call.pages->page_ids[call.pages->offsets[pair + 1] - 1]} + 1 ==
-                                         pages_for(length, B);
+      const bool has_open =
+          n > 0 && uint64_t{call.pages->page_ids[call.pages->offsets[pair + 1] - 1]} + 1 ==
+                       pages_for(length, B);
       tokens = n * B - (has_open ? pages_for(length, B) * B - length : 0);
     }
     stats_.pages_read += n;

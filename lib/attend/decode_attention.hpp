@@ -18,8 +18,8 @@ namespace kvsift {
 // Compressed-row page lists over the n_seqs * n_kv_heads (sequence, KV head) pairs,
 // sequence-major (the C API's kvsift_page_list).
 struct PageLists {
-  const uint32_t* offsets = nullptr;  // [pairs + 1]
-  const uint32_t* page_ids = nullptr; // ascending logical page ids per pair
+  const uint32_t* offsets = nullptr;   // [pairs + 1]
+  const uint32_t* page_ids = nullptr;  // ascending logical page ids per pair
 };
 
 struct AttendCall {
@@ -66,9 +66,9 @@ class DecodeAttention {
   std::vector<uint32_t> pair_tasks_;  // [pairs + 1] first task of each pair
   std::size_t partial_stride_;        // floats per task: m [G], l [G], pad to a line, acc [G, d]
   std::size_t acc_offset_;
-  AlignedVector<float> q_scaled_;     // [max_batch, n_query_heads, head_dim]
-  AlignedVector<float> partials_;     // [tasks, partial_stride_]
-  AlignedVector<float> scratch_;      // [threads, G * page_tokens]
+  AlignedVector<float> q_scaled_;  // [max_batch, n_query_heads, head_dim]
+  AlignedVector<float> partials_;  // [tasks, partial_stride_]
+  AlignedVector<float> scratch_;   // [threads, G * page_tokens]
   AttendStats stats_;
 };
 

@@ -27,10 +27,10 @@ class PrefillAttention {
   CacheGeometry geometry_;
   uint32_t max_chunk_;
   uint64_t max_context_;
-  AlignedVector<float> k_, v_;       // [max_context, head_dim] of one KV head
-  AlignedVector<float> q_group_;     // [G * max_chunk, head_dim], rows (g, t)
-  AlignedVector<float> scores_;      // [G * max_chunk, max_context]
-  AlignedVector<float> out_group_;   // [G * max_chunk, head_dim]
+  AlignedVector<float> k_, v_;      // [max_context, head_dim] of one KV head
+  AlignedVector<float> q_group_;    // [G * max_chunk, head_dim], rows (g, t)
+  AlignedVector<float> scores_;     // [G * max_chunk, max_context]
+  AlignedVector<float> out_group_;  // [G * max_chunk, head_dim]
 };
 
 }  // namespace kvsift

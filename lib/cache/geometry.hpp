@@ -15,9 +15,9 @@ namespace kvsift {
 struct CacheGeometry {
   uint32_t n_layers = 1;
   uint32_t n_kv_heads = 1;
-  uint32_t group_size = 1;   // query heads per KV head
-  uint32_t head_dim = 128;   // 64, 128 or 256
-  uint32_t page_tokens = 16; // 16, 32 or 64
+  uint32_t group_size = 1;    // query heads per KV head
+  uint32_t head_dim = 128;    // 64, 128 or 256
+  uint32_t page_tokens = 16;  // 16, 32 or 64
   simd::Dtype dtype = simd::Dtype::f16;
 
   // Throws Error(invalid_argument) naming the first field out of range.

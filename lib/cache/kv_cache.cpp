@@ -56,8 +56,8 @@ const KvCache::Sequence& KvCache::sequence(int32_t seq_id) const {
 }
 
 void KvCache::check_layer(uint32_t layer) const {
-  require(layer < geometry_.n_layers, "layer=", layer, " is out of range (n_layers=",
-          geometry_.n_layers, ")");
+  require(layer < geometry_.n_layers, "layer=", layer,
+          " is out of range (n_layers=", geometry_.n_layers, ")");
 }
 
 void KvCache::free_sequence(int32_t seq_id) {
@@ -79,7 +79,8 @@ uint64_t KvCache::length_unchecked(int32_t seq_id, uint32_t layer) const noexcep
   return sequences_[static_cast<std::size_t>(seq_id)]->tokens[layer];
 }
 
-const uint32_t* KvCache::page_table(int32_t seq_id, uint32_t layer, uint32_t kv_head) const noexcept {
+const uint32_t* KvCache::page_table(int32_t seq_id, uint32_t layer,
+                                    uint32_t kv_head) const noexcept {
   return sequences_[static_cast<std::size_t>(seq_id)]
       ->tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head]
       .data();
@@ -124,7 +125,8 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
     for (uint32_t h = 0; h < H; ++h) {
       const auto* slot = reinterpret_cast<const uint16_t*>(
           pool_.slot(seq.tables[std::size_t{layer} * H + h][page]));
-      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), slot, slot + page_elems};
+      const SealedPage sealed{seq_id,           layer, h, static_cast<uint32_t>(page), slot,
+                              slot + page_elems};
       for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
     }
   }
@@ -134,8 +136,8 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
                           uint64_t n, float* k_out, float* v_out) const {
   const Sequence& seq = sequence(seq_id);
   check_layer(layer);
-  require(kv_head < geometry_.n_kv_heads, "kv_head=", kv_head, " is out of range (n_kv_heads=",
-          geometry_.n_kv_heads, ")");
+  require(kv_head < geometry_.n_kv_heads, "kv_head=", kv_head,
+          " is out of range (n_kv_heads=", geometry_.n_kv_heads, ")");
   const uint64_t stored = seq.tokens[layer];
   require(first <= stored && n <= stored - first, "first=", first, ", n_tokens=", n,
           ": the range is beyond the ", stored, " tokens stored");
@@ -146,7 +148,8 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
     const auto* slot = reinterpret_cast<const uint16_t*>(pool_.slot(table[pos / B]));
     const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
     if (k_out) kernels_->decode(slot + offset, k_out + i * d, d, geometry_.dtype);
-    if (v_out) kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
+    if (v_out)
+      kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
   }
 }
 

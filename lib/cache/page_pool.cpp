@@ -23,16 +23,19 @@ HostRegion make_region(std::size_t slot_bytes, uint64_t capacity, bool pinned) {
 }  // namespace
 
 PagePool::PagePool(std::size_t slot_bytes, uint64_t capacity, bool pinned)
-    : slot_bytes_(slot_bytes), capacity_(capacity), region_(make_region(slot_bytes, capacity, pinned)) {}
+    : slot_bytes_(slot_bytes),
+      capacity_(capacity),
+      region_(make_region(slot_bytes, capacity, pinned)) {}
 
 void PagePool::reserve(uint64_t n, const char* what) {
   if (n > available())
-    fail(Status::capacity_exceeded, what, " needs ", n, " more pages but only ", available(), " of ",
-         capacity_, " are free (raise max_pages or free sequences)");
+    fail(Status::capacity_exceeded, what, " needs ", n, " more pages but only ", available(),
+         " of ", capacity_, " are free (raise max_pages or free sequences)");
   // Room in the free list for every slot that could be released, grown ahead of need.
   const uint64_t handed_out = never_used_from_ + (n > free_.size() ? n - free_.size() : 0);
   if (free_.capacity() < handed_out)
-    free_.reserve(std::min<uint64_t>(capacity_, std::max<uint64_t>(handed_out, 2 * free_.capacity())));
+    free_.reserve(
+        std::min<uint64_t>(capacity_, std::max<uint64_t>(handed_out, 2 * free_.capacity())));
 }
 
 uint32_t PagePool::acquire() noexcept {

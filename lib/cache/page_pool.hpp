@@ -37,8 +37,8 @@ class PagePool {
   std::size_t slot_bytes_;
   uint64_t capacity_;
   HostRegion region_;
-  std::vector<uint32_t> free_;   // released slots, reused last-in first-out (still warm in cache)
-  uint64_t never_used_from_ = 0; // slots at or above this id were never handed out
+  std::vector<uint32_t> free_;    // released slots, reused last-in first-out (still warm in cache)
+  uint64_t never_used_from_ = 0;  // slots at or above this id were never handed out
   uint64_t in_use_ = 0;
 };
 

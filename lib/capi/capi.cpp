@@ -7,9 +7,9 @@
 
 #include "gpu/host_memory.hpp"
 #include "kvsift/kvsift.h"
-#include "lib/capi/guard.hpp"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
+#include "lib/capi/guard.hpp"
 #include "lib/core/error.hpp"
 #include "lib/core/log.hpp"
 #include "simd/isa.hpp"
@@ -61,7 +61,9 @@ void forward_log(kvsift::LogLevel level, const char* message, void* user) {
 
 extern "C" {
 
-int kvsift_version(void) { return KVSIFT_VERSION; }
+int kvsift_version(void) {
+  return KVSIFT_VERSION;
+}
 
 const char* kvsift_version_string(void) {
 #define KVSIFT_STR2(x) #x
@@ -89,7 +91,9 @@ const char* kvsift_status_string(kvsift_status status) {
   return "unknown status";
 }
 
-const char* kvsift_last_error(void) { return kvsift::capi::last_error(); }
+const char* kvsift_last_error(void) {
+  return kvsift::capi::last_error();
+}
 
 void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_level) {
   if (fn == nullptr) {
@@ -143,9 +147,11 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     require_pointer(out, "out");
     if (params->key_form == KVSIFT_KEYS_PRE_ROPE)
       kvsift::fail(Status::unsupported, "params->key_form: pre-RoPE keys are not supported yet");
-    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE, "params->key_form=",
-                    static_cast<int>(params->key_form), " is not a kvsift_key_form");
-    kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads, " is negative");
+    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE,
+                    "params->key_form=", static_cast<int>(params->key_form),
+                    " is not a kvsift_key_form");
+    kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads,
+                    " is negative");
     kvsift::CacheGeometry geometry;
     geometry.n_layers = params->n_layers;
     geometry.n_kv_heads = params->n_kv_heads;
@@ -164,14 +170,17 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
                          kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads)});
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
-                  std::string("cache created: isa=") + kvsift::simd::isa_name(handle->cache.kernels().isa) +
+                  std::string("cache created: isa=") +
+                      kvsift::simd::isa_name(handle->cache.kernels().isa) +
                       ", threads=" + std::to_string(handle->attention.n_threads()) +
                       ", pool bytes=" + std::to_string(handle->cache.pool().region().size()));
     *out = handle.release();
   });
 }
 
-void kvsift_cache_free(kvsift_cache* cache) { delete cache; }
+void kvsift_cache_free(kvsift_cache* cache) {
+  delete cache;
+}
 
 kvsift_isa kvsift_cache_isa(const kvsift_cache* cache) {
   if (cache == nullptr) return KVSIFT_ISA_SCALAR;

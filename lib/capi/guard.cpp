@@ -17,13 +17,16 @@ kvsift_status set_error(kvsift_status status, const char* function, const char* 
   return status;
 }
 
-const char* last_error() noexcept { return t_last_error.c_str(); }
+const char* last_error() noexcept {
+  return t_last_error.c_str();
+}
 
 void copy_out(const std::string& bytes, char* out, std::size_t capacity, std::size_t* length) {
   require_pointer(length, "text_len");
   *length = bytes.size();
   if (bytes.size() > capacity)
-    fail(Status::buffer_too_small, "the output needs ", bytes.size(), " bytes; capacity is ", capacity);
+    fail(Status::buffer_too_small, "the output needs ", bytes.size(), " bytes; capacity is ",
+         capacity);
   if (!bytes.empty()) {
     require_pointer(out, "text");
     std::memcpy(out, bytes.data(), bytes.size());
@@ -44,8 +47,8 @@ simd::Isa to_isa(kvsift_isa isa, const char* name) {
 simd::Isa to_supported_isa(kvsift_isa isa, const char* name) {
   const simd::Isa wanted = to_isa(isa, name);
   if (isa != KVSIFT_ISA_AUTO && simd::detect_isa() < wanted)
-    fail(Status::unsupported, name, "=", simd::isa_name(wanted), " is not supported by this CPU (best: ",
-         simd::isa_name(simd::detect_isa()), ")");
+    fail(Status::unsupported, name, "=", simd::isa_name(wanted),
+         " is not supported by this CPU (best: ", simd::isa_name(simd::detect_isa()), ")");
   return wanted;
 }
 

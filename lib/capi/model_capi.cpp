@@ -39,13 +39,15 @@ void kvsift_model_params_init(kvsift_model_params* params) {
   params->isa = KVSIFT_ISA_AUTO;
 }
 
-kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* params, kvsift_model** out) {
+kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* params,
+                                kvsift_model** out) {
   if (out != nullptr) *out = nullptr;
   return guard(__func__, [&] {
     require_pointer(path, "path");
     require_pointer(params, "params");
     require_pointer(out, "out");
-    kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads, " is negative");
+    kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads,
+                    " is negative");
     kvsift::model::ModelOptions options;
     options.n_ctx = params->n_ctx;
     options.max_seqs = params->max_seqs;
@@ -62,31 +64,41 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
   });
 }
 
-void kvsift_model_free(kvsift_model* model) { delete model; }
+void kvsift_model_free(kvsift_model* model) {
+  delete model;
+}
 
 kvsift_status kvsift_model_get_info(const kvsift_model* model, kvsift_model_info* info) {
   return guard(__func__, [&] {
     require_pointer(model, "model");
     require_pointer(info, "info");
     const auto& c = model->model->config();
-    *info = kvsift_model_info{c.n_layers, c.n_embd,      c.n_heads,
-                              c.n_kv_heads, c.head_dim,  c.n_vocab,
-                              c.n_ctx_train, model->model->n_ctx(), model->model->tokenizer().bos(),
+    *info = kvsift_model_info{c.n_layers,
+                              c.n_embd,
+                              c.n_heads,
+                              c.n_kv_heads,
+                              c.head_dim,
+                              c.n_vocab,
+                              c.n_ctx_train,
+                              model->model->n_ctx(),
+                              model->model->tokenizer().bos(),
                               model->model->tokenizer().eos()};
   });
 }
 
 kvsift_status kvsift_tokenize(const kvsift_model* model, const char* text, size_t text_len,
-                              int parse_special, int32_t* tokens, size_t capacity, size_t* n_tokens) {
+                              int parse_special, int32_t* tokens, size_t capacity,
+                              size_t* n_tokens) {
   return guard(__func__, [&] {
     require_pointer(model, "model");
     require_pointer(n_tokens, "n_tokens");
     if (text_len > 0) require_pointer(text, "text");
-    const std::vector<int32_t> ids =
-        model->model->tokenizer().encode(std::string_view(text ? text : "", text_len), parse_special != 0);
+    const std::vector<int32_t> ids = model->model->tokenizer().encode(
+        std::string_view(text ? text : "", text_len), parse_special != 0);
     *n_tokens = ids.size();
     if (ids.size() > capacity)
-      kvsift::fail(Status::buffer_too_small, "the text needs ", ids.size(), " tokens; capacity is ", capacity);
+      kvsift::fail(Status::buffer_too_small, "the text needs ", ids.size(), " tokens; capacity is ",
+                   capacity);
     if (!ids.empty()) {
       require_pointer(tokens, "tokens");
       std::memcpy(tokens, ids.data(), ids.size() * sizeof(int32_t));
@@ -99,14 +111,14 @@ kvsift_status kvsift_detokenize(const kvsift_model* model, const int32_t* tokens
   return guard(__func__, [&] {
     require_pointer(model, "model");
     if (n_tokens > 0) require_pointer(tokens, "tokens");
-    copy_out(model->model->tokenizer().decode(std::span<const int32_t>(tokens, n_tokens)), text, capacity,
-             text_len);
+    copy_out(model->model->tokenizer().decode(std::span<const int32_t>(tokens, n_tokens)), text,
+             capacity, text_len);
   });
 }
 
 kvsift_status kvsift_chat_template(const kvsift_model* model, const kvsift_chat_message* messages,
-                                   size_t n_messages, int add_assistant, char* text, size_t capacity,
-                                   size_t* text_len) {
+                                   size_t n_messages, int add_assistant, char* text,
+                                   size_t capacity, size_t* text_len) {
   return guard(__func__, [&] {
     require_pointer(model, "model");
     if (n_messages > 0) require_pointer(messages, "messages");
@@ -116,8 +128,8 @@ kvsift_status kvsift_chat_template(const kvsift_model* model, const kvsift_chat_
       kvsift::require(messages[i].content != nullptr, "messages[", i, "].content is NULL");
       chat.push_back({messages[i].role, messages[i].content});
     }
-    copy_out(model->model->tokenizer().apply_chat_template(chat, add_assistant != 0), text, capacity,
-             text_len);
+    copy_out(model->model->tokenizer().apply_chat_template(chat, add_assistant != 0), text,
+             capacity, text_len);
   });
 }
 
@@ -146,7 +158,8 @@ kvsift_status kvsift_model_prefill(kvsift_model* model, int32_t seq_id, const in
   return guard(__func__, [&] {
     require_pointer(model, "model");
     require_pointer(tokens, "tokens");
-    model->model->prefill(seq_id, std::span<const int32_t>(tokens, n_tokens), all_logits, progress, user);
+    model->model->prefill(seq_id, std::span<const int32_t>(tokens, n_tokens), all_logits, progress,
+                          user);
   });
 }
 
@@ -156,7 +169,8 @@ kvsift_status kvsift_model_decode(kvsift_model* model, uint32_t n_seqs, const in
     require_pointer(model, "model");
     require_pointer(seq_ids, "seq_ids");
     require_pointer(tokens, "tokens");
-    model->model->decode(std::span<const int32_t>(seq_ids, n_seqs), std::span<const int32_t>(tokens, n_seqs));
+    model->model->decode(std::span<const int32_t>(seq_ids, n_seqs),
+                         std::span<const int32_t>(tokens, n_seqs));
   });
 }
 
@@ -177,13 +191,10 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
     require_pointer(stats, "stats");
     const auto& s = model->model->stats();
     const auto& pool = model->model->cache().pool();
-    *stats = kvsift_model_stats{s.prefill_tokens,
-                                s.prefill_seconds,
-                                s.decode_tokens,
-                                s.decode_seconds,
-                                s.decode_attention_seconds,
-                                pool.in_use() * pool.slot_bytes(),
-                                s.last_step_kv_bytes_read};
+    *stats = kvsift_model_stats{
+        s.prefill_tokens,         s.prefill_seconds,          s.decode_tokens,
+        s.decode_seconds,         s.decode_attention_seconds, pool.in_use() * pool.slot_bytes(),
+        s.last_step_kv_bytes_read};
   });
 }
 
@@ -214,8 +225,9 @@ kvsift_status kvsift_model_set_selector(kvsift_model* model, const kvsift_select
   return guard(__func__, [&] {
     require_pointer(model, "model");
     require_pointer(policy, "policy");
-    kvsift::require(policy->selector == KVSIFT_SELECTOR_DENSE, "policy->selector=",
-                    static_cast<int>(policy->selector), " is not a kvsift_selector");
+    kvsift::require(policy->selector == KVSIFT_SELECTOR_DENSE,
+                    "policy->selector=", static_cast<int>(policy->selector),
+                    " is not a kvsift_selector");
     kvsift::require(policy->budget == 0.0, "policy->budget=", policy->budget,
                     ": the dense selector attends to every token and takes no budget");
     model->policy = *policy;
@@ -237,9 +249,12 @@ kvsift_status kvsift_sampler_create(const kvsift_sampler_params* params, kvsift_
   });
 }
 
-void kvsift_sampler_free(kvsift_sampler* sampler) { delete sampler; }
+void kvsift_sampler_free(kvsift_sampler* sampler) {
+  delete sampler;
+}
 
-kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const float* logits, size_t n, int32_t* token) {
+kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const float* logits, size_t n,
+                                    int32_t* token) {
   return guard(__func__, [&] {
     require_pointer(sampler, "sampler");
     require_pointer(logits, "logits");

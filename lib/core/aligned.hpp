@@ -17,11 +17,15 @@ struct CacheLineAllocator {
   template <class U>
   CacheLineAllocator(const CacheLineAllocator<U>&) noexcept {}
   T* allocate(std::size_t n) {
-    return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t{kCacheLine}));
+    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{kCacheLine}));
   }
-  void deallocate(T* p, std::size_t) noexcept { ::operator delete(p, std::align_val_t{kCacheLine}); }
+  void deallocate(T* p, std::size_t) noexcept {
+    ::operator delete (p, std::align_val_t{kCacheLine});
+  }
   template <class U>
-  bool operator==(const CacheLineAllocator<U>&) const noexcept { return true; }
+  bool operator==(const CacheLineAllocator<U>&) const noexcept {
+    return true;
+  }
 };
 
 template <class T>

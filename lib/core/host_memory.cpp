@@ -18,9 +18,10 @@ HostRegion::HostRegion(std::size_t bytes, bool pinned) : bytes_(bytes), pinned_(
     data_ = static_cast<std::byte*>(p);
     return;
   }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                 -1, 0);
-  if (p == MAP_FAILED) fail(Status::out_of_memory, "cannot reserve ", bytes, " bytes of host memory");
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (p == MAP_FAILED)
+    fail(Status::out_of_memory, "cannot reserve ", bytes, " bytes of host memory");
   // Transparent huge pages (Debian's default is "madvise"): a decode step streams the whole
   // selection, and 2 MiB pages take TLB misses out of that stream. Advice only: failure is fine.
   madvise(p, bytes, MADV_HUGEPAGE);
@@ -42,12 +43,16 @@ HostRegion& HostRegion::operator=(HostRegion&& other) noexcept {
   return *this;
 }
 
-HostRegion::~HostRegion() { release(); }
+HostRegion::~HostRegion() {
+  release();
+}
 
 void HostRegion::release() noexcept {
   if (data_ == nullptr) return;
-  if (pinned_) gpu::pinned_free(data_);
-  else munmap(data_, bytes_);
+  if (pinned_)
+    gpu::pinned_free(data_);
+  else
+    munmap(data_, bytes_);
   data_ = nullptr;
 }
 

@@ -30,7 +30,8 @@ struct Matmul::Impl {
     using dt = dnnl::memory::data_type;
     const dt in = type == MatType::f32 ? dt::f32 : dt::bf16;
     const dnnl::memory::desc x_md({M, K}, in, tag::ab);
-    const dnnl::memory::desc w_md({K, N}, in, layout == WeightLayout::rows_are_outputs ? tag::ba : tag::ab);
+    const dnnl::memory::desc w_md({K, N}, in,
+                                  layout == WeightLayout::rows_are_outputs ? tag::ba : tag::ab);
     const dnnl::memory::desc y_md({M, N}, dt::f32, tag::ab);
     try {
       const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(x_md, w_md, y_md), engine);
@@ -52,7 +53,8 @@ void Matmul::run(MatType type, const void* x, int64_t M, int64_t K, const void* 
   dnnl::memory x_mem(entry.pd.src_desc(), impl_->engine, const_cast<void*>(x));
   dnnl::memory w_mem(entry.pd.weights_desc(), impl_->engine, const_cast<void*>(w));
   dnnl::memory y_mem(entry.pd.dst_desc(), impl_->engine, y);
-  entry.prim.execute(impl_->stream, {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, w_mem}, {DNNL_ARG_DST, y_mem}});
+  entry.prim.execute(impl_->stream,
+                     {{DNNL_ARG_SRC, x_mem}, {DNNL_ARG_WEIGHTS, w_mem}, {DNNL_ARG_DST, y_mem}});
   impl_->stream.wait();
 }
 

@@ -30,8 +30,19 @@ enum class GgmlType : uint32_t {
 };
 
 enum class GgufValueType : uint32_t {
-  u8 = 0, i8 = 1, u16 = 2, i16 = 3, u32 = 4, i32 = 5, f32 = 6, boolean = 7,
-  string = 8, array = 9, u64 = 10, i64 = 11, f64 = 12,
+  u8 = 0,
+  i8 = 1,
+  u16 = 2,
+  i16 = 3,
+  u32 = 4,
+  i32 = 5,
+  f32 = 6,
+  boolean = 7,
+  string = 8,
+  array = 9,
+  u64 = 10,
+  i64 = 11,
+  f64 = 12,
 };
 
 struct GgufValue;
@@ -52,9 +63,9 @@ struct GgufTensor {
   uint32_t n_dims;
   std::array<uint64_t, 4> dims;  // dims[0] is the contiguous (row) length; unused dims are 1
   GgmlType type;
-  uint64_t offset;               // relative to the data section
-  uint64_t bytes;                // size of the data, from dims and type
-  const std::byte* data;         // into the mapping; valid while the GgufFile lives
+  uint64_t offset;        // relative to the data section
+  uint64_t bytes;         // size of the data, from dims and type
+  const std::byte* data;  // into the mapping; valid while the GgufFile lives
   uint64_t elements() const noexcept { return dims[0] * dims[1] * dims[2] * dims[3]; }
 };
 

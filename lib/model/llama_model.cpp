@@ -21,7 +21,8 @@ double seconds_since(Clock::time_point start) {
 
 uint32_t get_u32(const GgufFile& file, const std::string& key) {
   const uint64_t value = file.get_uint(key);
-  if (value == 0 || value > (1u << 30)) fail(Status::invalid_file, key, "=", value, " is out of range");
+  if (value == 0 || value > (1u << 30))
+    fail(Status::invalid_file, key, "=", value, " is out of range");
   return static_cast<uint32_t>(value);
 }
 
@@ -36,29 +37,35 @@ void check_dims(const GgufTensor& t, uint64_t d0, uint64_t d1) {
 LlamaConfig read_config(const GgufFile& file) {
   const std::string& arch = file.get_string("general.architecture");
   if (arch != "llama")
-    fail(Status::unsupported, "general.architecture='", arch, "': kvsift runs the Llama family ('llama')");
+    fail(Status::unsupported, "general.architecture='", arch,
+         "': kvsift runs the Llama family ('llama')");
   LlamaConfig c;
   c.n_layers = get_u32(file, "llama.block_count");
   c.n_embd = get_u32(file, "llama.embedding_length");
   c.n_ff = get_u32(file, "llama.feed_forward_length");
   c.n_heads = get_u32(file, "llama.attention.head_count");
-  c.n_kv_heads = file.find("llama.attention.head_count_kv") ? get_u32(file, "llama.attention.head_count_kv")
-                                                            : c.n_heads;
+  c.n_kv_heads = file.find("llama.attention.head_count_kv")
+                     ? get_u32(file, "llama.attention.head_count_kv")
+                     : c.n_heads;
   c.n_ctx_train = get_u32(file, "llama.context_length");
-  if (file.find("llama.rope.freq_base")) c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
+  if (file.find("llama.rope.freq_base"))
+    c.rope_theta = static_cast<float>(file.get_float("llama.rope.freq_base"));
   c.rms_eps = static_cast<float>(file.get_float("llama.attention.layer_norm_rms_epsilon"));
   if (c.n_embd % c.n_heads != 0 || c.n_heads % c.n_kv_heads != 0)
     fail(Status::invalid_file, "embedding_length=", c.n_embd, ", head_count=", c.n_heads,
          ", head_count_kv=", c.n_kv_heads, " do not divide");
   c.head_dim = c.n_embd / c.n_heads;
-  if (file.find("llama.rope.dimension_count") && file.get_uint("llama.rope.dimension_count") != c.head_dim)
-    fail(Status::unsupported, "llama.rope.dimension_count=", file.get_uint("llama.rope.dimension_count"),
+  if (file.find("llama.rope.dimension_count") &&
+      file.get_uint("llama.rope.dimension_count") != c.head_dim)
+    fail(Status::unsupported,
+         "llama.rope.dimension_count=", file.get_uint("llama.rope.dimension_count"),
          ": partial rotary embeddings are not supported (head_dim ", c.head_dim, ")");
   if (!(c.rope_theta > 0.0f) || !(c.rms_eps > 0.0f))
     fail(Status::invalid_file, "rope freq_base and rms epsilon must be positive");
   const GgufTensor& embd = file.require_tensor("token_embd.weight");
   if (embd.n_dims != 2 || embd.dims[0] != c.n_embd)
-    fail(Status::invalid_file, "token_embd.weight has row length ", embd.dims[0], ", expected ", c.n_embd);
+    fail(Status::invalid_file, "token_embd.weight has row length ", embd.dims[0], ", expected ",
+         c.n_embd);
   c.n_vocab = static_cast<uint32_t>(embd.dims[1]);
   c.tied_output = file.tensor("output.weight") == nullptr;
   return c;
@@ -71,16 +78,18 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const Mode
   const LlamaConfig config = read_config(file);
   Tokenizer tokenizer = Tokenizer::from_gguf(file);
   if (tokenizer.vocab_size() != config.n_vocab)
-    fail(Status::invalid_file, "the tokenizer has ", tokenizer.vocab_size(), " tokens but token_embd has ",
-         config.n_vocab, " rows");
-  return std::unique_ptr<LlamaModel>(new LlamaModel(std::move(file), std::move(tokenizer), config, options));
+    fail(Status::invalid_file, "the tokenizer has ", tokenizer.vocab_size(),
+         " tokens but token_embd has ", config.n_vocab, " rows");
+  return std::unique_ptr<LlamaModel>(
+      new LlamaModel(std::move(file), std::move(tokenizer), config, options));
 }
 
 namespace {
 
 uint32_t context_for(const LlamaConfig& config, const ModelOptions& options) {
   const uint32_t n = options.n_ctx == 0 ? config.n_ctx_train : options.n_ctx;
-  require(n <= config.n_ctx_train, "n_ctx=", n, " is beyond the model's ", config.n_ctx_train, " positions");
+  require(n <= config.n_ctx_train, "n_ctx=", n, " is beyond the model's ", config.n_ctx_train,
+          " positions");
   return n;
 }
 
@@ -120,8 +129,8 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
       decode_attention_(geometry_for(config, options), options.max_seqs, options.n_threads),
       prefill_attention_(geometry_for(config, options),
                          std::clamp<uint32_t>(options.prefill_chunk, 1, 4096), n_ctx_) {
-  require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096, "prefill_chunk=",
-          options.prefill_chunk, " is not in 1..4096");
+  require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
+          "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
   if (options.n_threads > 0) omp_set_num_threads(options.n_threads);
   const uint32_t E = config.n_embd, qdim = config.n_heads * config.head_dim,
                  kvdim = config.n_kv_heads * config.head_dim;
@@ -129,15 +138,19 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   for (uint32_t l = 0; l < config.n_layers; ++l) {
     const std::string p = "blk." + std::to_string(l) + ".";
     Layer& L = layers_[l];
-    for (auto [name, dst] : {std::pair{"attn_norm.weight", &L.attn_norm}, std::pair{"ffn_norm.weight", &L.ffn_norm}}) {
+    for (auto [name, dst] :
+         {std::pair{"attn_norm.weight", &L.attn_norm}, std::pair{"ffn_norm.weight", &L.ffn_norm}}) {
       const GgufTensor& t = file_.require_tensor(p + name);
       check_dims(t, E, 1);
       dst->resize(E);
       dequantize(t.type, t.data, dst->data(), E);
     }
-    L.wqkv = load_linear({{p + "attn_q.weight", qdim}, {p + "attn_k.weight", kvdim}, {p + "attn_v.weight", kvdim}}, E);
+    L.wqkv = load_linear(
+        {{p + "attn_q.weight", qdim}, {p + "attn_k.weight", kvdim}, {p + "attn_v.weight", kvdim}},
+        E);
     L.wo = load_linear({{p + "attn_output.weight", E}}, qdim);
-    L.w_gate_up = load_linear({{p + "ffn_gate.weight", config.n_ff}, {p + "ffn_up.weight", config.n_ff}}, E);
+    L.w_gate_up =
+        load_linear({{p + "ffn_gate.weight", config.n_ff}, {p + "ffn_up.weight", config.n_ff}}, E);
     L.w_down = load_linear({{p + "ffn_down.weight", E}}, config.n_ff);
   }
   const GgufTensor& norm = file_.require_tensor("output_norm.weight");
@@ -146,7 +159,8 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   dequantize(norm.type, norm.data, output_norm_.data(), E);
   token_embd_ = &file_.require_tensor("token_embd.weight");
   row_bytes(token_embd_->type, E);  // validates the type and row length
-  output_ = load_linear({{config.tied_output ? "token_embd.weight" : "output.weight", config.n_vocab}}, E);
+  output_ = load_linear(
+      {{config.tied_output ? "token_embd.weight" : "output.weight", config.n_vocab}}, E);
 
   // RoPE as GGUF stores Llama weights: adjacent pairs (2i, 2i+1) rotate by pos * theta^(-2i/d).
   const uint32_t half = config.head_dim / 2;
@@ -174,14 +188,16 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   x_rounded_.resize(simd::kMaxVectors * std::max({E, qdim, config.n_ff}));
 }
 
-LlamaModel::Linear LlamaModel::load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts,
-                                           uint32_t in) const {
+LlamaModel::Linear LlamaModel::load_linear(
+    const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in) const {
   Linear w;
   w.in = in;
   for (const auto& part : parts) w.out += part.second;
   const bool bf16 = options_.weight_type == MatType::bf16;
-  if (bf16) w.bf16.resize(std::size_t{in} * w.out);
-  else w.f32.resize(std::size_t{in} * w.out);
+  if (bf16)
+    w.bf16.resize(std::size_t{in} * w.out);
+  else
+    w.f32.resize(std::size_t{in} * w.out);
   const simd::Kernels& kernels = cache_.kernels();
   uint32_t first_row = 0;
   for (const auto& [name, out] : parts) {
@@ -205,7 +221,8 @@ LlamaModel::Linear LlamaModel::load_linear(const std::vector<std::pair<std::stri
 }
 
 void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* y) {
-  if (options_.weight_type == MatType::bf16 && decoding_ && rows <= simd::kMaxVectors && w.in % 16 == 0) {
+  if (options_.weight_type == MatType::bf16 && decoding_ && rows <= simd::kMaxVectors &&
+      w.in % 16 == 0) {
     // A decode step (a few sequences): matrix-vector products that stream the weights once, split
     // by output rows across threads. x is rounded to bf16 as the matrix-product path rounds it.
     const simd::Kernels& kernels = cache_.kernels();
@@ -215,16 +232,18 @@ void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* 
 #pragma omp parallel
     {
       const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-      const std::size_t first = std::size_t{w.out} * t / threads, last = std::size_t{w.out} * (t + 1) / threads;
+      const std::size_t first = std::size_t{w.out} * t / threads,
+                        last = std::size_t{w.out} * (t + 1) / threads;
       kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(), rows,
                           y + first, w.out);
     }
   } else if (options_.weight_type == MatType::bf16) {
     cache_.kernels().encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
-    matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(), WeightLayout::rows_are_outputs,
-                w.out, y);
+    matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(),
+                WeightLayout::rows_are_outputs, w.out, y);
   } else {
-    matmul_.run(MatType::f32, x, rows, w.in, w.f32.data(), WeightLayout::rows_are_outputs, w.out, y);
+    matmul_.run(MatType::f32, x, rows, w.in, w.f32.data(), WeightLayout::rows_are_outputs, w.out,
+                y);
   }
 }
 
@@ -247,7 +266,8 @@ void LlamaModel::rope(float* x, uint32_t n_heads, uint64_t position) const {
   }
 }
 
-void LlamaModel::rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows, float* y) const {
+void LlamaModel::rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows,
+                          float* y) const {
   const uint32_t E = config_.n_embd;
   for (uint32_t r = 0; r < rows; ++r) {
     const float* xr = x + std::size_t{r} * E;
@@ -262,7 +282,8 @@ void LlamaModel::rms_norm(const float* x, const std::vector<float>& weight, uint
 template <class Attend>
 void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& attend) {
   const uint32_t E = config_.n_embd, F = config_.n_ff;
-  const uint32_t qdim = config_.n_heads * config_.head_dim, kvdim = config_.n_kv_heads * config_.head_dim;
+  const uint32_t qdim = config_.n_heads * config_.head_dim,
+                 kvdim = config_.n_kv_heads * config_.head_dim;
   for (uint32_t l = 0; l < config_.n_layers; ++l) {
     Layer& L = layers_[l];
     rms_norm(x_.data(), L.attn_norm, rows, h_.data());
@@ -286,7 +307,8 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
       const float* gate = gate_up_.data() + std::size_t{r} * 2 * F;
       const float* up = gate + F;
       float* out = ffn_.data() + std::size_t{r} * F;
-      for (uint32_t i = 0; i < F; ++i) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(gate) * up
+      for (uint32_t i = 0; i < F; ++i)
+        out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];  // SiLU(gate) * up
     }
     project(L.w_down, ffn_.data(), rows, h_.data());
     for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
@@ -311,10 +333,13 @@ void LlamaModel::free_sequence(int32_t seq_id) {
   logits_[seq_id].shrink_to_fit();
 }
 
-uint64_t LlamaModel::position(int32_t seq_id) const { return cache_.length(seq_id, 0); }
+uint64_t LlamaModel::position(int32_t seq_id) const {
+  return cache_.length(seq_id, 0);
+}
 
 void LlamaModel::check_sequence(int32_t seq_id) const {
-  if (!cache_.has_sequence(seq_id)) fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
+  if (!cache_.has_sequence(seq_id))
+    fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
 }
 
 void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
@@ -326,8 +351,8 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
     fail(Status::capacity_exceeded, "sequence ", seq_id, " would hold ", start + tokens.size(),
          " tokens, beyond the context of ", n_ctx_, " positions");
   for (std::size_t i = 0; i < tokens.size(); ++i)
-    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i, "]=",
-            tokens[i], " is not in the vocabulary (", config_.n_vocab, " tokens)");
+    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i,
+            "]=", tokens[i], " is not in the vocabulary (", config_.n_vocab, " tokens)");
   const auto t0 = Clock::now();
   const uint32_t chunk = options_.prefill_chunk, E = config_.n_embd;
   std::vector<uint64_t> positions(chunk);
@@ -346,7 +371,8 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
     if (all_logits != nullptr) {
       output_logits(x_.data(), T, all_logits + (done - T) * config_.n_vocab);
       if (done == tokens.size())
-        std::copy_n(all_logits + (done - 1) * config_.n_vocab, config_.n_vocab, logits_[seq_id].begin());
+        std::copy_n(all_logits + (done - 1) * config_.n_vocab, config_.n_vocab,
+                    logits_[seq_id].begin());
     } else if (done == tokens.size()) {
       output_logits(x_.data() + std::size_t{T - 1} * E, 1, logits_[seq_id].data());
     }
@@ -358,14 +384,16 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
 
 void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens) {
   const uint32_t n = static_cast<uint32_t>(seq_ids.size());
-  require(n >= 1 && n <= options_.max_seqs, "decoding ", n, " sequences; max_seqs is ", options_.max_seqs);
+  require(n >= 1 && n <= options_.max_seqs, "decoding ", n, " sequences; max_seqs is ",
+          options_.max_seqs);
   require(tokens.size() == seq_ids.size(), "tokens and seq_ids differ in length");
   std::vector<uint64_t> positions(n);
   for (uint32_t i = 0; i < n; ++i) {
     check_sequence(seq_ids[i]);
-    for (uint32_t j = 0; j < i; ++j) require(seq_ids[j] != seq_ids[i], "seq_ids repeats ", seq_ids[i]);
-    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i, "]=",
-            tokens[i], " is not in the vocabulary");
+    for (uint32_t j = 0; j < i; ++j)
+      require(seq_ids[j] != seq_ids[i], "seq_ids repeats ", seq_ids[i]);
+    require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i,
+            "]=", tokens[i], " is not in the vocabulary");
     positions[i] = position(seq_ids[i]);
     if (positions[i] >= n_ctx_)
       fail(Status::capacity_exceeded, "sequence ", seq_ids[i], " is full: ", n_ctx_, " positions");
@@ -390,14 +418,16 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   blocks(n, positions.data(), [&](uint32_t l) {
     const auto a0 = Clock::now();
     for (uint32_t r = 0; r < n; ++r)
-      cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim, v_.data() + std::size_t{r} * kvdim);
+      cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
+                    v_.data() + std::size_t{r} * kvdim);
     call.layer = l;
     decode_attention_.validate(cache_, call);
     decode_attention_.run(cache_, call);
     bytes_read += decode_attention_.last_stats().bytes_read;
     attention_seconds += seconds_since(a0);
   });
-  for (uint32_t r = 0; r < n; ++r) output_logits(x_.data() + std::size_t{r} * E, 1, logits_[seq_ids[r]].data());
+  for (uint32_t r = 0; r < n; ++r)
+    output_logits(x_.data() + std::size_t{r} * E, 1, logits_[seq_ids[r]].data());
   stats_.decode_tokens += n;
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;

@@ -46,14 +46,14 @@ struct ModelOptions {
   MatType weight_type = MatType::bf16;
   simd::Dtype kv_dtype = simd::Dtype::f16;
   uint32_t page_tokens = 16;
-  int n_threads = 0;             // 0 = OpenMP default
+  int n_threads = 0;  // 0 = OpenMP default
   simd::Isa isa = simd::Isa::avx512;
 };
 
 struct ModelStats {
   uint64_t prefill_tokens = 0;
   double prefill_seconds = 0;
-  uint64_t decode_tokens = 0;      // tokens decoded (summed over sequences)
+  uint64_t decode_tokens = 0;  // tokens decoded (summed over sequences)
   double decode_seconds = 0;
   double decode_attention_seconds = 0;
   uint64_t last_step_kv_bytes_read = 0;
@@ -100,7 +100,8 @@ class LlamaModel {
     Linear wqkv, wo, w_gate_up, w_down;
   };
 
-  LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config, const ModelOptions& options);
+  LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config,
+             const ModelOptions& options);
   // The named [in, out_i] tensors stacked along their outputs into one [sum out_i, in] weight.
   Linear load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in) const;
   void project(const Linear& w, const float* x, uint32_t rows, float* y);
@@ -121,7 +122,7 @@ class LlamaModel {
   uint32_t n_ctx_;
   std::vector<Layer> layers_;
   std::vector<float> output_norm_;
-  Linear output_;                   // [n_vocab, n_embd]: token_embd when tied
+  Linear output_;  // [n_vocab, n_embd]: token_embd when tied
   const GgufTensor* token_embd_;
   std::vector<float> rope_cos_, rope_sin_;  // [n_ctx, head_dim / 2]
 

@@ -8,8 +8,8 @@
 namespace kvsift::model {
 
 Sampler::Sampler(const SamplerParams& params) : params_(params), rng_(params.seed) {
-  require(params.temperature >= 0.0f && std::isfinite(params.temperature), "temperature=",
-          params.temperature, " must be >= 0");
+  require(params.temperature >= 0.0f && std::isfinite(params.temperature),
+          "temperature=", params.temperature, " must be >= 0");
   require(params.top_p > 0.0f && params.top_p <= 1.0f, "top_p=", params.top_p, " is not in (0, 1]");
 }
 
@@ -24,11 +24,13 @@ int32_t Sampler::sample(std::span<const float> logits) {
     candidates_[i] = {p, static_cast<int32_t>(i)};
     total += p;
   }
-  std::sort(candidates_.begin(), candidates_.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first || (a.first == b.first && a.second < b.second); });
+  std::sort(candidates_.begin(), candidates_.end(), [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  });
   std::size_t keep = 0;
   double kept = 0.0;
-  while (keep < candidates_.size() && kept < params_.top_p * total) kept += candidates_[keep++].first;
+  while (keep < candidates_.size() && kept < params_.top_p * total)
+    kept += candidates_[keep++].first;
   const double u = std::uniform_real_distribution<double>(0.0, kept)(rng_);
   double acc = 0.0;
   for (std::size_t i = 0; i < keep; ++i) {
