@@ -100,8 +100,8 @@ struct Body {
 
   // One page for a block of NG query heads: logits, online-softmax rescale, V accumulation.
   // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head.
-  template <Dtype D, uint32_t NG>
-  static void page(const float* q, uint32_t d, uint32_t B, const uint16_t* k, const uint16_t* v,
+  template <Dtype D, uint32_t NG, uint32_t d>
+  static void page(const float* q, uint32_t B, const uint16_t* k, const uint16_t* v,
                    uint32_t n, float* m, float* l, float* acc, float* s) noexcept {
     for (uint32_t t = 0; t < n; ++t) {
       batch a[NG];
@@ -147,9 +147,9 @@ struct Body {
 
   // Pages outer, head blocks inner: a group larger than one block re-reads each page from L1,
   // never the run from DRAM.
-  template <Dtype D>
+  template <Dtype D, uint32_t d>
   static void attend_dtype(const AttendJob& job) noexcept {
-    const uint32_t d = job.head_dim, B = job.page_tokens;
+    const uint32_t B = job.page_tokens;
     const std::size_t page_elems = std::size_t{B} * d;
     auto page_of = [&job](uint32_t i) {
       return job.logical ? job.logical[job.first + i] : job.first + i;
@@ -173,10 +173,10 @@ struct Body {
         float* m = job.m + g0;
         float* l = job.l + g0;
         switch (job.group - g0) {
-          case 1: page<D, 1>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
-          case 2: page<D, 2>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
-          case 3: page<D, 3>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
-          default: page<D, 4>(q, d, B, k, v, n, m, l, acc, job.scratch); break;
+          case 1: page<D, 1, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
+          case 2: page<D, 2, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
+          case 3: page<D, 3, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
+          default: page<D, 4, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
         }
       }
     }
@@ -190,10 +190,13 @@ struct Body {
       job.l[g] = 0.0f;
     }
     for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
-    if (job.dtype == Dtype::f16)
-      attend_dtype<Dtype::f16>(job);
-    else
-      attend_dtype<Dtype::bf16>(job);
+    // head_dim as a template parameter: the channel loops unroll fully, with no counters.
+    const bool f16 = job.dtype == Dtype::f16;
+    switch (job.head_dim) {
+      case 64: f16 ? attend_dtype<Dtype::f16, 64>(job) : attend_dtype<Dtype::bf16, 64>(job); break;
+      case 128: f16 ? attend_dtype<Dtype::f16, 128>(job) : attend_dtype<Dtype::bf16, 128>(job); break;
+      default: f16 ? attend_dtype<Dtype::f16, 256>(job) : attend_dtype<Dtype::bf16, 256>(job); break;
+    }
   }
 };
 
