@@ -15,6 +15,11 @@ namespace {
 struct IsaOps {
   using batch = xsimd::batch<float, xsimd::fma3<xsimd::avx2>>;
 
+  static float hmax(batch x) noexcept {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+  }
   static batch load_f16(const uint16_t* p) noexcept {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }

@@ -16,6 +16,7 @@ namespace {
 struct IsaOps {
   using batch = xsimd::batch<float, xsimd::avx512bw>;
 
+  static float hmax(batch x) noexcept { return _mm512_reduce_max_ps(x); }
   static batch load_f16(const uint16_t* p) noexcept {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }

@@ -24,6 +24,18 @@ struct Body {
   static constexpr uint32_t W = static_cast<uint32_t>(batch::size);
   static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+  // xsimd 8.1's AVX-512 haddp returns the row sums in the order 0,1,4,5,2,3,6,7, 8,9,12,13,...
+  // (checked: rows with sums 0,100,...,1500 come back as 0 100 400 500 200 300 600 700 ...). The
+  // permutation is an involution: storing row i at haddp_slot(i) gives the sums in order.
+  static constexpr uint32_t haddp_slot(uint32_t i) noexcept {
+    if constexpr (W == 16) {
+      const uint32_t j = i & 7u;
+      return (i & 8u) | (j == 2 || j == 3 ? j + 2 : j == 4 || j == 5 ? j - 2 : j);
+    } else {
+      return i;
+    }
+  }
+
   template <Dtype D>
   static batch load(const uint16_t* p) noexcept {
     if constexpr (D == Dtype::f16)
@@ -101,37 +113,62 @@ struct Body {
   // One page for a block of NG query heads: logits, online-softmax rescale, V accumulation.
   // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head.
   template <Dtype D, uint32_t NG, uint32_t d>
-  static void page(const float* q, uint32_t B, const uint16_t* k, const uint16_t* v,
-                   uint32_t n, float* m, float* l, float* acc, float* s) noexcept {
-    for (uint32_t t = 0; t < n; ++t) {
-      batch a[NG];
-      for (uint32_t g = 0; g < NG; ++g) a[g] = batch(0.0f);
-      const uint16_t* kt = k + std::size_t{t} * d;
-      for (uint32_t c = 0; c < d; c += W) {
-        const batch kc = load<D>(kt + c);
-        for (uint32_t g = 0; g < NG; ++g)
-          a[g] = xsimd::fma(kc, batch::load_unaligned(q + std::size_t{g} * d + c), a[g]);
+  static void page(const float* q, uint32_t B, const uint16_t* k, const uint16_t* v, uint32_t n,
+                   float* m, float* l, float* acc, float* s) noexcept {
+    // Logits: TT tokens share each q load, and W tokens' dot products are reduced together by
+    // haddp (one transpose-add tree, not W hadds). The whole page is computed: slots are full-size,
+    // and the tail's logits are overwritten with -inf below.
+    constexpr uint32_t TT = W >= 16 ? 4 : 2;
+    for (uint32_t t0 = 0; t0 < B; t0 += W) {
+      batch rows[NG][W];
+      for (uint32_t t = t0; t < t0 + W; t += TT) {
+        batch a[TT][NG];
+        for (uint32_t u = 0; u < TT; ++u)
+          for (uint32_t g = 0; g < NG; ++g) a[u][g] = batch(0.0f);
+        for (uint32_t c = 0; c < d; c += W) {
+          batch kc[TT];
+          for (uint32_t u = 0; u < TT; ++u) kc[u] = load<D>(k + std::size_t{t + u} * d + c);
+          for (uint32_t g = 0; g < NG; ++g) {
+            const batch qg = batch::load_unaligned(q + std::size_t{g} * d + c);
+            for (uint32_t u = 0; u < TT; ++u) a[u][g] = xsimd::fma(kc[u], qg, a[u][g]);
+          }
+        }
+        for (uint32_t u = 0; u < TT; ++u)
+          for (uint32_t g = 0; g < NG; ++g) rows[g][haddp_slot(t - t0 + u)] = a[u][g];
       }
-      for (uint32_t g = 0; g < NG; ++g) s[g * B + t] = xsimd::hadd(a[g]);
+      for (uint32_t g = 0; g < NG; ++g) xsimd::haddp(rows[g]).store_unaligned(s + g * B + t0);
     }
-    float alpha[NG];
+    // Online-softmax update with the heads interleaved, so that their latency chains overlap.
+    float alpha[NG], m_new[NG];
+    batch mx[NG];
     for (uint32_t g = 0; g < NG; ++g) {
       float* sg = s + g * B;
-      float page_max = kNegInf;
-      for (uint32_t t = 0; t < n; ++t) page_max = sg[t] > page_max ? sg[t] : page_max;
       for (uint32_t t = n; t < B; ++t) sg[t] = kNegInf;  // exp(-inf) = 0: the tail adds nothing
-      const float m_new = m[g] > page_max ? m[g] : page_max;
-      batch sum(0.0f);
-      const batch shift(m_new);
+      mx[g] = batch::load_unaligned(sg);
+      for (uint32_t t = W; t < B; t += W) mx[g] = xsimd::max(mx[g], batch::load_unaligned(sg + t));
+    }
+    alignas(64) float shift_old[W] = {};
+    for (uint32_t g = 0; g < NG; ++g) {
+      const float page_max = Ops::hmax(mx[g]);
+      m_new[g] = m[g] > page_max ? m[g] : page_max;
+      shift_old[g] = m[g] - m_new[g];  // m[g] = -inf before the first page: alpha = 0
+    }
+    xsimd::exp(batch::load_aligned(shift_old)).store_aligned(shift_old);
+    batch sum[NG];
+    for (uint32_t g = 0; g < NG; ++g) {
+      float* sg = s + g * B;
+      const batch shift(m_new[g]);
+      sum[g] = batch(0.0f);
       for (uint32_t t = 0; t < B; t += W) {
         const batch p = xsimd::exp(batch::load_unaligned(sg + t) - shift);
         p.store_unaligned(sg + t);
-        sum += p;
+        sum[g] += p;
       }
-      // m[g] = -inf before the first page: exp(-inf) = 0 clears the (zero) accumulator.
-      alpha[g] = xsimd::exp(batch(m[g] - m_new)).get(0);
-      l[g] = l[g] * alpha[g] + xsimd::hadd(sum);
-      m[g] = m_new;
+    }
+    for (uint32_t g = 0; g < NG; ++g) {
+      alpha[g] = shift_old[g];
+      l[g] = l[g] * alpha[g] + xsimd::hadd(sum[g]);
+      m[g] = m_new[g];
     }
     for (uint32_t c = 0; c < d; c += W) {
       batch a[NG];
@@ -157,13 +194,6 @@ struct Body {
     for (uint32_t i = 0; i < job.count; ++i) {
       const uint32_t p = page_of(i);
       const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[p] * job.slot_bytes);
-      // Slots of one (sequence, KV head) are scattered through the pool, and hardware prefetchers
-      // stop at 4 KiB boundaries: request the next page's lines while this one is computed.
-      if (i + 1 < job.count) {
-        const std::byte* next = job.pool + job.table[page_of(i + 1)] * job.slot_bytes;
-        for (std::size_t line = 0; line < job.slot_bytes; line += 64)
-          __builtin_prefetch(next + line);
-      }
       const uint16_t* v = k + page_elems;
       const uint64_t left = job.seq_tokens - uint64_t{p} * B;
       const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
@@ -194,8 +224,12 @@ struct Body {
     const bool f16 = job.dtype == Dtype::f16;
     switch (job.head_dim) {
       case 64: f16 ? attend_dtype<Dtype::f16, 64>(job) : attend_dtype<Dtype::bf16, 64>(job); break;
-      case 128: f16 ? attend_dtype<Dtype::f16, 128>(job) : attend_dtype<Dtype::bf16, 128>(job); break;
-      default: f16 ? attend_dtype<Dtype::f16, 256>(job) : attend_dtype<Dtype::bf16, 256>(job); break;
+      case 128:
+        f16 ? attend_dtype<Dtype::f16, 128>(job) : attend_dtype<Dtype::bf16, 128>(job);
+        break;
+      default:
+        f16 ? attend_dtype<Dtype::f16, 256>(job) : attend_dtype<Dtype::bf16, 256>(job);
+        break;
     }
   }
 };
