@@ -13,18 +13,13 @@
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "model_handle.hpp"
 #include "test_util.hpp"
 
 namespace {
 
-const char* model_path() {
-  return std::getenv("KVSIFT_MODEL");
-}
-
-struct ModelFree {
-  void operator()(kvsift_model* m) const { kvsift_model_free(m); }
-};
-using Model = std::unique_ptr<kvsift_model, ModelFree>;
+using kvsift::test::Model;
+using kvsift::test::model_path;
 
 Model load(uint32_t chunk, int weights_f32 = 0, uint32_t n_ctx = 1024) {
   kvsift_model_params params;

@@ -18,24 +18,19 @@
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "model_handle.hpp"
 
 namespace {
 
 using nlohmann::json;
-
-const char* model_path() {
-  return std::getenv("KVSIFT_MODEL");
-}
 
 const json& fixture() {
   static const json data = json::parse(std::ifstream(KVSIFT_TEST_DATA "/smollm2_llamacpp.json"));
   return data;
 }
 
-struct ModelFree {
-  void operator()(kvsift_model* m) const { kvsift_model_free(m); }
-};
-using Model = std::unique_ptr<kvsift_model, ModelFree>;
+using kvsift::test::Model;
+using kvsift::test::model_path;
 
 Model load(int weights_f32) {
   kvsift_model_params params;

@@ -19,10 +19,6 @@ namespace {
 constexpr uint32_t kTasksPerThread = 4;
 constexpr uint32_t kMinPagesPerTask = 16;
 
-uint64_t pages_for(uint64_t tokens, uint32_t page_tokens) {
-  return (tokens + page_tokens - 1) / page_tokens;
-}
-
 }  // namespace
 
 DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads)
@@ -76,7 +72,7 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
     const uint32_t begin = lists.offsets[pair], end = lists.offsets[pair + 1];
     require(begin <= end, "pages->offsets decreases at ", pair + 1);
     const int32_t seq = call.seq_ids[pair / g.n_kv_heads];
-    const uint64_t n_pages = pages_for(cache.length_unchecked(seq, call.layer), g.page_tokens);
+    const uint64_t n_pages = geometry_.pages_for(cache.length_unchecked(seq, call.layer));
     for (uint32_t i = begin; i < end; ++i) {
       const uint32_t id = lists.page_ids[i];
       require(id < n_pages, "pages->page_ids[", i, "]=", id, " is out of range: sequence ", seq,
@@ -92,7 +88,7 @@ uint32_t DecodeAttention::plan(const KvCache& cache, const AttendCall& call) noe
   const uint32_t pairs = call.n_seqs * H;
   auto pair_pages = [&](uint32_t pair) -> uint64_t {
     if (call.pages) return call.pages->offsets[pair + 1] - call.pages->offsets[pair];
-    return pages_for(cache.length_unchecked(call.seq_ids[pair / H], call.layer), B);
+    return geometry_.pages_for(cache.length_unchecked(call.seq_ids[pair / H], call.layer));
   };
   uint64_t total = 0;
   for (uint32_t pair = 0; pair < pairs; ++pair) total += pair_pages(pair);
@@ -116,8 +112,8 @@ uint32_t DecodeAttention::plan(const KvCache& cache, const AttendCall& call) noe
       // Every listed page is full but the one holding the last token.
       const bool has_open =
           n > 0 && uint64_t{call.pages->page_ids[call.pages->offsets[pair + 1] - 1]} + 1 ==
-                       pages_for(length, B);
-      tokens = n * B - (has_open ? pages_for(length, B) * B - length : 0);
+                       geometry_.pages_for(length);
+      tokens = n * B - (has_open ? geometry_.pages_for(length) * B - length : 0);
     }
     stats_.pages_read += n;
     stats_.tokens_read += tokens;

@@ -28,6 +28,10 @@ struct CacheGeometry {
   // K page + V page, 2 bytes per element.
   std::size_t slot_bytes() const noexcept { return 2 * page_elems() * sizeof(uint16_t); }
   std::size_t token_bytes() const noexcept { return 2 * std::size_t{head_dim} * sizeof(uint16_t); }
+  // Pages that hold `tokens` tokens (the last one possibly partial).
+  uint64_t pages_for(uint64_t tokens) const noexcept {
+    return (tokens + page_tokens - 1) / page_tokens;
+  }
 };
 
 // Bounds that keep every index product inside 64 bits and every page id inside 32 bits.

@@ -14,10 +14,6 @@ const CacheGeometry& validated(const CacheGeometry& geometry) {
   return geometry;
 }
 
-uint64_t pages_for(uint64_t tokens, uint32_t page_tokens) {
-  return (tokens + page_tokens - 1) / page_tokens;
-}
-
 }  // namespace
 
 KvCache::KvCache(const CacheGeometry& geometry, const CacheOptions& options)
@@ -97,14 +93,14 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   const uint32_t B = geometry_.page_tokens, H = geometry_.n_kv_heads, d = geometry_.head_dim;
   const uint64_t before = seq.tokens[layer];
   const uint64_t after = before + n_tokens;
-  const uint64_t new_pages_per_head = pages_for(after, B) - pages_for(before, B);
-  if (pages_for(after, B) > kMaxPages)
+  const uint64_t new_pages_per_head = geometry_.pages_for(after) - geometry_.pages_for(before);
+  if (geometry_.pages_for(after) > kMaxPages)
     fail(Status::capacity_exceeded, "sequence ", seq_id, " would exceed ", kMaxPages, " pages");
 
   // Everything that can fail happens before the first change.
   pool_.reserve(new_pages_per_head * H, "append");
   for (uint32_t h = 0; h < H; ++h)
-    seq.tables[std::size_t{layer} * H + h].reserve(pages_for(after, B));
+    seq.tables[std::size_t{layer} * H + h].reserve(geometry_.pages_for(after));
 
   const std::size_t page_elems = geometry_.page_elems();
   for (uint32_t h = 0; h < H; ++h) {
