@@ -3,8 +3,9 @@
 // Decode attention reads every K/V byte once per call, so its ceiling is the streaming read
 // bandwidth of the threads that run it. Each BM_attend_dense case therefore reports, besides
 // bytes/s, `bw_ratio`: its KV bytes/s over the bandwidth that BM_read_bandwidth's probe measures
-// in the same process with the same thread count (`read_GBps`). The dev box is noisy (about
-// +-10%, and bimodal on 2 threads: research/env.md section 6), so compare medians of repetitions.
+// with the same thread count (`read_GBps`), measured around each repetition: the median of five
+// passes, three just before its timed loop and two just after. The dev box is noisy (about +-10%,
+// and bimodal on 2 threads: research/env.md section 6), so compare medians of repetitions.
 //
 //   kvsift-bench-attend --benchmark_filter='llama8b/ctx:131072/batch:1/threads:2'
 //                       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
@@ -76,7 +77,8 @@ class Random {
 
 // 1 GiB: 32 times the L3, so a pass streams from DRAM.
 constexpr std::size_t kProbeFloats = std::size_t{1} << 28;
-constexpr int kProbePasses = 7;
+constexpr int kProbePassesBefore = 3;
+constexpr int kProbePassesAfter = 2;
 
 // Anonymous mmap like kvsift's page pool, so both get the same (transparent huge) pages.
 class ProbeBuffer {
@@ -138,20 +140,10 @@ double read_pass_seconds(const float* data, int threads, float* sink) {
   return std::chrono::duration<double>(stop - start).count();
 }
 
-// Bytes/s of a streaming read with `threads` threads: the median of kProbePasses passes after
-// one warm-up pass, measured once per thread count and process. 0 when the buffer is missing.
-double read_bandwidth(int threads) {
-  static std::map<int, double> measured;
-  if (auto it = measured.find(threads); it != measured.end()) return it->second;
-  const float* data = probe_buffer().data();
-  if (data == nullptr) return 0.0;
-  float sink = 0.0f;
-  read_pass_seconds(data, threads, &sink);
-  std::vector<double> seconds(kProbePasses);
-  for (double& s : seconds) s = read_pass_seconds(data, threads, &sink);
-  benchmark::DoNotOptimize(sink);
-  std::nth_element(seconds.begin(), seconds.begin() + kProbePasses / 2, seconds.end());
-  return measured[threads] = ProbeBuffer::bytes() / seconds[kProbePasses / 2];
+// Bytes/s of a streaming read with `threads` threads: the median of the given pass times.
+double median_bandwidth(std::vector<double> seconds) {
+  std::nth_element(seconds.begin(), seconds.begin() + seconds.size() / 2, seconds.end());
+  return ProbeBuffer::bytes() / seconds[seconds.size() / 2];
 }
 
 void BM_read_bandwidth(benchmark::State& state, int threads) {
@@ -251,8 +243,8 @@ void BM_attend_dense(benchmark::State& state, CaseKey key) {
   }
   Filled& held = held_case();
   kvsift_cache* cache = held.cache.get();
-  const double read_bps = read_bandwidth(key.threads);
-  if (read_bps <= 0.0) {
+  const float* probe = probe_buffer().data();
+  if (probe == nullptr) {
     state.SkipWithError("cannot map the 1 GiB probe buffer");
     return;
   }
@@ -266,6 +258,12 @@ void BM_attend_dense(benchmark::State& state, CaseKey key) {
     state.SkipWithError(kvsift_last_error());
     return;
   }
+  // The machine's bandwidth drifts with its neighbours' load, so the probe runs around this
+  // repetition's timed loop (passes before and after), not once per process.
+  float sink = 0.0f;
+  std::vector<double> probe_seconds;
+  for (int i = 0; i < kProbePassesBefore; ++i)
+    probe_seconds.push_back(read_pass_seconds(probe, key.threads, &sink));
   const auto start = std::chrono::steady_clock::now();
   for (auto _ : state) {
     if (attend() != KVSIFT_STATUS_OK) {
@@ -275,6 +273,10 @@ void BM_attend_dense(benchmark::State& state, CaseKey key) {
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int i = 0; i < kProbePassesAfter; ++i)
+    probe_seconds.push_back(read_pass_seconds(probe, key.threads, &sink));
+  benchmark::DoNotOptimize(sink);
+  const double read_bps = median_bandwidth(probe_seconds);
   benchmark::DoNotOptimize(held.out.data());
   const double bytes = static_cast<double>(state.iterations()) * stats.last_bytes_read;
   state.SetBytesProcessed(static_cast<int64_t>(bytes));

@@ -170,15 +170,27 @@ struct Body {
       l[g] = l[g] * alpha[g] + xsimd::hadd(sum[g]);
       m[g] = m_new[g];
     }
-    for (uint32_t c = 0; c < d; c += W) {
-      batch a[NG];
+    // Values: tokens outer over a block of CB channel chunks, so NG * CB independent accumulators
+    // hide the FMA latency and each probability is broadcast once per block, not once per chunk.
+    constexpr uint32_t CB = W >= 16 ? 4 : 2;
+    constexpr uint32_t chunks = d / W;
+    static_assert(chunks % CB == 0, "head_dim is a multiple of the channel block");
+    for (uint32_t c0 = 0; c0 < d; c0 += CB * W) {
+      batch a[NG][CB];
       for (uint32_t g = 0; g < NG; ++g)
-        a[g] = batch::load_unaligned(acc + std::size_t{g} * d + c) * batch(alpha[g]);
+        for (uint32_t j = 0; j < CB; ++j)
+          a[g][j] = batch::load_unaligned(acc + std::size_t{g} * d + c0 + j * W) * batch(alpha[g]);
       for (uint32_t t = 0; t < n; ++t) {
-        const batch vc = load<D>(v + std::size_t{t} * d + c);
-        for (uint32_t g = 0; g < NG; ++g) a[g] = xsimd::fma(vc, batch(s[g * B + t]), a[g]);
+        batch p[NG];
+        for (uint32_t g = 0; g < NG; ++g) p[g] = batch(s[g * B + t]);
+        for (uint32_t j = 0; j < CB; ++j) {
+          const batch vc = load<D>(v + std::size_t{t} * d + c0 + j * W);
+          for (uint32_t g = 0; g < NG; ++g) a[g][j] = xsimd::fma(vc, p[g], a[g][j]);
+        }
       }
-      for (uint32_t g = 0; g < NG; ++g) a[g].store_unaligned(acc + std::size_t{g} * d + c);
+      for (uint32_t g = 0; g < NG; ++g)
+        for (uint32_t j = 0; j < CB; ++j)
+          a[g][j].store_unaligned(acc + std::size_t{g} * d + c0 + j * W);
     }
   }
 
