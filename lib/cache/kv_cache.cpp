@@ -1,6 +1,7 @@
 #include "lib/cache/kv_cache.hpp"
 
 #include <algorithm>
+#include <cstring>
 #include <limits>
 
 #include "lib/core/error.hpp"
@@ -116,16 +117,43 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   }
   seq.tokens[layer] = after;
 
-  if (listeners_.empty()) return;
-  for (uint64_t page = before / B; page < after / B; ++page) {
+  notify_sealed(seq_id, layer, before / B, after / B);
+}
+
+void KvCache::notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page,
+                            uint64_t end_page) const {
+  const Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
+  const uint32_t H = geometry_.n_kv_heads;
+  for (uint64_t page = first_page; page < end_page; ++page) {
     for (uint32_t h = 0; h < H; ++h) {
       const auto* slot = reinterpret_cast<const uint16_t*>(
           pool_.slot(seq.tables[std::size_t{layer} * H + h][page]));
-      const SealedPage sealed{seq_id,           layer, h, static_cast<uint32_t>(page), slot,
-                              slot + page_elems};
+      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), slot,
+                              slot + geometry_.page_elems()};
       for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
     }
   }
+}
+
+int32_t KvCache::fork_sequence(int32_t src) {
+  uint64_t pages = 0;
+  for (const auto& table : sequence(src).tables) pages += table.size();
+  pool_.reserve(pages, "fork_sequence");
+  const int32_t id = create_sequence();  // may move sequences_: look src up again below
+  const Sequence& from = *sequences_[static_cast<std::size_t>(src)];
+  Sequence& to = *sequences_[static_cast<std::size_t>(id)];
+  to.tokens = from.tokens;
+  for (std::size_t t = 0; t < from.tables.size(); ++t) {
+    to.tables[t].reserve(from.tables[t].capacity());
+    for (uint32_t slot : from.tables[t]) {
+      const uint32_t copy = pool_.acquire();
+      std::memcpy(pool_.slot(copy), pool_.slot(slot), geometry_.slot_bytes());
+      to.tables[t].push_back(copy);
+    }
+  }
+  for (uint32_t layer = 0; layer < geometry_.n_layers; ++layer)
+    notify_sealed(id, layer, 0, to.tokens[layer] / geometry_.page_tokens);
+  return id;
 }
 
 void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first,

@@ -43,9 +43,14 @@ class KvCache {
   KvCache(const CacheGeometry& geometry, const CacheOptions& options);
 
   int32_t create_sequence();
+  // A new sequence holding a copy of src's pages (listeners see the full ones sealed). All or
+  // nothing. Throws not_found, capacity_exceeded, out_of_memory.
+  int32_t fork_sequence(int32_t src);
   void free_sequence(int32_t seq_id);  // throws not_found
   bool has_sequence(int32_t seq_id) const noexcept;
   uint32_t n_sequences() const noexcept { return n_live_; }
+  // Every live id is below this bound (ids are reused after free_sequence).
+  int32_t sequence_id_bound() const noexcept { return static_cast<int32_t>(sequences_.size()); }
 
   // Tokens stored in one layer of a sequence. Throws not_found / invalid_argument.
   uint64_t length(int32_t seq_id, uint32_t layer) const;
@@ -78,6 +83,7 @@ class KvCache {
   };
   const Sequence& sequence(int32_t seq_id) const;
   void check_layer(uint32_t layer) const;
+  void notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page, uint64_t end_page) const;
 
   CacheGeometry geometry_;
   const simd::Kernels* kernels_;

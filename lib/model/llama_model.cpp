@@ -132,6 +132,7 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
   if (options.n_threads > 0) omp_set_num_threads(options.n_threads);
+  set_selector(select::Policy{});
   const uint32_t E = config.n_embd, qdim = config.n_heads * config.head_dim,
                  kvdim = config.n_kv_heads * config.head_dim;
   layers_.resize(config.n_layers);
@@ -327,6 +328,21 @@ int32_t LlamaModel::create_sequence() {
   return id;
 }
 
+int32_t LlamaModel::fork_sequence(int32_t src) {
+  check_sequence(src);
+  const int32_t id = cache_.fork_sequence(src);
+  if (logits_.size() <= static_cast<std::size_t>(id)) logits_.resize(id + 1);
+  logits_[id] = logits_[src];
+  return id;
+}
+
+void LlamaModel::set_selector(const select::Policy& policy) {
+  selector_.reset();  // one listener at a time: the old one leaves the cache first
+  selector_ = select::Selector::create(policy, cache_, options_.max_seqs,
+                                       cache_.geometry().pages_for(n_ctx_), options_.n_threads);
+  selector_->reserve_selection(selection_);
+}
+
 void LlamaModel::free_sequence(int32_t seq_id) {
   cache_.free_sequence(seq_id);
   logits_[seq_id].clear();
@@ -414,17 +430,30 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   call.seq_ids = seq_ids.data();
   call.q = q_.data();
   call.out = attn_.data();
-  uint64_t bytes_read = 0;
+  const PageLists lists = selection_.lists();
+  call.pages = &lists;
+  uint64_t bytes_read = 0, index_bytes = 0, pairs = 0;
+  double kept_sum = 0.0, worst_bound = 0.0;
   blocks(n, positions.data(), [&](uint32_t l) {
     const auto a0 = Clock::now();
     for (uint32_t r = 0; r < n; ++r)
       cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
                     v_.data() + std::size_t{r} * kvdim);
+    selector_->select(select::SelectCall{l, n, seq_ids.data(), q_.data()}, selection_);
     call.layer = l;
     decode_attention_.validate(cache_, call);
     decode_attention_.run(cache_, call);
     bytes_read += decode_attention_.last_stats().bytes_read;
+    index_bytes += selection_.index_bytes_read;
+    for (uint32_t i = 0; i < selection_.n_pairs; ++i) {
+      kept_sum += selection_.kept_estimate[i];
+      // NaN (no bound proven) wins over numbers: the step reports no bound.
+      const double b = selection_.dropped_bound[i];
+      worst_bound = std::isnan(worst_bound) || std::isnan(b) ? NAN : std::max(worst_bound, b);
+    }
+    pairs += selection_.n_pairs;
     attention_seconds += seconds_since(a0);
+    if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q_.data(), selection_, attn_.data());
   });
   for (uint32_t r = 0; r < n; ++r)
     output_logits(x_.data() + std::size_t{r} * E, 1, logits_[seq_ids[r]].data());
@@ -432,6 +461,10 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;
   stats_.last_step_kv_bytes_read = bytes_read;
+  stats_.last_step_index_bytes_read = index_bytes;
+  stats_.last_step_pairs = pairs;
+  stats_.last_step_kept_estimate = pairs > 0 ? kept_sum / static_cast<double>(pairs) : 1.0;
+  stats_.last_step_dropped_bound = worst_bound;
 }
 
 std::span<const float> LlamaModel::logits(int32_t seq_id) const {

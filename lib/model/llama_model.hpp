@@ -22,6 +22,7 @@
 #include "lib/core/matmul.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/tokenizer.hpp"
+#include "lib/select/selector.hpp"
 
 namespace kvsift::model {
 
@@ -56,7 +57,24 @@ struct ModelStats {
   uint64_t decode_tokens = 0;  // tokens decoded (summed over sequences)
   double decode_seconds = 0;
   double decode_attention_seconds = 0;
+  // The last decode step, summed over its layers (and sequences): K/V bytes the attention read,
+  // index bytes the selector read, (sequence, layer, KV head) pairs, the estimated share of mass
+  // kept averaged over them, and the largest proven bound on the dropped share (NaN: none proven).
   uint64_t last_step_kv_bytes_read = 0;
+  uint64_t last_step_index_bytes_read = 0;
+  uint64_t last_step_pairs = 0;
+  double last_step_kept_estimate = 1.0;
+  double last_step_dropped_bound = 0.0;
+};
+
+// Sees every layer of every decode step after its attention ran: the evaluation measures
+// selections against exact attention through it. Called on the decoding thread; must not throw.
+class DecodeObserver {
+ public:
+  virtual ~DecodeObserver() = default;
+  // q, out: [seq_ids.size(), n_heads, head_dim]; q unscaled. The cache holds the step's token.
+  virtual void on_layer(uint32_t layer, std::span<const int32_t> seq_ids, const float* q,
+                        const select::Selection& selection, const float* out) noexcept = 0;
 };
 
 class LlamaModel {
@@ -72,7 +90,19 @@ class LlamaModel {
   uint32_t n_ctx() const noexcept { return n_ctx_; }
 
   int32_t create_sequence();
+  // A new sequence holding a copy of src's tokens, K/V and logits (one prefill, many decodes).
+  int32_t fork_sequence(int32_t src);
   void free_sequence(int32_t seq_id);
+
+  // The selector every later decode step uses (dense at load). Summarises the pages already
+  // stored. Throws invalid_argument for a bad policy.
+  void set_selector(const select::Policy& policy);
+  const select::Policy& selector_policy() const noexcept { return selector_->policy(); }
+  std::size_t selector_summary_bytes_per_page() const noexcept {
+    return selector_->summary_bytes_per_page();
+  }
+  // nullptr removes it; the observer must outlive its registration.
+  void set_observer(DecodeObserver* observer) noexcept { observer_ = observer; }
   uint64_t position(int32_t seq_id) const;  // tokens processed so far
 
   // Runs the tokens through the model in chunks, appending their K/V. Afterwards logits(seq)
@@ -128,6 +158,9 @@ class LlamaModel {
 
   KvCache cache_;
   DecodeAttention decode_attention_;
+  std::unique_ptr<select::Selector> selector_;
+  select::Selection selection_;
+  DecodeObserver* observer_ = nullptr;
   PrefillAttention prefill_attention_;
   Matmul matmul_;
   ModelStats stats_;

@@ -1,0 +1,427 @@
+#include "lib/select/page_selector.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "lib/core/error.hpp"
+
+namespace kvsift::select {
+
+namespace {
+
+constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Orders pages by score, best first; equal scores by the lower page id (the papers' deterministic
+// exact-b rule).
+struct BetterPage {
+  const float* score;
+  bool operator()(uint32_t a, uint32_t b) const noexcept {
+    return score[a] > score[b] || (score[a] == score[b] && a < b);
+  }
+};
+
+}  // namespace
+
+PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
+                           uint64_t max_pages, int n_threads)
+    : Selector(policy, cache, max_batch, max_pages, n_threads),
+      scale_(1.0f / std::sqrt(static_cast<float>(cache.geometry().head_dim))) {
+  const CacheGeometry& g = cache.geometry();
+  const std::size_t per_head = std::size_t{g.group_size} * max_pages;
+  scratch_.resize(static_cast<std::size_t>(n_threads_));
+  for (Scratch& s : scratch_) {
+    s.keys.resize(g.page_elems());
+    s.head.resize(per_head);
+    s.slack.resize(per_head);
+    s.suffix.resize(std::size_t{g.group_size} * (max_pages + 1));
+    s.combined.resize(max_pages);
+    s.order.resize(max_pages);
+    s.chosen.resize(max_pages);
+  }
+}
+
+void PageSelector::on_page_sealed(const SealedPage& page) noexcept {
+  if (!summarises()) return;
+  const std::size_t offset =
+      reinterpret_cast<const std::byte*>(page.k) - cache_.pool().base();
+  // pending_slots_ has room for every slot (sized in summarise_existing): a slot can be pending
+  // at most once per seal, and a page seals once before its slot is freed and reused.
+  if (n_pending_ < pending_slots_.size())
+    pending_slots_[n_pending_++] = static_cast<uint32_t>(offset / cache_.pool().slot_bytes());
+}
+
+void PageSelector::summarise_existing() {
+  if (!summarises()) return;
+  pending_slots_.resize(cache_.pool().capacity());
+  const CacheGeometry& g = geometry();
+  for (int32_t seq = 0; seq < cache_.sequence_id_bound(); ++seq) {
+    if (!cache_.has_sequence(seq)) continue;
+    for (uint32_t layer = 0; layer < g.n_layers; ++layer) {
+      const uint64_t sealed = cache_.length_unchecked(seq, layer) / g.page_tokens;
+      for (uint32_t h = 0; h < g.n_kv_heads; ++h) {
+        const uint32_t* table = cache_.page_table(seq, layer, h);
+        for (uint64_t p = 0; p < sealed && n_pending_ < pending_slots_.size(); ++p)
+          pending_slots_[n_pending_++] = table[p];
+      }
+    }
+  }
+  build_pending();
+}
+
+void PageSelector::build_pending() noexcept {
+  if (n_pending_ == 0) return;
+  const auto n = static_cast<int64_t>(n_pending_);
+#pragma omp parallel for schedule(dynamic, 16) num_threads(n_threads_)
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t slot = pending_slots_[static_cast<std::size_t>(i)];
+    summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
+  }
+  n_pending_ = 0;
+}
+
+uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
+                                      Scratch& s) const noexcept {
+  const CacheGeometry& g = geometry();
+  const uint32_t B = g.page_tokens, d = g.head_dim;
+  const uint64_t left = pair.tokens - uint64_t{page} * B;
+  const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
+  const auto* k = reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[page]));
+  cache_.kernels().decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
+  for (uint32_t h = 0; h < g.group_size; ++h) {
+    const float* q = pair.q + std::size_t{h} * d;
+    float logits[64];  // page_tokens <= 64
+    float top = -kInf;
+    for (uint32_t t = 0; t < n; ++t) {
+      const float* kt = s.keys.data() + std::size_t{t} * d;
+      float dot = 0.0f;
+      for (uint32_t c = 0; c < d; ++c) dot += q[c] * kt[c];
+      logits[t] = dot * scale_;
+      top = std::max(top, logits[t]);
+    }
+    float sum = 0.0f;
+    for (uint32_t t = 0; t < n; ++t) sum += std::exp(logits[t] - top);
+    s.head[h * max_pages_ + page] = top + std::log(sum);
+    s.slack[h * max_pages_ + page] = 0.0f;
+  }
+  return uint64_t{n} * d * sizeof(uint16_t);
+}
+
+void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
+  build_pending();
+  const CacheGeometry& g = geometry();
+  const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim;
+  const uint32_t pairs = call.n_seqs * H;
+  out.n_pairs = pairs;
+  uint64_t bytes = 0;
+  // Each pair writes into its own max_pages_ region of page_ids, compacted afterwards.
+#pragma omp parallel for schedule(dynamic) num_threads(n_threads_) reduction(+ : bytes)
+  for (uint32_t i = 0; i < pairs; ++i) {
+    const uint32_t seq_index = i / H, h = i % H;
+    const int32_t seq = call.seq_ids[seq_index];
+    PairView pair;
+    pair.q = call.q + (std::size_t{seq_index} * H * G + std::size_t{h} * G) * d;
+    pair.table = cache_.page_table(seq, call.layer, h);
+    pair.tokens = cache_.length_unchecked(seq, call.layer);
+    pair.n_pages = static_cast<uint32_t>(g.pages_for(pair.tokens));
+    Scratch& s = scratch_[static_cast<std::size_t>(omp_get_thread_num())];
+    select_pair(pair, i, i * static_cast<uint32_t>(max_pages_), out, s, bytes);
+  }
+  // Compact: offsets[i + 1] held pair i's count.
+  uint32_t at = 0;
+  for (uint32_t i = 0; i < pairs; ++i) {
+    const uint32_t count = out.offsets[i + 1], from = i * static_cast<uint32_t>(max_pages_);
+    if (at != from) {
+      std::memmove(out.page_ids.data() + at, out.page_ids.data() + from, count * sizeof(uint32_t));
+      std::memmove(out.scores.data() + at, out.scores.data() + from, count * sizeof(float));
+    }
+    out.offsets[i] = at;
+    at += count;
+  }
+  out.offsets[pairs] = at;
+  out.index_bytes_read = bytes;
+}
+
+void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32_t first,
+                               Selection& out, Scratch& s, uint64_t& bytes) const noexcept {
+  const uint32_t n_pages = pair.n_pages, B = geometry().page_tokens, G = geometry().group_size;
+  const uint32_t sink = std::min(policy_.sink_pages, n_pages);
+  const uint32_t window = std::min(std::max(policy_.window_pages, 1u), n_pages - sink);
+  const uint32_t sel_first = sink, sel_last = n_pages - window;  // selectable [first, last)
+  const uint64_t budget_pages = policy_.budget_tokens(pair.tokens) / B;
+  uint32_t* ids = out.page_ids.data() + first;
+  float* scores = out.scores.data() + first;
+
+  const bool everything = policy_.kind == Kind::dense || sel_last <= sel_first ||
+                          budget_pages >= n_pages;
+  if (everything) {
+    for (uint32_t p = 0; p < n_pages; ++p) {
+      ids[p] = p;
+      scores[p] = kInf;
+    }
+    out.offsets[pair_index + 1] = n_pages;
+    out.kept_estimate[pair_index] = 1.0f;
+    out.dropped_bound[pair_index] = 0.0f;
+    return;
+  }
+
+  // Per-head scores of every page: sealed ones by the method, the open page exactly when the
+  // method deals in log-masses (it is attended anyway; its score only feeds the estimates).
+  const uint32_t sealed = static_cast<uint32_t>(pair.tokens / B);
+  bytes += score(pair, s);
+  if (sealed < n_pages) {
+    if (scores_are_log_mass()) {
+      bytes += exact_page_lse(pair, sealed, s);
+    } else {
+      for (uint32_t h = 0; h < G; ++h) s.head[h * max_pages_ + sealed] = kInf;
+    }
+  }
+
+  combine(s, sel_first, sel_last);
+  std::fill(s.chosen.begin(), s.chosen.begin() + n_pages, uint8_t{0});
+  for (uint32_t p = 0; p < sink; ++p) s.chosen[p] = 1;
+  for (uint32_t p = sel_last; p < n_pages; ++p) s.chosen[p] = 1;
+  const uint32_t mandatory = sink + window, n_sel = sel_last - sel_first;
+  uint32_t* order = s.order.data();
+  for (uint32_t j = 0; j < n_sel; ++j) order[j] = sel_first + j;
+  const BetterPage better{s.combined.data()};
+
+  float bound = std::numeric_limits<float>::quiet_NaN();
+  uint32_t take;
+  if (certified()) {
+    std::sort(order, order + n_sel, better);
+    certify(pair, s, sel_first, sel_last, budget_pages, take, bound);
+  } else {
+    take = static_cast<uint32_t>(
+        std::min<uint64_t>(n_sel, budget_pages > mandatory ? budget_pages - mandatory : 0));
+    if (take > 0 && take < n_sel) std::nth_element(order, order + take - 1, order + n_sel, better);
+  }
+  for (uint32_t j = 0; j < take; ++j) s.chosen[order[j]] = 1;
+
+  uint32_t count = 0;
+  for (uint32_t p = 0; p < n_pages; ++p) {
+    if (!s.chosen[p]) continue;
+    ids[count] = p;
+    scores[count++] = p < sel_first || p >= sel_last ? kInf : s.combined[p];
+  }
+  out.offsets[pair_index + 1] = count;
+  out.dropped_bound[pair_index] = bound;
+
+  // Estimated share kept, averaged over the group's heads.
+  if (!scores_are_log_mass()) {
+    out.kept_estimate[pair_index] = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  double kept_sum = 0.0;
+  for (uint32_t h = 0; h < G; ++h) {
+    const float* sh = s.head.data() + h * max_pages_;
+    const float top = *std::max_element(sh, sh + n_pages);
+    double all = 0.0, kept = 0.0;
+    for (uint32_t p = 0; p < n_pages; ++p) {
+      const double m = std::exp(static_cast<double>(sh[p]) - top);
+      all += m;
+      if (s.chosen[p]) kept += m;
+    }
+    kept_sum += kept / all;
+  }
+  out.kept_estimate[pair_index] = static_cast<float>(kept_sum / G);
+}
+
+void PageSelector::combine(Scratch& s, uint32_t first, uint32_t last) const noexcept {
+  const uint32_t G = geometry().group_size;
+  float* S = s.combined.data();
+  if (policy_.combine == GqaCombine::max) {
+    for (uint32_t p = first; p < last; ++p) {
+      float best = -kInf;
+      for (uint32_t h = 0; h < G; ++h) best = std::max(best, s.head[h * max_pages_ + p]);
+      S[p] = best;
+    }
+  } else {
+    combine_masses(s, first, last);
+  }
+  // A NaN (from a NaN query) would break the ordering the choice sorts by: it ranks last.
+  for (uint32_t p = first; p < last; ++p)
+    if (std::isnan(S[p])) S[p] = -kInf;
+}
+
+void PageSelector::combine_masses(Scratch& s, uint32_t first, uint32_t last) const noexcept {
+  const uint32_t G = geometry().group_size;
+  float* S = s.combined.data();
+  std::fill(S + first, S + last, 0.0f);
+  for (uint32_t h = 0; h < G; ++h) {
+    const float* sh = s.head.data() + h * max_pages_;
+    const float top = *std::max_element(sh + first, sh + last);
+    float norm = 0.0f;  // nrm: the head's best page weighs 1; share_avg: its shares sum to 1
+    if (policy_.combine == GqaCombine::share_avg) {
+      double total = 0.0;
+      for (uint32_t p = first; p < last; ++p) total += std::exp(static_cast<double>(sh[p]) - top);
+      norm = static_cast<float>(std::log(total));
+    }
+    for (uint32_t p = first; p < last; ++p) S[p] += std::exp(sh[p] - top - norm);
+  }
+  if (policy_.combine == GqaCombine::share_avg)
+    for (uint32_t p = first; p < last; ++p) S[p] /= static_cast<float>(G);
+}
+
+namespace {
+
+// Widens a page's log-mass bounds for the float32 rounding in computing its estimate (a few ulps
+// of the terms summed; 1e-4 relative is far above that).
+double rounding_margin(float log_mass) noexcept {
+  return 1e-4 * (1.0 + std::fabs(double{log_mass}));
+}
+
+}  // namespace
+
+// Grows the chosen set in s.order until every head's proven dropped share is below epsilon or the
+// budget is spent. Per head, with U and L upper and lower bounds on each page's log-mass: dropped
+// share <= sum_dropped e^U / (sum_chosen e^L + sum_dropped e^U), since x / (a + x) grows with x
+// and falls with a.
+void PageSelector::certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last,
+                           uint64_t budget, uint32_t& n_chosen, float& bound) const noexcept {
+  const uint32_t G = geometry().group_size, n_pages = pair.n_pages, n_sel = last - first;
+  const uint32_t mandatory = n_pages - n_sel;
+  const uint32_t* order = s.order.data();
+  double chosen_low[kMaxGroupSize], top[kMaxGroupSize];
+  for (uint32_t h = 0; h < G; ++h) {
+    const float* sh = s.head.data() + h * max_pages_;
+    const float* sl = s.slack.data() + h * max_pages_;
+    auto upper = [&](uint32_t p) { return double{sh[p]} + sl[p] + rounding_margin(sh[p]); };
+    auto lower = [&](uint32_t p) { return double{sh[p]} - sl[p] - rounding_margin(sh[p]); };
+    double t = -kInf;
+    for (uint32_t p = 0; p < n_pages; ++p) t = std::max(t, upper(p));
+    top[h] = t;
+    chosen_low[h] = 0.0;
+    for (uint32_t p = 0; p < n_pages; ++p)
+      if (p < first || p >= last) chosen_low[h] += std::exp(lower(p) - t);
+    // suffix[j] = sum over order[j..] of e^U: what stays dropped when the first j are chosen.
+    double* suffix = s.suffix.data() + h * (max_pages_ + 1);
+    suffix[n_sel] = 0.0;
+    for (uint32_t j = n_sel; j-- > 0;) suffix[j] = suffix[j + 1] + std::exp(upper(order[j]) - t);
+  }
+  const uint64_t cap = std::max<uint64_t>(budget, mandatory) - mandatory;
+  for (uint32_t j = 0;; ++j) {
+    double worst = 0.0;
+    for (uint32_t h = 0; h < G; ++h) {
+      const double dropped = s.suffix[h * (max_pages_ + 1) + j];
+      worst = std::max(worst, dropped / (chosen_low[h] + dropped));
+    }
+    if (worst < policy_.epsilon || j == n_sel || j >= cap) {
+      n_chosen = j;
+      // Rounded up to float so the reported number is still a bound.
+      const auto f = static_cast<float>(worst);
+      bound = f < worst ? std::nextafter(f, kInf) : f;
+      return;
+    }
+    for (uint32_t h = 0; h < G; ++h) {
+      const float m = s.head[h * max_pages_ + order[j]];
+      chosen_low[h] +=
+          std::exp(double{m} - s.slack[h * max_pages_ + order[j]] - rounding_margin(m) - top[h]);
+    }
+  }
+}
+
+// ---- Methods -------------------------------------------------------------------------------
+
+namespace {
+
+// Every page, every step: exact attention.
+class DenseSelector final : public PageSelector {
+ public:
+  using PageSelector::PageSelector;
+  uint64_t score(const PairView&, Scratch&) const noexcept override { return 0; }
+};
+
+// Exact page log-sum-exp from every key: the ceiling of any budgeted top-b page selector.
+class OracleSelector final : public PageSelector {
+ public:
+  using PageSelector::PageSelector;
+  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
+    uint64_t bytes = 0;
+    const auto sealed = static_cast<uint32_t>(pair.tokens / geometry().page_tokens);
+    for (uint32_t p = 0; p < sealed; ++p) bytes += exact_page_lse(pair, p, s);
+    return bytes;
+  }
+};
+
+// Quest: per-page channel-wise min and max of the keys (stored values, so exact in the storage
+// dtype); a page's score is the upper bound sum_c max(q_c min_c, q_c max_c) on its logits.
+class QuestSelector final : public PageSelector {
+ public:
+  QuestSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+                int n_threads)
+      : PageSelector(policy, cache, max_batch, max_pages, n_threads),
+        bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim) {}
+
+  std::size_t summary_bytes_per_page() const noexcept override {
+    return 2 * std::size_t{geometry().head_dim} * sizeof(uint16_t);
+  }
+
+ protected:
+  bool summarises() const noexcept override { return true; }
+  bool scores_are_log_mass() const noexcept override { return false; }
+
+  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
+    const CacheGeometry& g = geometry();
+    const uint32_t B = g.page_tokens, d = g.head_dim;
+    float keys[64 * 256];  // page_tokens * head_dim at most
+    cache_.kernels().decode(k, keys, std::size_t{B} * d, g.dtype);
+    uint16_t* lo = bounds_.data() + std::size_t{slot} * 2 * d;
+    uint16_t* hi = lo + d;
+    for (uint32_t c = 0; c < d; ++c) {
+      uint32_t arg_lo = 0, arg_hi = 0;
+      for (uint32_t t = 1; t < B; ++t) {
+        if (keys[t * d + c] < keys[arg_lo * d + c]) arg_lo = t;
+        if (keys[t * d + c] > keys[arg_hi * d + c]) arg_hi = t;
+      }
+      lo[c] = k[arg_lo * d + c];
+      hi[c] = k[arg_hi * d + c];
+    }
+  }
+
+  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
+    const CacheGeometry& g = geometry();
+    const uint32_t d = g.head_dim, G = g.group_size;
+    const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
+    for (uint32_t p = 0; p < sealed; ++p) {
+      cache_.kernels().decode(bounds_.data() + std::size_t{pair.table[p]} * 2 * d, s.keys.data(),
+                              2 * std::size_t{d}, g.dtype);
+      const float* lo = s.keys.data();
+      const float* hi = lo + d;
+      for (uint32_t h = 0; h < G; ++h) {
+        const float* q = pair.q + std::size_t{h} * d;
+        float bound = 0.0f;
+        for (uint32_t c = 0; c < d; ++c) bound += std::max(q[c] * lo[c], q[c] * hi[c]);
+        s.head[h * max_pages_ + p] = bound * scale_;
+      }
+    }
+    return uint64_t{sealed} * summary_bytes_per_page();
+  }
+
+ private:
+  AlignedVector<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
+};
+
+}  // namespace
+
+std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
+                                                 uint32_t max_batch, uint64_t max_pages,
+                                                 int n_threads) {
+  switch (policy.kind) {
+    case Kind::dense:
+      return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, n_threads);
+    case Kind::oracle:
+      return std::make_unique<OracleSelector>(policy, cache, max_batch, max_pages, n_threads);
+    case Kind::quest:
+      return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, n_threads);
+    case Kind::locks:
+    case Kind::locks_certified:
+      break;
+  }
+  fail(Status::unsupported, "the ", kind_name(policy.kind), " selector is not built yet");
+}
+
+}  // namespace kvsift::select

@@ -1,0 +1,85 @@
+// The machinery every page selector shares (internal to lib/select): seal bookkeeping and the
+// parallel summary build, the budget and mandatory pages, scoring through one virtual call per
+// (sequence, KV head), the GQA combine, the deterministic top-b choice and the kept-mass estimate.
+// A method supplies only how a page is summarised and scored.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "lib/core/aligned.hpp"
+#include "lib/select/selector.hpp"
+
+namespace kvsift::select {
+
+// One (sequence, KV head) being scored: its G query heads and its pages.
+struct PairView {
+  const float* q;         // [G, head_dim], unscaled
+  const uint32_t* table;  // slot of each logical page
+  uint64_t tokens;        // stored tokens; the last page may be partial
+  uint32_t n_pages;
+};
+
+// Per-thread workspace, sized at creation.
+struct Scratch {
+  AlignedVector<float> keys;      // [page_tokens, head_dim]
+  AlignedVector<float> head;      // [G, max_pages] per-head page scores
+  AlignedVector<float> slack;     // [G, max_pages] certified: score uncertainty per head and page
+  AlignedVector<double> suffix;    // [G, max_pages + 1] certified: bound on the mass left out
+  AlignedVector<float> combined;   // [max_pages]
+  AlignedVector<uint32_t> order;   // [max_pages]
+  AlignedVector<uint8_t> chosen;   // [max_pages]
+};
+
+class PageSelector : public Selector {
+ public:
+  void on_page_sealed(const SealedPage& page) noexcept override;
+  void on_sequence_freed(int32_t) noexcept override {}
+  void select(const SelectCall& call, Selection& out) noexcept override;
+
+  // Queues every page already sealed in the cache (called once, after registration).
+  void summarise_existing();
+
+  PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+               int n_threads);
+
+ protected:
+  // Whether sealed pages need a summary at all.
+  virtual bool summarises() const noexcept { return false; }
+  virtual void summarise(uint32_t /*slot*/, const uint16_t* /*k*/) noexcept {}
+  // Scores pages [0, pair.n_pages) for each of the G heads into s.head[g * max_pages + p] (log
+  // scale: estimated log-mass, or for quest a logit bound). Certified selectors also fill
+  // s.slack. Returns the index bytes read.
+  virtual uint64_t score(const PairView& pair, Scratch& s) const noexcept = 0;
+  // Whether score() gives estimated log-masses, so a kept-mass estimate can be formed.
+  virtual bool scores_are_log_mass() const noexcept { return true; }
+  virtual bool certified() const noexcept { return false; }
+
+  // Exact log-sum-exp of the scaled logits of one page's n tokens for the G heads into
+  // s.head[g * max_pages + page]. Returns the bytes read.
+  uint64_t exact_page_lse(const PairView& pair, uint32_t page, Scratch& s) const noexcept;
+
+  const CacheGeometry& geometry() const noexcept { return cache_.geometry(); }
+  float scale_;  // 1 / sqrt(head_dim)
+
+ private:
+  void build_pending() noexcept;
+  void select_pair(const PairView& pair, uint32_t pair_index, uint32_t first, Selection& out,
+                   Scratch& s, uint64_t& bytes) const noexcept;
+  // Ranks the selectable pages [first, last) into s.combined by the policy's GQA combine.
+  void combine(Scratch& s, uint32_t first, uint32_t last) const noexcept;
+  void combine_masses(Scratch& s, uint32_t first, uint32_t last) const noexcept;
+  void certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last, uint64_t budget,
+               uint32_t& n_chosen, float& bound) const noexcept;
+
+  AlignedVector<uint32_t> pending_slots_;  // sealed since the last build; room for every slot
+  std::size_t n_pending_ = 0;
+  std::vector<Scratch> scratch_;  // [n_threads]
+};
+
+std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
+                                                 uint32_t max_batch, uint64_t max_pages,
+                                                 int n_threads);
+
+}  // namespace kvsift::select

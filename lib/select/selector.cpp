@@ -1,0 +1,88 @@
+#include "lib/select/selector.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "lib/core/error.hpp"
+#include "lib/select/page_selector.hpp"
+
+namespace kvsift::select {
+
+std::string_view kind_name(Kind kind) noexcept {
+  switch (kind) {
+    case Kind::dense: return "dense";
+    case Kind::oracle: return "oracle";
+    case Kind::quest: return "quest";
+    case Kind::locks: return "locks";
+    case Kind::locks_certified: return "locks_certified";
+  }
+  return "?";
+}
+
+std::string_view combine_name(GqaCombine combine) noexcept {
+  switch (combine) {
+    case GqaCombine::share_avg: return "share_avg";
+    case GqaCombine::nrm: return "nrm";
+    case GqaCombine::max: return "max";
+  }
+  return "?";
+}
+
+void Policy::validate() const {
+  require(kind <= Kind::locks_certified, "policy.kind=", static_cast<int>(kind),
+          " is not a selector");
+  require(combine <= GqaCombine::max, "policy.combine=", static_cast<int>(combine),
+          " is not a GQA combine mode");
+  require(std::isfinite(budget) && budget >= 0.0, "policy.budget=", budget,
+          " must be a finite number >= 0");
+  if (kind == Kind::dense)
+    require(budget == 0.0, "policy.budget=", budget,
+            ": the dense selector attends to every token and takes no budget");
+  else
+    require(budget > 0.0, "policy.budget must be > 0 for the ", kind_name(kind), " selector");
+  require(std::isfinite(epsilon) && epsilon > 0.0 && epsilon < 1.0, "policy.epsilon=", epsilon,
+          " must be in (0, 1)");
+}
+
+void Selection::reserve(uint32_t max_pairs, uint64_t max_pages_per_pair) {
+  offsets.assign(std::size_t{max_pairs} + 1, 0);
+  const std::size_t pages = std::size_t{max_pairs} * max_pages_per_pair;
+  page_ids.resize(pages);
+  scores.resize(pages);
+  kept_estimate.resize(max_pairs);
+  dropped_bound.resize(max_pairs);
+  n_pairs = 0;
+}
+
+Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+                   int n_threads)
+    : cache_(cache),
+      policy_(policy),
+      max_batch_(max_batch),
+      max_pages_(max_pages),
+      n_threads_(n_threads > 0 ? n_threads : omp_get_max_threads()) {
+  require(max_batch > 0, "max_batch must be > 0");
+  require(max_pages > 0, "max_pages must be > 0");
+}
+
+Selector::~Selector() { cache_.remove_seal_listener(this); }
+
+void Selector::reserve_selection(Selection& selection) const {
+  selection.reserve(max_batch_ * cache_.geometry().n_kv_heads, max_pages_);
+}
+
+std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,
+                                           uint32_t max_batch, uint64_t max_pages,
+                                           int n_threads) {
+  policy.validate();
+  std::unique_ptr<PageSelector> selector =
+      make_page_selector(policy, cache, max_batch, max_pages, n_threads);
+  cache.add_seal_listener(selector.get());
+  selector->summarise_existing();
+  return selector;
+}
+
+}  // namespace kvsift::select

@@ -1,0 +1,118 @@
+// Selectors: per decode step and layer, which pages each (sequence, KV head) attends to.
+//
+// One interface for every method (../shared/DESIGN.md sections 3-4). A selector listens to the
+// cache's page seals and keeps its per-page data (summaries) in arrays indexed by pool slot, sized
+// when it is created; pages sealed since the last step are summarised at the start of the next
+// select(), in parallel across pages and heads (after a prefill that is every page of it). Per step
+// it is given the layer's queries and fills a Selection: per (sequence, KV head) ascending page
+// ids, shared by the G query heads of the group, which the exact attention kernel then reads.
+//
+// Budget (the papers' meaning): tokens per (layer, KV head) per step, sink and window pages counted
+// inside; pages allowed = floor(budget_tokens / page_tokens), never fewer than the mandatory ones.
+// Mandatory: the first sink_pages pages and the last window_pages pages, where the last page (the
+// open page, partial or just filled) is always attended.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "lib/attend/decode_attention.hpp"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/aligned.hpp"
+
+namespace kvsift::select {
+
+enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified };
+// How the G query heads of a group turn their page scores into one ranking (papers.md 2(e)1).
+enum class GqaCombine : uint8_t {
+  share_avg,  // the paper: average over heads of each page's estimated mass share
+  nrm,        // the authors' code: sum over heads of exp(score - the head's best score)
+  max,        // the best head's score
+};
+
+std::string_view kind_name(Kind kind) noexcept;
+std::string_view combine_name(GqaCombine combine) noexcept;
+
+struct Policy {
+  Kind kind = Kind::dense;
+  // Tokens per (layer, KV head) per step: a fraction of the context when in (0, 1], else a token
+  // count. The dense selector takes none (0); the others require one > 0. For locks_certified it
+  // is the most the selection may grow to.
+  double budget = 0.0;
+  uint32_t sink_pages = 1;
+  uint32_t window_pages = 1;
+  GqaCombine combine = GqaCombine::share_avg;
+  bool int8_query = true;  // LOCKS scores with q rounded to int8 per head, as the reference does
+  // locks_certified: grow the selection until the proven bound on the dropped share of softmax
+  // mass is below epsilon for every query head of the group, or the budget is reached.
+  double epsilon = 1e-3;
+
+  // Throws Error(invalid_argument) naming the first bad field.
+  void validate() const;
+  // Tokens the budget allows for a context of `tokens` tokens.
+  uint64_t budget_tokens(uint64_t tokens) const noexcept {
+    return budget <= 1.0 ? static_cast<uint64_t>(std::floor(budget * static_cast<double>(tokens)))
+                         : static_cast<uint64_t>(budget);
+  }
+};
+
+// What one select() call chose for each of its n_seqs * n_kv_heads (sequence, KV head) pairs,
+// sequence-major, in compressed rows. Storage is sized once (reserve); select() does not allocate.
+struct Selection {
+  uint32_t n_pairs = 0;
+  AlignedVector<uint32_t> offsets;   // [pairs + 1]
+  AlignedVector<uint32_t> page_ids;  // ascending logical page ids per pair
+  // Per chosen page: the selector's combined score (estimated log-mass for oracle and locks, the
+  // q.k upper bound for quest); +inf for mandatory pages, which are chosen unscored.
+  AlignedVector<float> scores;
+  // Per pair: the estimated share of the group's softmax mass the chosen pages hold (1 when every
+  // page is chosen), and a proven upper bound on the share left out (the largest over the G query
+  // heads; NaN where the selector proves none).
+  AlignedVector<float> kept_estimate;
+  AlignedVector<float> dropped_bound;
+  uint64_t index_bytes_read = 0;  // summaries / keys the selection itself read, all pairs
+
+  void reserve(uint32_t max_pairs, uint64_t max_pages_per_pair);
+  PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
+  uint64_t pages_chosen() const noexcept { return n_pairs == 0 ? 0 : offsets[n_pairs]; }
+};
+
+struct SelectCall {
+  uint32_t layer = 0;
+  uint32_t n_seqs = 0;
+  const int32_t* seq_ids = nullptr;  // [n_seqs], validated by the caller
+  const float* q = nullptr;          // [n_seqs, n_query_heads, head_dim], not yet scaled
+};
+
+class Selector : public SealListener {
+ public:
+  // Registers itself with the cache as a seal listener (and removes itself when destroyed) and
+  // summarises the pages already sealed. max_batch: most sequences per select(); max_pages: most
+  // pages one (sequence, layer, KV head) holds. Throws Error (invalid_argument for a bad policy,
+  // out_of_memory).
+  static std::unique_ptr<Selector> create(const Policy& policy, KvCache& cache, uint32_t max_batch,
+                                          uint64_t max_pages, int n_threads);
+  ~Selector() override;
+
+  // Requires a Selection reserved by reserve_selection(). Builds pending summaries first.
+  virtual void select(const SelectCall& call, Selection& out) noexcept = 0;
+
+  void reserve_selection(Selection& selection) const;
+  const Policy& policy() const noexcept { return policy_; }
+  // Bytes of per-page data kept per (page, KV head); 0 for dense and oracle.
+  virtual std::size_t summary_bytes_per_page() const noexcept { return 0; }
+
+ protected:
+  Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+           int n_threads);
+  KvCache& cache_;
+  Policy policy_;
+  uint32_t max_batch_;
+  uint64_t max_pages_;
+  int n_threads_;
+};
+
+}  // namespace kvsift::select
