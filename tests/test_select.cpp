@@ -1,0 +1,316 @@
+// The selector framework and its exact-score selectors (dense, oracle, quest), against float64
+// references computed here from the stored keys.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "lib/core/error.hpp"
+#include "lib/select/selector.hpp"
+#include "tests/test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using select::GqaCombine;
+using select::Kind;
+using select::Policy;
+using select::Selection;
+using select::Selector;
+
+struct Fixture {
+  CacheGeometry geometry;
+  std::unique_ptr<KvCache> cache;
+  std::vector<int32_t> seq_ids;
+  std::vector<float> q;  // [n_seqs, n_query_heads, head_dim]
+
+  // Keys: Gaussian with a per-page offset along a random direction, so pages differ in mass.
+  Fixture(uint32_t H, uint32_t G, uint32_t d, uint32_t B, const std::vector<uint64_t>& lengths,
+          uint32_t seed) {
+    geometry.n_kv_heads = H;
+    geometry.group_size = G;
+    geometry.head_dim = d;
+    geometry.page_tokens = B;
+    cache = std::make_unique<KvCache>(geometry, CacheOptions{});
+    for (std::size_t i = 0; i < lengths.size(); ++i) {
+      const int32_t id = cache->create_sequence();
+      seq_ids.push_back(id);
+      const uint64_t n = lengths[i];
+      std::vector<float> k = test::random_floats(n * H * d, seed + 17 * i);
+      const std::vector<float> v = test::random_floats(n * H * d, seed + 17 * i + 1);
+      const std::vector<float> dir = test::random_floats(d, seed + 17 * i + 2);
+      const std::vector<float> page_gain = test::random_floats(n / B + 1, seed + 17 * i + 3, 1.5f);
+      for (uint64_t t = 0; t < n; ++t)
+        for (uint32_t h = 0; h < H; ++h)
+          for (uint32_t c = 0; c < d; ++c) k[(t * H + h) * d + c] += page_gain[t / B] * dir[c];
+      cache->append(id, 0, static_cast<uint32_t>(n), k.data(), v.data());
+    }
+    q = test::random_floats(lengths.size() * H * G * d, seed + 99, 1.5f);
+  }
+
+  uint64_t max_pages() const {
+    uint64_t most = 1;
+    for (int32_t id : seq_ids) most = std::max(most, geometry.pages_for(cache->length(id, 0)));
+    return most;
+  }
+
+  std::unique_ptr<Selector> selector(const Policy& policy) {
+    return Selector::create(policy, *cache, static_cast<uint32_t>(seq_ids.size()), max_pages(), 2);
+  }
+
+  Selection run(Selector& selector) {
+    Selection out;
+    selector.reserve_selection(out);
+    selector.select(select::SelectCall{0, static_cast<uint32_t>(seq_ids.size()), seq_ids.data(),
+                                       q.data()},
+                    out);
+    return out;
+  }
+
+  // Exact float64 page log-sum-exp of each head of pair (s, h): [G][n_pages].
+  std::vector<std::vector<double>> page_lse(std::size_t s, uint32_t h) const {
+    const uint32_t G = geometry.group_size, d = geometry.head_dim, B = geometry.page_tokens;
+    const uint64_t n = cache->length(seq_ids[s], 0);
+    std::vector<float> k(n * d);
+    cache->read_tokens(seq_ids[s], 0, h, 0, n, k.data(), nullptr);
+    std::vector<std::vector<double>> out(G, std::vector<double>(geometry.pages_for(n)));
+    for (uint32_t g = 0; g < G; ++g) {
+      const float* qg = q.data() + ((s * geometry.n_kv_heads + h) * G + g) * d;
+      for (uint64_t p = 0; p < out[g].size(); ++p) {
+        std::vector<double> logits;
+        for (uint64_t t = p * B; t < std::min<uint64_t>(n, (p + 1) * B); ++t) {
+          double dot = 0.0;
+          for (uint32_t c = 0; c < d; ++c) dot += double{qg[c]} * k[t * d + c];
+          logits.push_back(dot / std::sqrt(double(d)));
+        }
+        const double top = *std::max_element(logits.begin(), logits.end());
+        double sum = 0.0;
+        for (double x : logits) sum += std::exp(x - top);
+        out[g][p] = top + std::log(sum);
+      }
+    }
+    return out;
+  }
+};
+
+std::vector<uint32_t> pages_of(const Selection& sel, uint32_t pair) {
+  return {sel.page_ids.begin() + sel.offsets[pair], sel.page_ids.begin() + sel.offsets[pair + 1]};
+}
+
+Policy policy_of(Kind kind, double budget, GqaCombine combine = GqaCombine::share_avg) {
+  Policy policy;
+  policy.kind = kind;
+  policy.budget = budget;
+  policy.combine = combine;
+  return policy;
+}
+
+TEST(Select, dense_chooses_every_page_and_reads_no_index) {
+  Fixture f(2, 3, 64, 16, {37, 100, 16}, 1);
+  auto selector = f.selector(Policy{});
+  const Selection sel = f.run(*selector);
+  ASSERT_EQ(sel.n_pairs, 6u);
+  for (uint32_t pair = 0; pair < 6; ++pair) {
+    const uint64_t n_pages = f.geometry.pages_for(f.cache->length(f.seq_ids[pair / 2], 0));
+    const std::vector<uint32_t> pages = pages_of(sel, pair);
+    ASSERT_EQ(pages.size(), n_pages);
+    for (uint32_t p = 0; p < n_pages; ++p) EXPECT_EQ(pages[p], p);
+    EXPECT_EQ(sel.kept_estimate[pair], 1.0f);
+    EXPECT_EQ(sel.dropped_bound[pair], 0.0f);
+  }
+  EXPECT_EQ(sel.index_bytes_read, 0u);
+}
+
+// The chosen selectable pages outrank every left-out one by the float64 combined score, the
+// mandatory pages are there, and the count is what the budget allows.
+void expect_oracle_choice(GqaCombine combine) {
+  const uint32_t H = 2, G = 4, d = 64, B = 16;
+  Fixture f(H, G, d, B, {1000, 517}, 7);
+  const double budget_tokens = 160;  // 10 pages: sink + window + 8 chosen
+  auto selector = f.selector(policy_of(Kind::oracle, budget_tokens, combine));
+  const Selection sel = f.run(*selector);
+  for (uint32_t pair = 0; pair < sel.n_pairs; ++pair) {
+    const auto lse = f.page_lse(pair / H, pair % H);
+    const std::size_t n_pages = lse[0].size();
+    const std::size_t first = 1, last = n_pages - 1;
+    std::vector<double> combined(n_pages, 0.0);
+    for (uint32_t g = 0; g < G; ++g) {
+      double top = -INFINITY, total = 0.0;
+      for (std::size_t p = first; p < last; ++p) top = std::max(top, lse[g][p]);
+      for (std::size_t p = first; p < last; ++p) total += std::exp(lse[g][p] - top);
+      for (std::size_t p = first; p < last; ++p) {
+        const double x = lse[g][p] - top;
+        if (combine == GqaCombine::max)
+          combined[p] = g == 0 ? lse[g][p] : std::max(combined[p], lse[g][p]);
+        else if (combine == GqaCombine::nrm)
+          combined[p] += std::exp(x);
+        else
+          combined[p] += std::exp(x) / total / G;
+      }
+    }
+    const std::vector<uint32_t> pages = pages_of(sel, pair);
+    ASSERT_EQ(pages.size(), 10u);
+    EXPECT_TRUE(std::is_sorted(pages.begin(), pages.end()));
+    EXPECT_EQ(pages.front(), 0u);
+    EXPECT_EQ(pages.back(), n_pages - 1);
+    double worst_chosen = INFINITY, best_left = -INFINITY;
+    for (std::size_t p = first; p < last; ++p) {
+      if (std::binary_search(pages.begin(), pages.end(), p))
+        worst_chosen = std::min(worst_chosen, combined[p]);
+      else
+        best_left = std::max(best_left, combined[p]);
+    }
+    EXPECT_GE(worst_chosen, best_left - 1e-5 * std::fabs(best_left)) << "pair " << pair;
+
+    // The estimated share kept is the exact one (averaged over the heads).
+    double share = 0.0;
+    for (uint32_t g = 0; g < G; ++g) {
+      double all = 0.0, kept = 0.0;
+      for (std::size_t p = 0; p < n_pages; ++p) {
+        all += std::exp(lse[g][p]);
+        if (std::binary_search(pages.begin(), pages.end(), p)) kept += std::exp(lse[g][p]);
+      }
+      share += kept / all / G;
+    }
+    EXPECT_NEAR(sel.kept_estimate[pair], share, 1e-4);
+    EXPECT_TRUE(std::isnan(sel.dropped_bound[pair]));
+  }
+  // The oracle reads every key once per pair.
+  EXPECT_EQ(sel.index_bytes_read, (1000u + 517u) * H * d * 2);
+}
+
+TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_share_avg) {
+  expect_oracle_choice(GqaCombine::share_avg);
+}
+TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_nrm) {
+  expect_oracle_choice(GqaCombine::nrm);
+}
+TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_max) {
+  expect_oracle_choice(GqaCombine::max);
+}
+
+TEST(Select, budget_counts_sinks_and_window_inside) {
+  const uint32_t B = 16;
+  Fixture f(1, 2, 64, B, {800}, 3);  // 50 pages
+  struct Case {
+    double budget;
+    std::size_t pages;
+  };
+  // 0.1 of 800 tokens = 80 tokens = 5 pages; 20 tokens < the 2 mandatory pages; >= 800: all.
+  for (const Case& c : {Case{0.1, 5}, Case{20, 2}, Case{320, 20}, Case{1.0, 50}, Case{5000, 50}}) {
+    auto selector = f.selector(policy_of(Kind::oracle, c.budget));
+    const Selection sel = f.run(*selector);
+    EXPECT_EQ(pages_of(sel, 0).size(), c.pages) << "budget " << c.budget;
+  }
+  Policy wide = policy_of(Kind::oracle, 320);
+  wide.sink_pages = 3;
+  wide.window_pages = 4;
+  auto selector = f.selector(wide);
+  const std::vector<uint32_t> pages = pages_of(f.run(*selector), 0);
+  ASSERT_EQ(pages.size(), 20u);
+  for (uint32_t p : {0u, 1u, 2u, 46u, 47u, 48u, 49u})
+    EXPECT_TRUE(std::binary_search(pages.begin(), pages.end(), p)) << p;
+}
+
+TEST(Select, the_open_page_is_always_attended) {
+  Fixture f(1, 1, 64, 16, {16 * 20 + 3}, 5);
+  Policy policy = policy_of(Kind::oracle, 64);
+  policy.window_pages = 0;
+  auto selector = f.selector(policy);
+  const std::vector<uint32_t> pages = pages_of(f.run(*selector), 0);
+  ASSERT_EQ(pages.size(), 4u);
+  EXPECT_EQ(pages.back(), 20u);
+}
+
+TEST(Select, quest_scores_bound_every_logit_of_their_page) {
+  const uint32_t H = 2, G = 3, d = 128, B = 16;
+  Fixture f(H, G, d, B, {16 * 40}, 11);
+  // One page short of everything, so that every selectable page but one is chosen and scored.
+  auto selector = f.selector(policy_of(Kind::quest, 16 * 39, GqaCombine::max));
+  const Selection sel = f.run(*selector);
+  EXPECT_EQ(selector->summary_bytes_per_page(), 2u * d * 2);
+  for (uint32_t pair = 0; pair < sel.n_pairs; ++pair) {
+    std::vector<float> k(16 * 40 * d);
+    f.cache->read_tokens(f.seq_ids[0], 0, pair, 0, 16 * 40, k.data(), nullptr);
+    for (uint32_t i = sel.offsets[pair]; i < sel.offsets[pair + 1]; ++i) {
+      const uint32_t p = sel.page_ids[i];
+      if (std::isinf(sel.scores[i])) continue;  // mandatory
+      double top = -INFINITY;
+      for (uint32_t g = 0; g < G; ++g)
+        for (uint32_t t = p * B; t < (p + 1) * B; ++t) {
+          double dot = 0.0;
+          for (uint32_t c = 0; c < d; ++c)
+            dot += double{f.q[(pair * G + g) * d + c]} * k[std::size_t{t} * d + c];
+          top = std::max(top, dot / std::sqrt(double(d)));
+        }
+      EXPECT_GE(sel.scores[i], top - 1e-4 * std::fabs(top)) << "page " << p;
+    }
+    EXPECT_TRUE(std::isnan(sel.kept_estimate[pair]));
+  }
+  EXPECT_EQ(sel.index_bytes_read, uint64_t{H} * 40 * 2 * d * 2);
+}
+
+TEST(Select, a_nan_query_still_gives_a_valid_selection) {
+  Fixture f(1, 2, 64, 16, {16 * 30}, 13);
+  f.q[5] = std::numeric_limits<float>::quiet_NaN();
+  auto selector = f.selector(policy_of(Kind::oracle, 16 * 6));
+  const std::vector<uint32_t> pages = pages_of(f.run(*selector), 0);
+  EXPECT_EQ(pages.size(), 6u);
+  EXPECT_TRUE(std::is_sorted(pages.begin(), pages.end()));
+}
+
+TEST(Select, invalid_policies_are_refused_with_the_field_named) {
+  auto refuses = [](const Policy& policy, const char* field) {
+    try {
+      policy.validate();
+      ADD_FAILURE() << "accepted: " << field;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), Status::invalid_argument);
+      EXPECT_NE(std::string(e.what()).find(field), std::string::npos) << e.what();
+    }
+  };
+  refuses(policy_of(Kind::dense, 0.5), "budget");
+  refuses(policy_of(Kind::oracle, 0.0), "budget");
+  refuses(policy_of(Kind::quest, -1.0), "budget");
+  refuses(policy_of(Kind::quest, std::numeric_limits<double>::quiet_NaN()), "budget");
+  Policy eps = policy_of(Kind::oracle, 0.1);
+  eps.epsilon = 0.0;
+  refuses(eps, "epsilon");
+  Policy kind = Policy{};
+  kind.kind = static_cast<Kind>(77);
+  refuses(kind, "kind");
+}
+
+// Counts seals so the fork's notifications can be checked.
+struct SealCounter : SealListener {
+  int sealed = 0;
+  void on_page_sealed(const SealedPage&) noexcept override { ++sealed; }
+  void on_sequence_freed(int32_t) noexcept override {}
+};
+
+TEST(Select, a_forked_sequence_holds_the_same_tokens_in_its_own_pages) {
+  Fixture f(2, 1, 64, 16, {16 * 3 + 5}, 17);
+  SealCounter counter;
+  f.cache->add_seal_listener(&counter);
+  const int32_t fork = f.cache->fork_sequence(f.seq_ids[0]);
+  EXPECT_EQ(counter.sealed, 3 * 2);
+  EXPECT_EQ(f.cache->length(fork, 0), 16u * 3 + 5);
+  std::vector<float> a(53 * 64), b(53 * 64);
+  for (uint32_t h = 0; h < 2; ++h) {
+    f.cache->read_tokens(f.seq_ids[0], 0, h, 0, 53, a.data(), nullptr);
+    f.cache->read_tokens(fork, 0, h, 0, 53, b.data(), nullptr);
+    EXPECT_EQ(a, b);
+    EXPECT_NE(f.cache->page_table(fork, 0, h)[0], f.cache->page_table(f.seq_ids[0], 0, h)[0]);
+  }
+  // Appending to the fork leaves the source alone.
+  const std::vector<float> kv = test::random_floats(2 * 64, 3);
+  f.cache->append(fork, 0, 1, kv.data(), kv.data());
+  EXPECT_EQ(f.cache->length(f.seq_ids[0], 0), 53u);
+  f.cache->remove_seal_listener(&counter);
+}
+
+}  // namespace
+}  // namespace kvsift
