@@ -1133,3 +1133,107 @@ TEST(CApi, pinned_cache_is_unsupported_without_a_gpu) {
   }
   expect_create_fails(params, KVSIFT_STATUS_UNSUPPORTED, "pinned");
 }
+
+// ---- Selectors through the C API ---------------------------------------------------------------
+
+namespace {
+
+kvsift_selector_policy policy_for(kvsift_selector selector, double budget) {
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  policy.selector = selector;
+  policy.budget = budget;
+  return policy;
+}
+
+}  // namespace
+
+TEST(CApi, selector_policy_init_fills_the_documented_defaults) {
+  kvsift_selector_policy policy;
+  std::memset(&policy, 0xab, sizeof policy);
+  kvsift_selector_policy_init(&policy);
+  EXPECT_EQ(policy.selector, KVSIFT_SELECTOR_DENSE);
+  EXPECT_EQ(policy.budget, 0.0);
+  EXPECT_EQ(policy.sink_pages, 1u);
+  EXPECT_EQ(policy.window_pages, 1u);
+  EXPECT_EQ(policy.combine, KVSIFT_GQA_SHARE_AVG);
+  EXPECT_EQ(policy.int8_query, 1);
+  EXPECT_EQ(policy.epsilon, 1e-3);
+  kvsift_selector_policy_init(nullptr);
+}
+
+TEST(CApi, attend_selected_with_the_whole_context_as_budget_equals_dense) {
+  AttendFixture f;
+  std::vector<float> dense(f.out.size());
+  const auto ids = f.ids();
+  ASSERT_EQ(kvsift_attend(f.cache.get(), 0, 2, ids.data(), f.q.data(), dense.data(), nullptr),
+            KVSIFT_STATUS_OK);
+  for (kvsift_selector selector : {KVSIFT_SELECTOR_DENSE, KVSIFT_SELECTOR_ORACLE,
+                                   KVSIFT_SELECTOR_QUEST}) {
+    const kvsift_selector_policy policy =
+        policy_for(selector, selector == KVSIFT_SELECTOR_DENSE ? 0.0 : 1.0);
+    ASSERT_EQ(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_OK)
+        << kvsift_last_error();
+    kvsift_selection_stats stats{};
+    ASSERT_EQ(kvsift_attend_selected(f.cache.get(), 0, 2, ids.data(), f.q.data(), f.out.data(),
+                                     &stats),
+              KVSIFT_STATUS_OK)
+        << kvsift_last_error();
+    EXPECT_EQ(f.out, dense) << kvsift_selector_name(selector);
+    EXPECT_EQ(stats.pairs, 2u * kKvHeads);
+    EXPECT_EQ(stats.pages_chosen, stats.pages_stored);
+    EXPECT_EQ(stats.pages_stored, (3u + 1u) * kKvHeads);
+    EXPECT_EQ(stats.kept_estimate, 1.0);
+    EXPECT_EQ(stats.dropped_bound, 0.0);
+  }
+}
+
+TEST(CApi, attend_selected_within_a_budget_reads_fewer_kv_bytes) {
+  Cache cache = make_cache();
+  const int32_t seq = make_sequence(cache.get());
+  append(cache.get(), seq, 0, 16 * 20, 5);
+  const std::vector<float> q = random_floats(q_elems(1), 6);
+  std::vector<float> out(q.size());
+  const kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_ORACLE, 16 * 5);
+  ASSERT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_OK);
+  kvsift_selection_stats stats{};
+  ASSERT_EQ(kvsift_attend_selected(cache.get(), 0, 1, &seq, q.data(), out.data(), &stats),
+            KVSIFT_STATUS_OK)
+      << kvsift_last_error();
+  EXPECT_EQ(stats.pages_chosen, 5u * kKvHeads);
+  EXPECT_EQ(stats.pages_stored, 20u * kKvHeads);
+  EXPECT_EQ(stats.kv_bytes_read, 5u * kKvHeads * 16 * kHeadDim * 2 * 2);
+  EXPECT_EQ(stats.index_bytes_read, 20u * kKvHeads * 16 * kHeadDim * 2);  // the oracle reads K
+  EXPECT_GT(stats.kept_estimate, 0.25);
+  EXPECT_LE(stats.kept_estimate, 1.0);
+  EXPECT_TRUE(std::isnan(stats.dropped_bound));
+}
+
+TEST(CApi, set_selector_refuses_bad_policies_naming_the_field) {
+  Cache cache = make_cache();
+  kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_QUEST, 0.0);
+  EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_names("budget"));
+  policy.budget = 0.1;
+  store_raw(&policy.combine, 9);
+  EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_names("combine"));
+  policy.combine = KVSIFT_GQA_NRM;
+  store_raw(&policy.selector, 17);
+  EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_names("selector"));
+  policy = policy_for(KVSIFT_SELECTOR_LOCKS_CERTIFIED, 0.5);
+  policy.epsilon = 1.5;
+  EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_TRUE(last_error_names("epsilon"));
+  EXPECT_EQ(kvsift_cache_set_selector(nullptr, &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_EQ(kvsift_cache_set_selector(cache.get(), nullptr), KVSIFT_STATUS_INVALID_ARGUMENT);
+  const int32_t seq = make_sequence(cache.get());
+  const std::vector<float> q = random_floats(q_elems(1), 6);
+  std::vector<float> out(q.size());
+  const int32_t unknown = 55;
+  EXPECT_EQ(kvsift_attend_selected(cache.get(), 0, 1, &unknown, q.data(), out.data(), nullptr),
+            KVSIFT_STATUS_NOT_FOUND);
+  EXPECT_EQ(kvsift_attend_selected(cache.get(), 0, 1, &seq, nullptr, out.data(), nullptr),
+            KVSIFT_STATUS_INVALID_ARGUMENT);
+}

@@ -254,8 +254,14 @@ TEST(Selector, names_resolve_and_unknown_ones_are_not_found) {
   ASSERT_EQ(kvsift_selector_from_name("dense", &selector), KVSIFT_STATUS_OK);
   EXPECT_EQ(selector, KVSIFT_SELECTOR_DENSE);
   EXPECT_STREQ(kvsift_selector_name(selector), "dense");
-  EXPECT_EQ(kvsift_selector_from_name("locks", &selector), KVSIFT_STATUS_NOT_FOUND);
-  EXPECT_NE(std::string(kvsift_last_error()).find("available: dense"), std::string::npos);
+  for (const char* name : {"oracle", "quest", "locks", "locks_certified"}) {
+    ASSERT_EQ(kvsift_selector_from_name(name, &selector), KVSIFT_STATUS_OK) << name;
+    EXPECT_STREQ(kvsift_selector_name(selector), name);
+  }
+  EXPECT_STREQ(kvsift_selector_name(static_cast<kvsift_selector>(99)), "unknown");
+  EXPECT_EQ(kvsift_selector_from_name("louvre", &selector), KVSIFT_STATUS_NOT_FOUND);
+  EXPECT_NE(std::string(kvsift_last_error()).find("available: dense, oracle, quest, locks"),
+            std::string::npos);
   EXPECT_EQ(kvsift_selector_from_name(nullptr, &selector), KVSIFT_STATUS_INVALID_ARGUMENT);
 }
 

@@ -238,6 +238,79 @@ KVSIFT_API kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint
                                        const kvsift_page_list* pages);
 
 /* ---------------------------------------------------------------------------------------------- */
+/* Selectors */
+
+/* Which pages each decode step attends to (per layer, sequence and KV head; the G query heads of a
+ * group share one choice). Methods and their guarantees: README "Selectors". */
+typedef enum kvsift_selector {
+  KVSIFT_SELECTOR_DENSE = 0,           /* every stored token: exact attention */
+  KVSIFT_SELECTOR_ORACLE = 1,          /* exact page log-sum-exp from all keys: the top-b ceiling */
+  KVSIFT_SELECTOR_QUEST = 2,           /* per-page channel min/max, q.k upper bound, top-b */
+  KVSIFT_SELECTOR_LOCKS = 3,           /* page-local rank-8 summaries, estimated page mass, top-b */
+  KVSIFT_SELECTOR_LOCKS_CERTIFIED = 4, /* LOCKS grown until the proven dropped mass < epsilon */
+  KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
+} kvsift_selector;
+
+/* How a group's query heads combine their page scores into one ranking. */
+typedef enum kvsift_gqa_combine {
+  KVSIFT_GQA_SHARE_AVG = 0, /* average of each head's estimated mass shares (the LOCKS paper) */
+  KVSIFT_GQA_NRM = 1,       /* sum of exp(score - the head's best score) (the LOCKS code) */
+  KVSIFT_GQA_MAX = 2,       /* the best head's score */
+  KVSIFT_GQA_MAX_ENUM = 0x7fffffff
+} kvsift_gqa_combine;
+
+/* Fill with kvsift_selector_policy_init() first. */
+typedef struct kvsift_selector_policy {
+  kvsift_selector selector; /* Default KVSIFT_SELECTOR_DENSE. */
+  /* Tokens per (layer, KV head) per step, sink and window pages counted inside (the papers'
+   * meaning): a fraction of the context when in (0, 1], a token count when > 1. The dense
+   * selector takes none (0); the others need one. For LOCKS_CERTIFIED it is the most the
+   * selection grows to. Pages allowed: floor(tokens / page_tokens), never fewer than the sink and
+   * window pages. Default 0. */
+  double budget;
+  uint32_t sink_pages; /* leading pages always attended. Default 1. */
+  /* most recent pages always attended, counting the open page (which always is). Default 1. */
+  uint32_t window_pages;
+  kvsift_gqa_combine combine; /* Default KVSIFT_GQA_SHARE_AVG. */
+  /* LOCKS: round each query head to int8 before scoring, as the reference does. Default 1. */
+  int32_t int8_query;
+  /* LOCKS_CERTIFIED: target bound on the dropped share of softmax mass, in (0, 1). Default 1e-3. */
+  double epsilon;
+} kvsift_selector_policy;
+
+KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
+/* "dense", "oracle", "quest", "locks", "locks_certified"; "unknown" for other values. Static
+ * storage. */
+KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
+/* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message
+ * lists the known ones). */
+KVSIFT_API kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector);
+
+/* Makes kvsift_attend_selected use the policy. Summarises the pages already sealed (in parallel),
+ * then every page as it seals. Errors: INVALID_ARGUMENT (a field out of range, naming it). */
+KVSIFT_API kvsift_status kvsift_cache_set_selector(kvsift_cache* cache,
+                                                   const kvsift_selector_policy* policy);
+
+/* Per-step telemetry of the last kvsift_attend_selected call. */
+typedef struct kvsift_selection_stats {
+  uint64_t pairs;            /* (sequence, KV head) pairs selected for */
+  uint64_t pages_chosen;     /* summed over the pairs */
+  uint64_t pages_stored;     /* summed over the pairs */
+  uint64_t index_bytes_read; /* summaries (or, for the oracle, keys) the selection read */
+  uint64_t kv_bytes_read;    /* K+V bytes the attention over the chosen pages read */
+  double kept_estimate;      /* estimated share of softmax mass kept, mean over pairs (NaN: none) */
+  double dropped_bound;      /* proven bound on the dropped share, max over pairs (NaN: none) */
+} kvsift_selection_stats;
+
+/* Selection then exact attention over the chosen pages, for one layer and a batch: the same
+ * arguments and output as kvsift_attend with pages == NULL. stats may be NULL.
+ * Errors: as kvsift_attend. */
+KVSIFT_API kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer,
+                                                uint32_t n_seqs, const int32_t* seq_ids,
+                                                const float* q, float* out,
+                                                kvsift_selection_stats* stats);
+
+/* ---------------------------------------------------------------------------------------------- */
 /* Statistics */
 
 typedef struct kvsift_cache_stats {
@@ -362,36 +435,17 @@ typedef struct kvsift_model_stats {
   double decode_attention_seconds;  /* of decode_seconds: appends and attention */
   uint64_t kv_bytes_held;           /* host memory the KV pages in use take */
   uint64_t last_step_kv_bytes_read; /* K+V bytes the last decode step's attention read */
+  /* The last decode step's selection, over all layers: index bytes read, mean estimated share of
+   * mass kept and largest proven bound on the share dropped (NaN where none). */
+  uint64_t last_step_index_bytes_read;
+  double last_step_kept_estimate;
+  double last_step_dropped_bound;
+  uint64_t summary_bytes_per_page; /* the selector's per-(page, KV head) data; 0 for dense */
 } kvsift_model_stats;
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,
                                                 kvsift_model_stats* stats);
 
-/* Which pages or tokens each decode step attends to. Only the dense selector exists so far; the
- * sparse selectors (oracle, quest, locks, louver, s4r) join this enum as they land. */
-typedef enum kvsift_selector {
-  KVSIFT_SELECTOR_DENSE = 0, /* every stored token: exact attention */
-  KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
-} kvsift_selector;
-
-/* Fill with kvsift_selector_policy_init() first. */
-typedef struct kvsift_selector_policy {
-  kvsift_selector selector; /* Default KVSIFT_SELECTOR_DENSE. */
-  /* Tokens per (layer, KV head) per step, sink and window pages counted inside (the papers'
-   * meaning): a fraction of the context when in (0, 1), a token count when >= 1, none when 0.
-   * The dense selector takes no budget. Default 0. */
-  double budget;
-  uint32_t sink_pages; /* leading pages always attended. Default 1. */
-  uint32_t
-      window_pages; /* most recent pages always attended (the open page always is). Default 1. */
-} kvsift_selector_policy;
-
-KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
-/* "dense", ...; "unknown" for other values. Static storage. */
-KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
-/* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message
- * lists the known ones). */
-KVSIFT_API kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector);
 /* Makes every later decode step of the model use the policy. Errors: INVALID_ARGUMENT (unknown
  * selector, a negative budget, a budget given to the dense selector). */
 KVSIFT_API kvsift_status kvsift_model_set_selector(kvsift_model* model,

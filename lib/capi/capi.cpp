@@ -1,5 +1,7 @@
 // The C boundary: argument checks, exceptions to statuses, handle wrappers. The only file that
 // knows C exists.
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <new>
@@ -41,6 +43,9 @@ static_assert(static_cast<int>(kvsift::simd::Isa::avx512) == KVSIFT_ISA_AVX512);
 struct kvsift_cache {
   kvsift::KvCache cache;
   kvsift::DecodeAttention attention;
+  // After the cache: leaves it (as a seal listener) before it goes. Dense until set.
+  std::unique_ptr<kvsift::select::Selector> selector;
+  kvsift::select::Selection selection;
 };
 
 namespace {
@@ -247,6 +252,112 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
     }
     cache->attention.validate(cache->cache, call);
     cache->attention.run(cache->cache, call);
+  });
+}
+
+void kvsift_selector_policy_init(kvsift_selector_policy* policy) {
+  if (policy == nullptr) return;
+  const kvsift::select::Policy defaults;
+  *policy = kvsift_selector_policy{};
+  policy->selector = KVSIFT_SELECTOR_DENSE;
+  policy->budget = defaults.budget;
+  policy->sink_pages = defaults.sink_pages;
+  policy->window_pages = defaults.window_pages;
+  policy->combine = static_cast<kvsift_gqa_combine>(defaults.combine);
+  policy->int8_query = defaults.int8_query ? 1 : 0;
+  policy->epsilon = defaults.epsilon;
+}
+
+namespace {
+
+constexpr kvsift::select::Kind kKinds[] = {
+    kvsift::select::Kind::dense, kvsift::select::Kind::oracle, kvsift::select::Kind::quest,
+    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified};
+
+}  // namespace
+
+const char* kvsift_selector_name(kvsift_selector selector) {
+  for (kvsift::select::Kind kind : kKinds)
+    if (static_cast<int>(kind) == static_cast<int>(selector))
+      return kvsift::select::kind_name(kind).data();  // string literals: NUL-terminated
+  return "unknown";
+}
+
+kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector) {
+  return guard(__func__, [&] {
+    require_pointer(name, "name");
+    require_pointer(selector, "selector");
+    std::string known;
+    for (kvsift::select::Kind kind : kKinds) {
+      if (kvsift::select::kind_name(kind) == name) {
+        *selector = static_cast<kvsift_selector>(kind);
+        return;
+      }
+      known += (known.empty() ? "" : ", ") + std::string(kvsift::select::kind_name(kind));
+    }
+    kvsift::fail(Status::not_found, "unknown selector '", name, "' (available: ", known, ")");
+  });
+}
+
+namespace {
+
+void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
+  handle.selector.reset();  // one selector listens at a time
+  handle.selector = kvsift::select::Selector::create(policy, handle.cache,
+                                                     handle.attention.max_batch(),
+                                                     handle.cache.pool().capacity(),
+                                                     handle.attention.n_threads());
+  handle.selector->reserve_selection(handle.selection);
+}
+
+}  // namespace
+
+kvsift_status kvsift_cache_set_selector(kvsift_cache* cache, const kvsift_selector_policy* policy) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    require_pointer(policy, "policy");
+    set_selector(*cache, kvsift::capi::to_policy(*policy));
+  });
+}
+
+kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs,
+                                     const int32_t* seq_ids, const float* q, float* out,
+                                     kvsift_selection_stats* stats) {
+  return guard(__func__, [&] {
+    require_pointer(cache, "cache");
+    if (!cache->selector) set_selector(*cache, kvsift::select::Policy{});
+    kvsift::AttendCall call;
+    call.layer = layer;
+    call.n_seqs = n_seqs;
+    call.seq_ids = seq_ids;
+    call.q = q;
+    call.out = out;
+    // Validated as dense first: the selector trusts its call (ids, layer, sizes).
+    cache->attention.validate(cache->cache, call);
+    kvsift::select::Selection& sel = cache->selection;
+    cache->selector->select(kvsift::select::SelectCall{layer, n_seqs, seq_ids, q}, sel);
+    const kvsift::PageLists lists = sel.lists();
+    call.pages = &lists;
+    cache->attention.run(cache->cache, call);
+    if (stats == nullptr) return;
+    *stats = kvsift_selection_stats{};
+    stats->pairs = sel.n_pairs;
+    stats->pages_chosen = sel.pages_chosen();
+    for (uint32_t i = 0; i < n_seqs; ++i)
+      stats->pages_stored += cache->cache.geometry().n_kv_heads *
+                             cache->cache.geometry().pages_for(
+                                 cache->cache.length_unchecked(seq_ids[i], layer));
+    stats->index_bytes_read = sel.index_bytes_read;
+    stats->kv_bytes_read = cache->attention.last_stats().bytes_read;
+    double kept = 0.0, bound = 0.0;
+    for (uint32_t i = 0; i < sel.n_pairs; ++i) {
+      kept += sel.kept_estimate[i];
+      bound = std::isnan(bound) || std::isnan(sel.dropped_bound[i])
+                  ? NAN
+                  : std::max(bound, double{sel.dropped_bound[i]});
+    }
+    stats->kept_estimate = sel.n_pairs > 0 ? kept / sel.n_pairs : 1.0;
+    stats->dropped_bound = bound;
   });
 }
 

@@ -61,4 +61,21 @@ simd::Dtype to_dtype(kvsift_dtype dtype, const char* name) {
   fail(Status::invalid_argument, name, "=", static_cast<int>(dtype), " is not a kvsift_dtype");
 }
 
+select::Policy to_policy(const kvsift_selector_policy& in) {
+  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_LOCKS_CERTIFIED,
+          "policy->selector=", static_cast<int>(in.selector), " is not a kvsift_selector");
+  require(in.combine >= KVSIFT_GQA_SHARE_AVG && in.combine <= KVSIFT_GQA_MAX,
+          "policy->combine=", static_cast<int>(in.combine), " is not a kvsift_gqa_combine");
+  select::Policy out;
+  out.kind = static_cast<select::Kind>(in.selector);
+  out.budget = in.budget;
+  out.sink_pages = in.sink_pages;
+  out.window_pages = in.window_pages;
+  out.combine = static_cast<select::GqaCombine>(in.combine);
+  out.int8_query = in.int8_query != 0;
+  out.epsilon = in.epsilon;
+  out.validate();
+  return out;
+}
+
 }  // namespace kvsift::capi

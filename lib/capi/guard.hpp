@@ -7,6 +7,7 @@
 
 #include "kvsift/kvsift.h"
 #include "lib/core/error.hpp"
+#include "lib/select/selector.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
 
@@ -45,5 +46,7 @@ simd::Isa to_isa(kvsift_isa isa, const char* name);
 // Also throws unsupported for an explicit ISA the CPU lacks (AUTO is always fine).
 simd::Isa to_supported_isa(kvsift_isa isa, const char* name);
 simd::Dtype to_dtype(kvsift_dtype dtype, const char* name);
+// Also validates the policy (select::Policy::validate), naming fields as policy->...
+select::Policy to_policy(const kvsift_selector_policy& policy);
 
 }  // namespace kvsift::capi

@@ -17,7 +17,6 @@ using kvsift::capi::require_pointer;
 
 struct kvsift_model {
   std::unique_ptr<kvsift::model::LlamaModel> model;
-  kvsift_selector_policy policy;  // dense until a sparse selector exists to hand it to
 };
 
 struct kvsift_sampler {
@@ -59,7 +58,6 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
     options.isa = kvsift::capi::to_supported_isa(params->isa, "params->isa");
     auto handle = std::make_unique<kvsift_model>();
     handle->model = kvsift::model::LlamaModel::load(path, options);
-    kvsift_selector_policy_init(&handle->policy);
     *out = handle.release();
   });
 }
@@ -194,30 +192,11 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
     *stats = kvsift_model_stats{
         s.prefill_tokens,         s.prefill_seconds,          s.decode_tokens,
         s.decode_seconds,         s.decode_attention_seconds, pool.in_use() * pool.slot_bytes(),
-        s.last_step_kv_bytes_read};
-  });
-}
-
-void kvsift_selector_policy_init(kvsift_selector_policy* policy) {
-  if (policy == nullptr) return;
-  *policy = kvsift_selector_policy{KVSIFT_SELECTOR_DENSE, 0.0, 1, 1};
-}
-
-const char* kvsift_selector_name(kvsift_selector selector) {
-  switch (selector) {
-    case KVSIFT_SELECTOR_DENSE: return "dense";
-    case KVSIFT_SELECTOR_MAX_ENUM: break;
-  }
-  return "unknown";
-}
-
-kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector) {
-  return guard(__func__, [&] {
-    require_pointer(name, "name");
-    require_pointer(selector, "selector");
-    if (std::string_view(name) != "dense")
-      kvsift::fail(Status::not_found, "unknown selector '", name, "' (available: dense)");
-    *selector = KVSIFT_SELECTOR_DENSE;
+        s.last_step_kv_bytes_read,
+        s.last_step_index_bytes_read,
+        s.last_step_kept_estimate,
+        s.last_step_dropped_bound,
+        model->model->selector_summary_bytes_per_page()};
   });
 }
 
@@ -225,12 +204,7 @@ kvsift_status kvsift_model_set_selector(kvsift_model* model, const kvsift_select
   return guard(__func__, [&] {
     require_pointer(model, "model");
     require_pointer(policy, "policy");
-    kvsift::require(policy->selector == KVSIFT_SELECTOR_DENSE,
-                    "policy->selector=", static_cast<int>(policy->selector),
-                    " is not a kvsift_selector");
-    kvsift::require(policy->budget == 0.0, "policy->budget=", policy->budget,
-                    ": the dense selector attends to every token and takes no budget");
-    model->policy = *policy;
+    model->model->set_selector(kvsift::capi::to_policy(*policy));
   });
 }
 

@@ -32,6 +32,7 @@ PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_ba
       scale_(1.0f / std::sqrt(static_cast<float>(cache.geometry().head_dim))) {
   const CacheGeometry& g = cache.geometry();
   const std::size_t per_head = std::size_t{g.group_size} * max_pages;
+  region_.resize(std::size_t{max_batch} * g.n_kv_heads + 1);
   scratch_.resize(static_cast<std::size_t>(n_threads_));
   for (Scratch& s : scratch_) {
     s.keys.resize(g.page_elems());
@@ -117,7 +118,13 @@ void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
   const uint32_t pairs = call.n_seqs * H;
   out.n_pairs = pairs;
   uint64_t bytes = 0;
-  // Each pair writes into its own max_pages_ region of page_ids, compacted afterwards.
+  // Each pair writes into a region as large as its stored pages (distinct pairs hold distinct
+  // slots, so the regions fit in the pool's capacity), compacted afterwards.
+  region_[0] = 0;
+  for (uint32_t i = 0; i < pairs; ++i) {
+    const uint64_t tokens = cache_.length_unchecked(call.seq_ids[i / H], call.layer);
+    region_[i + 1] = region_[i] + static_cast<uint32_t>(g.pages_for(tokens));
+  }
 #pragma omp parallel for schedule(dynamic) num_threads(n_threads_) reduction(+ : bytes)
   for (uint32_t i = 0; i < pairs; ++i) {
     const uint32_t seq_index = i / H, h = i % H;
@@ -126,14 +133,14 @@ void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
     pair.q = call.q + (std::size_t{seq_index} * H * G + std::size_t{h} * G) * d;
     pair.table = cache_.page_table(seq, call.layer, h);
     pair.tokens = cache_.length_unchecked(seq, call.layer);
-    pair.n_pages = static_cast<uint32_t>(g.pages_for(pair.tokens));
+    pair.n_pages = region_[i + 1] - region_[i];
     Scratch& s = scratch_[static_cast<std::size_t>(omp_get_thread_num())];
-    select_pair(pair, i, i * static_cast<uint32_t>(max_pages_), out, s, bytes);
+    select_pair(pair, i, region_[i], out, s, bytes);
   }
   // Compact: offsets[i + 1] held pair i's count.
   uint32_t at = 0;
   for (uint32_t i = 0; i < pairs; ++i) {
-    const uint32_t count = out.offsets[i + 1], from = i * static_cast<uint32_t>(max_pages_);
+    const uint32_t count = out.offsets[i + 1], from = region_[i];
     if (at != from) {
       std::memmove(out.page_ids.data() + at, out.page_ids.data() + from, count * sizeof(uint32_t));
       std::memmove(out.scores.data() + at, out.scores.data() + from, count * sizeof(float));
@@ -151,12 +158,13 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
   const uint32_t sink = std::min(policy_.sink_pages, n_pages);
   const uint32_t window = std::min(std::max(policy_.window_pages, 1u), n_pages - sink);
   const uint32_t sel_first = sink, sel_last = n_pages - window;  // selectable [first, last)
-  const uint64_t budget_pages = policy_.budget_tokens(pair.tokens) / B;
+  const uint64_t budget_tokens = policy_.budget_tokens(pair.tokens);
+  const uint64_t budget_pages = budget_tokens / B;
   uint32_t* ids = out.page_ids.data() + first;
   float* scores = out.scores.data() + first;
 
   const bool everything = policy_.kind == Kind::dense || sel_last <= sel_first ||
-                          budget_pages >= n_pages;
+                          budget_tokens >= pair.tokens;
   if (everything) {
     for (uint32_t p = 0; p < n_pages; ++p) {
       ids[p] = p;

@@ -75,7 +75,8 @@ class PageSelector : public Selector {
 
   AlignedVector<uint32_t> pending_slots_;  // sealed since the last build; room for every slot
   std::size_t n_pending_ = 0;
-  std::vector<Scratch> scratch_;  // [n_threads]
+  std::vector<Scratch> scratch_;   // [n_threads]
+  std::vector<uint32_t> region_;   // [max pairs + 1] where each pair's pages go in a Selection
 };
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,

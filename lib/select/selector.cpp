@@ -47,9 +47,9 @@ void Policy::validate() const {
           " must be in (0, 1)");
 }
 
-void Selection::reserve(uint32_t max_pairs, uint64_t max_pages_per_pair) {
+void Selection::reserve(uint32_t max_pairs, uint64_t max_pages) {
   offsets.assign(std::size_t{max_pairs} + 1, 0);
-  const std::size_t pages = std::size_t{max_pairs} * max_pages_per_pair;
+  const auto pages = static_cast<std::size_t>(max_pages);
   page_ids.resize(pages);
   scores.resize(pages);
   kept_estimate.resize(max_pairs);
@@ -71,7 +71,10 @@ Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uin
 Selector::~Selector() { cache_.remove_seal_listener(this); }
 
 void Selector::reserve_selection(Selection& selection) const {
-  selection.reserve(max_batch_ * cache_.geometry().n_kv_heads, max_pages_);
+  const uint32_t pairs = max_batch_ * cache_.geometry().n_kv_heads;
+  // The pairs of one call hold distinct slots, so the pool's capacity bounds their pages too.
+  selection.reserve(pairs, std::min<uint64_t>(uint64_t{pairs} * max_pages_,
+                                              cache_.pool().capacity()));
 }
 
 std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,

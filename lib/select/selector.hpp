@@ -75,7 +75,8 @@ struct Selection {
   AlignedVector<float> dropped_bound;
   uint64_t index_bytes_read = 0;  // summaries / keys the selection itself read, all pairs
 
-  void reserve(uint32_t max_pairs, uint64_t max_pages_per_pair);
+  // max_pages: the most pages one call chooses over all its pairs.
+  void reserve(uint32_t max_pairs, uint64_t max_pages);
   PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
   uint64_t pages_chosen() const noexcept { return n_pairs == 0 ? 0 : offsets[n_pairs]; }
 };
