@@ -1,7 +1,6 @@
 // kvsift-demo: a long document and a question about a fact planted in it, answered by a real
 // model (SmolLM2-135M-Instruct by default) whose KV cache lives in kvsift's paged host cache.
 // Uses only the public C API, as an embedding application would.
-#include <zlib.h>
 #include <CLI/CLI.hpp>
 
 #include <chrono>
@@ -9,16 +8,18 @@
 #include <fstream>
 #include <memory>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "common/devils_dictionary.hpp"
+#include "common/model_path.hpp"
 #include "kvsift/kvsift.h"
 
 namespace {
 
 // The built-in document: the start of Ambrose Bierce's The Devil's Dictionary (public domain,
 // Debian package dict-devil), with one invented fact planted halfway through.
-constexpr const char* kDevilsDictionary = "/usr/share/dictd/devil.dict.dz";
 constexpr std::size_t kDocumentChars = 20000;  // about 4.5K SmolLM2 tokens
 constexpr const char* kPlantedFact =
     "Editor's note: the lighthouse keeper on Gull Island keeps a grey cat named Marmalade.";
@@ -45,32 +46,16 @@ std::string read_file(const std::string& path) {
 }
 
 std::string builtin_document() {
-  gzFile gz = gzopen(kDevilsDictionary, "rb");
-  if (gz == nullptr)
-    throw Failure{
-        std::string("cannot open ") + kDevilsDictionary +
-        " (the built-in document; install the Debian package dict-devil, or pass --prompt-file)"};
   std::string text;
-  char buffer[65536];
-  int n;
-  while ((n = gzread(gz, buffer, sizeof buffer)) > 0) text.append(buffer, n);
-  gzclose(gz);
-  const std::size_t begin = text.find("PREFACE");
-  if (begin == std::string::npos || text.size() < begin + kDocumentChars)
-    throw Failure{std::string(kDevilsDictionary) + " does not hold the expected text"};
-  std::string doc = text.substr(begin, kDocumentChars);
+  try {
+    text = kvsift::apps::read_devils_dictionary();
+  } catch (const std::runtime_error& e) {
+    throw Failure{std::string(e.what()) + "; the built-in document, or pass --prompt-file"};
+  }
+  std::string doc = text.substr(0, kDocumentChars);
   doc = doc.substr(0, doc.rfind("\n\n"));  // end at a paragraph
   const std::size_t middle = doc.find("\n\n", doc.size() / 2);
   return doc.substr(0, middle) + "\n\n" + kPlantedFact + doc.substr(middle);
-}
-
-std::string default_model_path() {
-  if (const char* path = std::getenv("KVSIFT_MODEL")) return path;
-  const char* dir = std::getenv("KVSIFT_MODEL_DIR");
-  const std::string base =
-      dir ? dir
-          : std::string(std::getenv("HOME") ? std::getenv("HOME") : ".") + "/.cache/kvsift/models";
-  return base + "/SmolLM2-135M-Instruct.Q4_1.gguf";
 }
 
 template <class Fill>
@@ -96,7 +81,7 @@ void progress_bar(uint64_t done, uint64_t total, void*) {
 }
 
 struct Options {
-  std::string model = default_model_path();
+  std::string model = kvsift::apps::default_model_path();
   std::string prompt_file;
   std::string question = kDefaultQuestion;
   uint32_t ctx = 8192;
