@@ -8,12 +8,23 @@
 #include <limits>
 
 #include "lib/core/error.hpp"
+#include "lib/select/locks_summary.hpp"
 
 namespace kvsift::select {
 
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
+
+// Bounds |fl(q . k) - q . k| / (|q| |k|) for the float32 dot products and the few products after
+// them in a page score (about (d + r) * 2^-24 for d <= 256; this is several times that).
+constexpr float kFloatMargin = 2e-4f;
+
+float norm(const float* x, uint32_t n) noexcept {
+  double sq = 0.0;
+  for (uint32_t i = 0; i < n; ++i) sq += double{x[i]} * x[i];
+  return static_cast<float>(std::sqrt(sq));
+}
 
 // Orders pages by score, best first; equal scores by the lower page id (the papers' deterministic
 // exact-b rule).
@@ -92,6 +103,12 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
   const auto* k = reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[page]));
   cache_.kernels().decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
+  float key_norm = 0.0f;
+  for (uint32_t t = 0; t < n; ++t) {
+    float sq = 0.0f;
+    for (uint32_t c = 0; c < d; ++c) sq += s.keys[std::size_t{t} * d + c] * s.keys[std::size_t{t} * d + c];
+    key_norm = std::max(key_norm, std::sqrt(sq));
+  }
   for (uint32_t h = 0; h < g.group_size; ++h) {
     const float* q = pair.q + std::size_t{h} * d;
     float logits[64];  // page_tokens <= 64
@@ -106,7 +123,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
     float sum = 0.0f;
     for (uint32_t t = 0; t < n; ++t) sum += std::exp(logits[t] - top);
     s.head[h * max_pages_ + page] = top + std::log(sum);
-    s.slack[h * max_pages_ + page] = 0.0f;
+    s.slack[h * max_pages_ + page] = scale_ * norm(q, d) * kFloatMargin * key_norm;
   }
   return uint64_t{n} * d * sizeof(uint16_t);
 }
@@ -413,6 +430,85 @@ class QuestSelector final : public PageSelector {
   AlignedVector<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
 };
 
+// LOCKS (papers.md section 2): page-local rank-r summaries, int4 basis, int8 coefficients and
+// centroid, built when a page seals; a page scores the log-sum-exp of its reconstructed logits.
+// locks_certified also keeps each page's largest key norm, and bounds each page's log-mass by the
+// score +- scale |q| (residual + float margin * key norm), scoring with the exact query.
+class LocksSelector final : public PageSelector {
+ public:
+  LocksSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+                int n_threads)
+      : PageSelector(policy, cache, max_batch, max_pages, n_threads),
+        shape_{cache.geometry().head_dim, cache.geometry().page_tokens, kLocksDefaultRank},
+        record_bytes_(locks_record_bytes(shape_)),
+        records_(cache.pool().capacity() * record_bytes_),
+        key_norms_(certified() ? cache.pool().capacity() : 0) {
+    locks_check_shape(shape_);
+  }
+
+  std::size_t summary_bytes_per_page() const noexcept override {
+    // The paper's bytes; certified selection adds the residual bound and the key norm.
+    return locks_paper_bytes(shape_) + (certified() ? 2 * sizeof(float) : 0);
+  }
+
+ protected:
+  bool summarises() const noexcept override { return true; }
+  bool certified() const noexcept override { return policy_.kind == Kind::locks_certified; }
+
+  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
+    locks_build(shape_, k, geometry().dtype, records_.data() + std::size_t{slot} * record_bytes_);
+    if (!certified()) return;
+    const uint32_t B = shape_.page_tokens, d = shape_.head_dim;
+    float keys[64 * 256];  // page_tokens * head_dim at most
+    cache_.kernels().decode(k, keys, std::size_t{B} * d, geometry().dtype);
+    float most = 0.0f;
+    for (uint32_t t = 0; t < B; ++t) most = std::max(most, norm(keys + std::size_t{t} * d, d));
+    key_norms_[slot] = most;
+  }
+
+  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
+    const CacheGeometry& g = geometry();
+    const uint32_t G = g.group_size, d = g.head_dim;
+    const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
+    simd::LocksScoreJob job;
+    job.q = pair.q;
+    job.group = G;
+    job.head_dim = d;
+    job.page_tokens = shape_.page_tokens;
+    job.rank = shape_.rank;
+    job.int8_query = policy_.int8_query && !certified();  // a bound needs the exact query
+    job.scale = scale_;
+    job.records = records_.data();
+    job.record_bytes = record_bytes_;
+    job.slots = pair.table;
+    job.count = sealed;
+    job.lse = s.slack.data();  // [G, sealed], spread into s.head's rows below
+    cache_.kernels().locks_score(job);
+    for (uint32_t h = G; h-- > 0;)  // backwards: row h moves to h * max_pages_ >= h * sealed
+      std::memmove(s.head.data() + h * max_pages_, s.slack.data() + std::size_t{h} * sealed,
+                   sealed * sizeof(float));
+    if (certified()) {
+      for (uint32_t h = 0; h < G; ++h) {
+        const float q_norm = norm(pair.q + std::size_t{h} * d, d);
+        for (uint32_t p = 0; p < sealed; ++p) {
+          const uint32_t slot = pair.table[p];
+          const float residual =
+              locks_residual_bound(shape_, records_.data() + std::size_t{slot} * record_bytes_);
+          s.slack[h * max_pages_ + p] =
+              scale_ * q_norm * (residual + kFloatMargin * key_norms_[slot]);
+        }
+      }
+    }
+    return uint64_t{sealed} * summary_bytes_per_page();
+  }
+
+ private:
+  LocksShape shape_;
+  std::size_t record_bytes_;
+  AlignedVector<std::byte> records_;  // [pool slots, record_bytes_]
+  AlignedVector<float> key_norms_;    // [pool slots] certified: the page's largest key norm
+};
+
 }  // namespace
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
@@ -427,9 +523,10 @@ std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& 
       return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, n_threads);
     case Kind::locks:
     case Kind::locks_certified:
-      break;
+      return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, n_threads);
   }
-  fail(Status::unsupported, "the ", kind_name(policy.kind), " selector is not built yet");
+  fail(Status::invalid_argument, "policy.kind=", static_cast<int>(policy.kind),
+       " is not a selector");
 }
 
 }  // namespace kvsift::select
