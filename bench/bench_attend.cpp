@@ -23,55 +23,20 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.hpp"
 #include "kvsift/kvsift.h"
 
 namespace {
 
-struct Shape {
-  const char* name;
-  uint32_t n_kv_heads;
-  uint32_t group_size;
-  uint32_t head_dim;
-};
+using namespace kvsift::bench;
 
-constexpr Shape kShapes[] = {
-    {"llama8b", 8, 4, 128},  // Llama-3-8B: 32 query heads over 8 KV heads
-    {"smollm2", 3, 3, 64},   // SmolLM2-135M: 9 query heads over 3 KV heads
-};
+constexpr Shape kShapes[] = {kLlama8b, kSmollm2};
 constexpr uint64_t kContexts[] = {4096, 8192, 32768, 131072, 524288};
 constexpr uint32_t kBatches[] = {1, 8};
 constexpr int kThreadCounts[] = {1, 2};
-constexpr uint32_t kPageTokens = 16;
 // The dev box has 24 GiB: larger caches are not registered. The one case this drops is llama8b at
 // 512K tokens and batch 8 (16 GiB of K+V).
 constexpr uint64_t kMaxKvBytes = uint64_t{8} << 30;
-// Tokens per kvsift_append: a prefill-sized chunk, so each (sequence, KV head) gets runs of
-// consecutive page slots, as after a real prefill.
-constexpr uint32_t kAppendTokens = 4096;
-constexpr uint64_t kSeed = 0x6b7673696674;  // "kvsift"
-
-uint64_t kv_bytes(const Shape& shape, uint64_t context, uint32_t batch) {
-  return context * batch * shape.n_kv_heads * shape.head_dim * 2 /* K, V */ * 2 /* fp16 */;
-}
-
-// splitmix64: fast enough to fill gigabytes, and fixed-seed reproducible.
-class Random {
- public:
-  explicit Random(uint64_t seed) : state_(seed) {}
-  void fill(std::vector<float>& values) {
-    for (float& x : values) x = uniform();
-  }
-
- private:
-  float uniform() {  // [-1, 1)
-    uint64_t z = (state_ += 0x9e3779b97f4a7c15);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111eb;
-    z ^= z >> 31;
-    return static_cast<float>(z >> 40) * 0x1p-23f - 1.0f;
-  }
-  uint64_t state_;
-};
 
 // ---- Read-bandwidth probe ----------------------------------------------------------------------
 
@@ -165,11 +130,6 @@ void BM_read_bandwidth(benchmark::State& state, int threads) {
 
 // ---- Dense decode attention --------------------------------------------------------------------
 
-struct CacheDeleter {
-  void operator()(kvsift_cache* cache) const { kvsift_cache_free(cache); }
-};
-using CachePtr = std::unique_ptr<kvsift_cache, CacheDeleter>;
-
 struct CaseKey {
   const Shape* shape;
   uint64_t context;
@@ -200,16 +160,7 @@ std::string fill_case(const CaseKey& key) {
   held = Filled{};  // frees the previous cache first
   const Shape& shape = *key.shape;
   const uint32_t H = shape.n_kv_heads, d = shape.head_dim;
-  kvsift_cache_params params;
-  kvsift_cache_params_init(&params);
-  params.n_kv_heads = H;
-  params.group_size = shape.group_size;
-  params.head_dim = d;
-  params.page_tokens = kPageTokens;
-  params.dtype = KVSIFT_DTYPE_F16;
-  params.max_pages = uint64_t{key.batch} * H * ((key.context + kPageTokens - 1) / kPageTokens);
-  params.max_batch = key.batch;
-  params.n_threads = key.threads;
+  const kvsift_cache_params params = cache_params(shape, key.context, key.batch, key.threads);
   kvsift_cache* raw = nullptr;
   if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
   CachePtr cache(raw);

@@ -1,0 +1,277 @@
+// Selection + sparse attention against dense attention, in the same run, through the C API.
+//
+// Each BM_select case fills one layer of the Llama-3-8B shape with keys that have the structure
+// real ones have (each page its own rank-4 mixture of topic directions plus noise, four outlier
+// channels, RoPE-rotated by position), and queries that attend to a few needle tokens. Every
+// iteration times one dense kvsift_attend and one kvsift_attend_selected back to back, so the
+// counters compare the two under the same machine conditions:
+//   dense_ms, selected_ms  medians over the iterations; speedup = their ratio
+//   bytes_vs_dense         (index + K/V bytes the selected call read) / dense K/V bytes
+//   kept_estimate          the selector's estimated share of softmax mass kept
+// BM_summary_build times kvsift_cache_set_selector over a filled cache: summary build per page.
+//
+//   kvsift-bench-select --benchmark_filter='locks/llama8b/ctx:131072/batch:1'
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.hpp"
+#include "kvsift/kvsift.h"
+
+namespace {
+
+using namespace kvsift::bench;
+using Clock = std::chrono::steady_clock;
+
+constexpr uint64_t kContexts[] = {32768, 131072, 524288};
+constexpr uint32_t kBatches[] = {1, 8};
+constexpr int kThreads = 2;
+constexpr double kBudget = 0.02;
+constexpr uint64_t kMaxKvBytes = uint64_t{8} << 30;  // 24 GiB box: drops 512K at batch 8
+constexpr uint32_t kTopics = 64;                     // directions per KV head
+constexpr uint32_t kPageRank = 4;                    // topics mixed in one page
+constexpr uint32_t kOutliers[] = {5, 37, 70, 101};   // channels with a large constant offset
+constexpr uint32_t kNeedles = 3;                     // tokens each query looks for
+
+struct Case {
+  kvsift_selector selector;
+  uint64_t context;
+  uint32_t batch;
+};
+
+// K/V of one layer, [n, H, d], for positions [first, first + n) of a sequence with its topics.
+class KeyMaker {
+ public:
+  KeyMaker(const Shape& shape, uint64_t seed) : shape_(shape), random_(seed) {
+    topics_.resize(std::size_t{shape.n_kv_heads} * kTopics * shape.head_dim);
+    for (float& x : topics_) x = 2.0f * random_.uniform();
+  }
+
+  void make(uint64_t first, uint32_t n, std::vector<float>& k, std::vector<float>& v) {
+    const uint32_t H = shape_.n_kv_heads, d = shape_.head_dim;
+    k.assign(std::size_t{n} * H * d, 0.0f);
+    v.resize(k.size());
+    random_.fill(v);
+    uint32_t picks[kPageRank] = {};
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint64_t pos = first + i;
+      for (uint32_t h = 0; h < H; ++h) {
+        if (pos % kPageTokens == 0 || i == 0)
+          for (uint32_t& p : picks)
+            p = static_cast<uint32_t>((random_.uniform() + 1.0f) * 0.5f * kTopics) % kTopics;
+        float* row = k.data() + (std::size_t{i} * H + h) * d;
+        for (uint32_t p : picks) {
+          const float weight = random_.uniform();
+          const float* topic = topics_.data() + (std::size_t{h} * kTopics + p) * d;
+          for (uint32_t c = 0; c < d; ++c) row[c] += weight * topic[c];
+        }
+        for (uint32_t c = 0; c < d; ++c) row[c] += 0.2f * random_.uniform();
+        for (uint32_t c : kOutliers) row[c] += 6.0f;
+        rope(row, pos);
+      }
+    }
+  }
+
+ private:
+  // Llama-3's rotation (theta 500000) on adjacent pairs.
+  void rope(float* x, uint64_t pos) const {
+    const uint32_t d = shape_.head_dim;
+    for (uint32_t i = 0; i < d / 2; ++i) {
+      const double angle = static_cast<double>(pos) * std::pow(500000.0, -2.0 * i / d);
+      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+      const float a = x[2 * i], b = x[2 * i + 1];
+      x[2 * i] = a * c - b * s;
+      x[2 * i + 1] = a * s + b * c;
+    }
+  }
+
+  Shape shape_;
+  Random random_;
+  std::vector<float> topics_;  // [H, kTopics, d]
+};
+
+// The filled cache of the case that ran last (see bench_attend.cpp: one multi-GiB cache at a time).
+struct Filled {
+  uint64_t context = 0;
+  uint32_t batch = 0;
+  CachePtr cache;
+  std::vector<int32_t> seq_ids;
+  std::vector<float> q, out;
+  kvsift_selector selector = KVSIFT_SELECTOR_DENSE;  // the one whose summaries the cache holds
+};
+
+Filled& held() {
+  static Filled filled;
+  return filled;
+}
+
+std::string fill(uint64_t context, uint32_t batch) {
+  Filled& f = held();
+  if (f.cache && f.context == context && f.batch == batch) return "";
+  f = Filled{};
+  const Shape& shape = kLlama8b;
+  const uint32_t H = shape.n_kv_heads, G = shape.group_size, d = shape.head_dim;
+  const kvsift_cache_params params = cache_params(shape, context, batch, kThreads);
+  kvsift_cache* raw = nullptr;
+  if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
+  CachePtr cache(raw);
+  f.q.assign(std::size_t{batch} * H * G * d, 0.0f);
+  Random random(kSeed + 1);
+  std::vector<float> k, v;
+  for (uint32_t b = 0; b < batch; ++b) {
+    int32_t id = -1;
+    if (kvsift_sequence_create(cache.get(), &id) != KVSIFT_STATUS_OK) return kvsift_last_error();
+    f.seq_ids.push_back(id);
+    KeyMaker maker(shape, kSeed + b);
+    for (uint64_t done = 0; done < context; done += kAppendTokens) {
+      const auto n = static_cast<uint32_t>(std::min<uint64_t>(kAppendTokens, context - done));
+      maker.make(done, n, k, v);
+      if (kvsift_append(cache.get(), id, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK)
+        return kvsift_last_error();
+    }
+    // Each query head looks for kNeedles stored keys (its group's KV head), plus noise.
+    std::vector<float> needle(d);
+    for (uint32_t h = 0; h < H; ++h)
+      for (uint32_t g = 0; g < G; ++g) {
+        float* q = f.q.data() + ((std::size_t{b} * H + h) * G + g) * d;
+        for (uint32_t j = 0; j < kNeedles; ++j) {
+          const auto pos = static_cast<uint64_t>((random.uniform() + 1.0f) * 0.5f * context);
+          const uint64_t at = std::min(pos, context - 1);
+          kvsift_read_tokens(cache.get(), id, 0, h, at, 1, needle.data(), nullptr);
+          for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * needle[c];
+        }
+        for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * random.uniform();
+      }
+  }
+  f.out.resize(f.q.size());
+  f.context = context;
+  f.batch = batch;
+  f.cache = std::move(cache);
+  return "";
+}
+
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+void BM_select(benchmark::State& state, Case c) {
+  if (const std::string error = fill(c.context, c.batch); !error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  Filled& f = held();
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  policy.selector = c.selector;
+  policy.budget = kBudget;
+  // Summaries are built once per cache and selector, not each time the case is entered.
+  if (f.selector != c.selector) {
+    if (kvsift_cache_set_selector(f.cache.get(), &policy) != KVSIFT_STATUS_OK) {
+      state.SkipWithError(kvsift_last_error());
+      return;
+    }
+    f.selector = c.selector;
+  }
+  kvsift_selection_stats sel{};
+  kvsift_cache_stats dense_stats{};
+  auto dense = [&] {
+    return kvsift_attend(f.cache.get(), 0, c.batch, f.seq_ids.data(), f.q.data(), f.out.data(),
+                         nullptr);
+  };
+  auto selected = [&] {
+    return kvsift_attend_selected(f.cache.get(), 0, c.batch, f.seq_ids.data(), f.q.data(),
+                                  f.out.data(), &sel);
+  };
+  // Untimed once each: errors surface, thread pools start, and the byte counts are known.
+  if (dense() != KVSIFT_STATUS_OK || kvsift_cache_get_stats(f.cache.get(), &dense_stats) ||
+      selected() != KVSIFT_STATUS_OK) {
+    state.SkipWithError(kvsift_last_error());
+    return;
+  }
+  std::vector<double> dense_s, selected_s;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    dense();
+    auto t1 = Clock::now();
+    selected();
+    auto t2 = Clock::now();
+    dense_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    selected_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    state.SetIterationTime(selected_s.back());
+  }
+  const double dense_median = median(dense_s), selected_median = median(selected_s);
+  state.counters["dense_ms"] = dense_median * 1e3;
+  state.counters["selected_ms"] = selected_median * 1e3;
+  state.counters["speedup"] = dense_median / selected_median;
+  state.counters["bytes_vs_dense"] =
+      static_cast<double>(sel.index_bytes_read + sel.kv_bytes_read) /
+      static_cast<double>(dense_stats.last_bytes_read);
+  state.counters["index_MB"] = static_cast<double>(sel.index_bytes_read) * 1e-6;
+  state.counters["pages_chosen_share"] =
+      static_cast<double>(sel.pages_chosen) / static_cast<double>(sel.pages_stored);
+  state.counters["kept_estimate"] = sel.kept_estimate;
+}
+
+void BM_summary_build(benchmark::State& state, kvsift_selector selector) {
+  const uint64_t context = 32768;
+  if (const std::string error = fill(context, 1); !error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  Filled& f = held();
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  policy.selector = selector;
+  policy.budget = kBudget;
+  const double pages = static_cast<double>(context / kPageTokens * kLlama8b.n_kv_heads);
+  double seconds = 0.0;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    if (kvsift_cache_set_selector(f.cache.get(), &policy) != KVSIFT_STATUS_OK) {
+      state.SkipWithError(kvsift_last_error());
+      return;
+    }
+    seconds += std::chrono::duration<double>(Clock::now() - start).count();
+  }
+  f.selector = selector;
+  state.counters["ns_per_page"] = seconds / static_cast<double>(state.iterations()) / pages * 1e9;
+}
+
+void register_benchmarks() {
+  for (kvsift_selector selector :
+       {KVSIFT_SELECTOR_LOCKS, KVSIFT_SELECTOR_QUEST, KVSIFT_SELECTOR_ORACLE})
+    for (uint64_t context : kContexts)
+      for (uint32_t batch : kBatches) {
+        if (kv_bytes(kLlama8b, context, batch) > kMaxKvBytes) continue;
+        const std::string name = std::string("BM_select/") + kvsift_selector_name(selector) +
+                                 "/llama8b/ctx:" + std::to_string(context) +
+                                 "/batch:" + std::to_string(batch) + "/threads:2";
+        benchmark::RegisterBenchmark(name.c_str(), BM_select, Case{selector, context, batch})
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond);
+      }
+  for (kvsift_selector selector : {KVSIFT_SELECTOR_LOCKS, KVSIFT_SELECTOR_QUEST}) {
+    const std::string name = std::string("BM_summary_build/") + kvsift_selector_name(selector) +
+                             "/llama8b/ctx:32768/threads:2";
+    benchmark::RegisterBenchmark(name.c_str(), BM_summary_build, selector)
+        ->Unit(benchmark::kMillisecond);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  register_benchmarks();
+  benchmark::AddCustomContext("kvsift_version", kvsift_version_string());
+  benchmark::AddCustomContext("budget", std::to_string(kBudget));
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
