@@ -4,6 +4,7 @@
 #include <CLI/CLI.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -93,6 +94,7 @@ struct Options {
   uint64_t seed = 0;
   float temperature = 0.0f;
   float top_p = 1.0f;
+  double epsilon = 1e-3;
 };
 
 int run(const Options& o) {
@@ -100,6 +102,7 @@ int run(const Options& o) {
   kvsift_selector_policy_init(&policy);
   check(kvsift_selector_from_name(o.selector.c_str(), &policy.selector), "--selector");
   policy.budget = o.budget;
+  policy.epsilon = o.epsilon;
   if (o.device != "cpu")
     throw Failure{"--device " + o.device + " is not available in this build (available: cpu)"};
 
@@ -195,8 +198,28 @@ int run(const Options& o) {
                 100.0 * stats.decode_attention_seconds / stats.decode_seconds);
   }
   std::printf("KV held in host memory: %.1f MiB\n", stats.kv_bytes_held / 1048576.0);
-  std::printf("KV read per step:       %.1f MiB (last step, all layers)\n",
-              stats.last_step_kv_bytes_read / 1048576.0);
+  // What a dense step over the same context reads: every stored K and V of every layer.
+  const double dense_bytes = static_cast<double>(n_prompt + answer.size()) * info.n_layers *
+                             info.n_kv_heads * info.head_dim * 2 /* K, V */ * 2 /* fp16 */;
+  const double read = static_cast<double>(stats.last_step_kv_bytes_read +
+                                          stats.last_step_index_bytes_read);
+  std::printf("selector:               %s", o.selector.c_str());
+  if (policy.selector != KVSIFT_SELECTOR_DENSE) std::printf(", budget %g", policy.budget);
+  if (policy.selector == KVSIFT_SELECTOR_LOCKS_CERTIFIED) std::printf(", epsilon %g", o.epsilon);
+  std::printf("\n");
+  std::printf("KV read per step:       %.2f MiB K/V + %.2f MiB index = %.1f%% of dense (%.2f MiB)\n",
+              stats.last_step_kv_bytes_read / 1048576.0,
+              stats.last_step_index_bytes_read / 1048576.0, 100.0 * read / dense_bytes,
+              dense_bytes / 1048576.0);
+  if (stats.summary_bytes_per_page > 0)
+    std::printf("summary per page:       %llu bytes per (page, KV head)\n",
+                static_cast<unsigned long long>(stats.summary_bytes_per_page));
+  if (!std::isnan(stats.last_step_kept_estimate))
+    std::printf("kept mass (estimate):   %.4f (last step, mean over layers and KV heads)\n",
+                stats.last_step_kept_estimate);
+  if (!std::isnan(stats.last_step_dropped_bound))
+    std::printf("dropped mass (proven):  <= %.4g (last step, worst layer and head)\n",
+                stats.last_step_dropped_bound);
   return 0;
 }
 
@@ -213,8 +236,13 @@ int main(int argc, char** argv) {
   app.add_option("--max-new", o.max_new, "most tokens to generate")
       ->capture_default_str()
       ->check(CLI::Range(1, 8192));
-  app.add_option("--selector", o.selector, "attention selector")->capture_default_str();
-  app.add_option("--budget", o.budget, "selector budget: a fraction of the context (<1) or tokens");
+  app.add_option("--selector", o.selector,
+                 "dense, oracle, quest, locks or locks_certified")->capture_default_str();
+  app.add_option("--budget", o.budget,
+                 "tokens per layer and KV head per step: a fraction of the context (<= 1) or a "
+                 "count (sinks and window inside)");
+  app.add_option("--epsilon", o.epsilon, "locks_certified: target bound on the dropped mass")
+      ->capture_default_str();
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
   app.add_option("--device", o.device, "cpu")->capture_default_str();
   app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();
