@@ -8,6 +8,7 @@ packages=(
   libdnnl-dev ocl-icd-opencl-dev   # oneDNN; its CMake config needs the OpenCL package (env.md pitfall 4)
   libxsimd-dev libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  liblapack-dev                    # the tests' eigensolver reference (tests/test_locks.cpp)
   nlohmann-json3-dev libcli11-dev
   libicu-dev                       # Unicode categories for the tokenizer
   zlib1g-dev dict-devil            # the demo's document and the eval's prose haystack (The Devil's Dictionary, public domain)

@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "lib/core/error.hpp"
-#include "lib/select/jacobi.hpp"
+#include "lib/select/symmetric_eigen.hpp"
 #include "simd/half.hpp"
 #include "simd/locks_record.hpp"
 
@@ -17,7 +17,7 @@ namespace {
 constexpr uint32_t kMaxHeadDim = 256;
 constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxRank = kMaxPageTokens - 1;
-static_assert(kMaxPageTokens <= kJacobiMaxOrder);
+static_assert(kMaxPageTokens <= kSymmetricEigenMaxOrder);
 constexpr double kMinEigenvalue = 1e-10;  // sigma floor, as the authors' build (papers.md 2(b) 4)
 
 simd::LocksRecordLayout layout_of(const LocksShape& shape) noexcept {
@@ -34,7 +34,9 @@ uint16_t load_u16(const std::byte* p) noexcept {
   return x;
 }
 
-void store_u16(std::byte* p, uint16_t x) noexcept { std::memcpy(p, &x, sizeof x); }
+void store_u16(std::byte* p, uint16_t x) noexcept {
+  std::memcpy(p, &x, sizeof x);
+}
 
 // Float64 dot product of two float rows with four independent sums, so that the compiler can
 // keep two SSE2 vectors of partial sums instead of one serial chain.
@@ -83,7 +85,9 @@ std::size_t locks_paper_bytes(const LocksShape& shape) noexcept {
   return layout_of(shape).paper_bytes;
 }
 
-std::size_t locks_record_bytes(const LocksShape& shape) noexcept { return layout_of(shape).bytes; }
+std::size_t locks_record_bytes(const LocksShape& shape) noexcept {
+  return layout_of(shape).bytes;
+}
 
 void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                   const LocksFactors& out) noexcept {
@@ -108,7 +112,7 @@ void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
     for (uint32_t j = 0; j <= i; ++j)
       gram[i * B + j] = gram[j * B + i] = dot(centered + i * d, centered + j * d, d);
   double vectors[kMaxPageTokens * kMaxPageTokens];
-  jacobi_eigen(B, gram, out.eigenvalues, vectors);
+  symmetric_eigen(B, gram, out.eigenvalues, vectors);
 
   for (uint32_t j = 0; j < r; ++j) {
     const double sigma = std::sqrt(std::max(out.eigenvalues[j], kMinEigenvalue));
@@ -143,10 +147,9 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   }
   auto* c_codes = reinterpret_cast<int8_t*>(record + layout.c_codes);
   for (uint32_t i = 0; i < B; ++i) {
-    const uint16_t scale = quantize(coeffs + i * r, r, 1, 127.0f, -127, 127,
-                                    [&](std::size_t j, int code) {
-                                      c_codes[j * B + i] = static_cast<int8_t>(code);
-                                    });
+    const uint16_t scale =
+        quantize(coeffs + i * r, r, 1, 127.0f, -127, 127,
+                 [&](std::size_t j, int code) { c_codes[j * B + i] = static_cast<int8_t>(code); });
     store_u16(record + layout.c_scales + 2 * i, scale);
   }
   auto* mu_codes = reinterpret_cast<int8_t*>(record + layout.mu_codes);

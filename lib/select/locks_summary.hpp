@@ -5,7 +5,7 @@
 //
 // Build (papers.md 2(b) steps 1-6), for the page's keys k_1..k_B (B = page_tokens, d = head_dim):
 //   mu = mean_i k_i (float32); D = K - mu (B x d); M = D D^T (B x B, float64);
-//   M = U diag(lambda) U^T with lambda descending (jacobi_eigen); for j < r:
+//   M = U diag(lambda) U^T with lambda descending (symmetric_eigen); for j < r:
 //   sigma_j = sqrt(max(lambda_j, 1e-10)), C = U_r diag(sigma) (B x r, row i = c_i),
 //   V = D^T U_r diag(1/sigma) (d x r, orthonormal columns), so D ~ C V^T (the rank-r truncated
 //   SVD). Quantised: V int4 per column (scale max|col|/7, clamp [-8, 7]), C int8 per token
@@ -29,8 +29,8 @@ namespace kvsift::select {
 inline constexpr uint32_t kLocksDefaultRank = 8;  // papers.md 2(b), LocksConfig r8_rank
 
 struct LocksShape {
-  uint32_t head_dim = 128;    // 64, 128 or 256
-  uint32_t page_tokens = 16;  // 16, 32 or 64
+  uint32_t head_dim = 128;            // 64, 128 or 256
+  uint32_t page_tokens = 16;          // 16, 32 or 64
   uint32_t rank = kLocksDefaultRank;  // 1 .. page_tokens - 1
 };
 
