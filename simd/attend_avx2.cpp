@@ -48,6 +48,18 @@ struct IsaOps {
     }
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), out);
   }
+  // 8 int8 values to float.
+  static batch load_i8(const std::byte* p) noexcept {
+    return _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  }
+  // 8 bytes of two int4 values each: the low nibbles and the high nibbles, sign-extended.
+  static void load_nibbles(const std::byte* p, batch& lo, batch& hi) noexcept {
+    const __m256i bytes =
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    lo = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28));
+    hi = _mm256_cvtepi32_ps(_mm256_srai_epi32(bytes, 4));
+  }
 };
 
 }  // namespace
@@ -58,8 +70,12 @@ struct IsaOps {
 namespace kvsift::simd {
 
 const Kernels& avx2_kernels() noexcept {
-  static const Kernels table{Isa::avx2, Body<IsaOps>::encode, Body<IsaOps>::decode,
-                             Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16};
+  static const Kernels table{Isa::avx2,
+                             Body<IsaOps>::encode,
+                             Body<IsaOps>::decode,
+                             Body<IsaOps>::attend,
+                             Body<IsaOps>::matvec_bf16,
+                             Body<IsaOps>::locks_score};
   return table;
 }
 

@@ -9,11 +9,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 
 #include <xsimd/xsimd.hpp>
 
 #include "simd/kernels.hpp"
+#include "simd/locks_record.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -242,6 +244,198 @@ struct Body {
       default:
         f16 ? attend_dtype<Dtype::f16, 256>(job) : attend_dtype<Dtype::bf16, 256>(job);
         break;
+    }
+  }
+  // ---- LOCKS page scores (papers.md 2(b) "Score"; layout in simd/locks_record.hpp) ----
+
+  static constexpr uint32_t kMaxHeadDim = 256;
+  static constexpr uint32_t kMaxPageTokens = 64;
+
+  static float bf16_at(const std::byte* p) noexcept {
+    uint16_t h;
+    std::memcpy(&h, p, sizeof h);
+    const uint32_t bits = uint32_t{h} << 16;
+    float x;
+    std::memcpy(&x, &bits, sizeof x);
+    return x;
+  }
+
+  // Adds the products of CB consecutive V columns (int4, from `columns`) with NG heads' split
+  // queries into part[u * NG + g]: W-lane partial sums, two chains (low and high nibbles) each.
+  // Small groups take several columns per pass so that enough accumulators are in flight.
+  template <uint32_t NG, uint32_t CB>
+  static void v_columns(const std::byte* columns, uint32_t d, const float* qe,
+                        batch* part) noexcept {
+    const uint32_t half = d / 2;
+    batch lo_acc[CB][NG], hi_acc[CB][NG];
+    for (uint32_t u = 0; u < CB; ++u)
+      for (uint32_t g = 0; g < NG; ++g) lo_acc[u][g] = hi_acc[u][g] = batch(0.0f);
+    for (uint32_t b = 0; b < half; b += W)
+      for (uint32_t u = 0; u < CB; ++u) {
+        batch lo, hi;
+        Ops::load_nibbles(columns + std::size_t{u} * half + b, lo, hi);
+        for (uint32_t g = 0; g < NG; ++g) {
+          const float* qg = qe + std::size_t{g} * d;
+          lo_acc[u][g] = xsimd::fma(lo, batch::load_aligned(qg + b), lo_acc[u][g]);
+          hi_acc[u][g] = xsimd::fma(hi, batch::load_aligned(qg + half + b), hi_acc[u][g]);
+        }
+      }
+    for (uint32_t u = 0; u < CB; ++u)
+      for (uint32_t g = 0; g < NG; ++g) part[u * NG + g] = lo_acc[u][g] + hi_acc[u][g];
+  }
+
+  // Scores every page for a block of NG heads. qn: [NG, d] the heads' q~, already multiplied by
+  // the attention scale; qe: the same with each head's channels split into even then odd ones,
+  // matching the nibble order of V's columns (no unpacking shuffles). lse: the block's first
+  // head's row of the output.
+  template <uint32_t NG>
+  static void locks_block(const LocksScoreJob& job, const LocksRecordLayout& layout,
+                          const float* qn, const float* qe, float* lse) noexcept {
+    constexpr uint32_t CB = NG == 1 ? 4 : NG == 2 ? 2 : 1;
+    const uint32_t d = job.head_dim, B = job.page_tokens, r = job.rank;
+    // The (column, head) dot products, column r being mu: `pairs` W-lane partial sums, reduced
+    // W at a time by haddp, which leaves pair k's sum at lane haddp_slot(k % W) of its block.
+    const uint32_t pairs = (r + 1) * NG, padded = (pairs + W - 1) / W * W;
+    batch part[kMaxPageTokens * NG + W];
+    for (uint32_t k = pairs; k < padded; ++k) part[k] = batch(0.0f);
+    alignas(64) float dots[kMaxPageTokens * NG + W];
+    auto dot_of = [&dots](uint32_t k) { return dots[(k & ~(W - 1)) | haddp_slot(k & (W - 1))]; };
+    alignas(64) float z[kMaxPageTokens * NG];
+    alignas(64) float logits[NG][kMaxPageTokens];
+    // Each (page, head)'s sum of exp(logit - max) waits in a ring of W rows, reduced by one haddp
+    // and one log for W of them (not a hadd and a log each); max and destination are kept at the
+    // lane where haddp leaves the row's sum.
+    batch ring[W];
+    alignas(64) float ring_max[W];
+    float* ring_dest[W];
+    uint32_t ring_fill = 0;
+    auto flush = [&]() {
+      for (uint32_t k = ring_fill; k < W; ++k) {
+        ring[k] = batch(1.0f);
+        ring_max[haddp_slot(k)] = 0.0f;
+        ring_dest[haddp_slot(k)] = nullptr;
+      }
+      alignas(64) float out[W];
+      (xsimd::log(xsimd::haddp(ring)) + batch::load_aligned(ring_max)).store_aligned(out);
+      for (uint32_t lane = 0; lane < W; ++lane)
+        if (ring_dest[lane] != nullptr) *ring_dest[lane] = out[lane];
+      ring_fill = 0;
+    };
+
+    for (uint32_t i = 0; i < job.count; ++i) {
+      const std::byte* rec = job.records + std::size_t{job.slots[i]} * job.record_bytes;
+      const std::byte* v = rec + layout.v_codes;
+      uint32_t j = 0;
+      for (; j + CB <= r; j += CB)
+        v_columns<NG, CB>(v + std::size_t{j} * d / 2, d, qe, part + j * NG);
+      for (; j < r; ++j) v_columns<NG, 1>(v + std::size_t{j} * d / 2, d, qe, part + j * NG);
+      {
+        const std::byte* mu = rec + layout.mu_codes;
+        batch a0[NG], a1[NG];
+        for (uint32_t g = 0; g < NG; ++g) a0[g] = a1[g] = batch(0.0f);
+        for (uint32_t c = 0; c < d; c += 2 * W) {
+          const batch m0 = Ops::load_i8(mu + c), m1 = Ops::load_i8(mu + c + W);
+          for (uint32_t g = 0; g < NG; ++g) {
+            const float* qg = qn + std::size_t{g} * d;
+            a0[g] = xsimd::fma(m0, batch::load_aligned(qg + c), a0[g]);
+            a1[g] = xsimd::fma(m1, batch::load_aligned(qg + c + W), a1[g]);
+          }
+        }
+        for (uint32_t g = 0; g < NG; ++g) part[r * NG + g] = a0[g] + a1[g];
+      }
+      for (uint32_t k = 0; k < pairs; k += W) xsimd::haddp(part + k).store_aligned(dots + k);
+      for (uint32_t jj = 0; jj < r; ++jj) {
+        const float v_scale = bf16_at(rec + layout.v_scales + 2 * jj);
+        for (uint32_t g = 0; g < NG; ++g) z[jj * NG + g] = dot_of(jj * NG + g) * v_scale;
+      }
+      const float mu_scale = bf16_at(rec + layout.mu_scale);
+      batch mu_q[NG];
+      for (uint32_t g = 0; g < NG; ++g) mu_q[g] = batch(dot_of(r * NG + g) * mu_scale);
+
+      // Logits, W tokens at a time: one load of a C component serves every head; small groups
+      // split the sum over j in two chains.
+      constexpr uint32_t LA = NG <= 2 ? 2 : 1;
+      for (uint32_t t0 = 0; t0 < B; t0 += W) {
+        batch acc[LA][NG];
+        for (uint32_t a = 0; a < LA; ++a)
+          for (uint32_t g = 0; g < NG; ++g) acc[a][g] = batch(0.0f);
+        for (uint32_t jj = 0; jj < r; ++jj) {
+          const batch cj = Ops::load_i8(rec + layout.c_codes + std::size_t{jj} * B + t0);
+          for (uint32_t g = 0; g < NG; ++g)
+            acc[jj % LA][g] = xsimd::fma(cj, batch(z[jj * NG + g]), acc[jj % LA][g]);
+        }
+        const batch c_scale =
+            Ops::load_bf16(reinterpret_cast<const uint16_t*>(rec + layout.c_scales) + t0);
+        for (uint32_t g = 0; g < NG; ++g) {
+          batch sum = acc[0][g];
+          for (uint32_t a = 1; a < LA; ++a) sum += acc[a][g];
+          xsimd::fma(sum, c_scale, mu_q[g]).store_aligned(logits[g] + t0);
+        }
+      }
+      for (uint32_t g = 0; g < NG; ++g) {
+        batch mx = batch::load_aligned(logits[g]);
+        for (uint32_t t = W; t < B; t += W) mx = xsimd::max(mx, batch::load_aligned(logits[g] + t));
+        const float m = Ops::hmax(mx);
+        batch sum(0.0f);
+        for (uint32_t t = 0; t < B; t += W)
+          sum += xsimd::exp(batch::load_aligned(logits[g] + t) - batch(m));
+        const uint32_t lane = haddp_slot(ring_fill);
+        ring[ring_fill] = sum;
+        ring_max[lane] = m;
+        ring_dest[lane] = lse + std::size_t{g} * job.count + i;
+        if (++ring_fill == W) flush();
+      }
+    }
+    if (ring_fill != 0) flush();
+  }
+
+  static void locks_score(const LocksScoreJob& job) noexcept {
+    static_assert(kLocksHeadBlock == 8, "the switch covers blocks of up to 8 heads");
+    const uint32_t d = job.head_dim, half = d / 2;
+    const LocksRecordLayout layout = locks_record_layout(d, job.page_tokens, job.rank);
+    alignas(64) float qn[kLocksHeadBlock * kMaxHeadDim];
+    alignas(64) float qe[kLocksHeadBlock * kMaxHeadDim];
+    for (uint32_t g0 = 0; g0 < job.group; g0 += kLocksHeadBlock) {
+      const uint32_t left = job.group - g0;
+      const uint32_t ng = left < kLocksHeadBlock ? left : kLocksHeadBlock;
+      for (uint32_t g = 0; g < ng; ++g) {
+        const float* q = job.q + std::size_t{g0 + g} * d;
+        float* out = qn + std::size_t{g} * d;
+        if (job.int8_query) {
+          // Rounded exactly as the reference: s_q = max|q| / 127 in float, round(q / s_q) to
+          // nearest even; the product with s_q * scale is the only step that differs.
+          batch amax(0.0f);
+          for (uint32_t c = 0; c < d; c += W)
+            amax = xsimd::max(amax, xsimd::abs(batch::load_unaligned(q + c)));
+          const float s_q = Ops::hmax(amax) / 127.0f;
+          const batch step(s_q), mult(s_q * job.scale);
+          for (uint32_t c = 0; c < d; c += W) {
+            const batch x = s_q > 0.0f
+                                ? xsimd::nearbyint(batch::load_unaligned(q + c) / step) * mult
+                                : batch(0.0f);
+            x.store_aligned(out + c);
+          }
+        } else {
+          for (uint32_t c = 0; c < d; c += W)
+            (batch::load_unaligned(q + c) * batch(job.scale)).store_aligned(out + c);
+        }
+        float* split = qe + std::size_t{g} * d;
+        for (uint32_t b = 0; b < half; ++b) {
+          split[b] = out[2 * b];
+          split[half + b] = out[2 * b + 1];
+        }
+      }
+      float* lse = job.lse + std::size_t{g0} * job.count;
+      switch (ng) {
+        case 1: locks_block<1>(job, layout, qn, qe, lse); break;
+        case 2: locks_block<2>(job, layout, qn, qe, lse); break;
+        case 3: locks_block<3>(job, layout, qn, qe, lse); break;
+        case 4: locks_block<4>(job, layout, qn, qe, lse); break;
+        case 5: locks_block<5>(job, layout, qn, qe, lse); break;
+        case 6: locks_block<6>(job, layout, qn, qe, lse); break;
+        case 7: locks_block<7>(job, layout, qn, qe, lse); break;
+        default: locks_block<8>(job, layout, qn, qe, lse); break;
+      }
     }
   }
 };

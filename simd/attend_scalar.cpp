@@ -4,8 +4,11 @@
 #include <cmath>
 #include <limits>
 
+#include <cstring>
+
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
+#include "simd/locks_record.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -71,10 +74,57 @@ void matvec_bf16(const uint16_t* w, std::size_t rows, std::size_t cols, const fl
     }
 }
 
+float bf16_at(const std::byte* p) noexcept {
+  uint16_t h;
+  std::memcpy(&h, p, sizeof h);
+  return bf16_to_f32(h);
+}
+
+void locks_score(const LocksScoreJob& job) noexcept {
+  const uint32_t d = job.head_dim, B = job.page_tokens, r = job.rank;
+  const LocksRecordLayout layout = locks_record_layout(d, B, r);
+  float q[256], z[64], logits[64];
+  for (uint32_t g = 0; g < job.group; ++g) {
+    const float* raw = job.q + std::size_t{g} * d;
+    float s_q = 0.0f;
+    for (uint32_t c = 0; c < d; ++c) s_q = std::max(s_q, std::fabs(raw[c]));
+    s_q /= 127.0f;
+    for (uint32_t c = 0; c < d; ++c)
+      q[c] = !job.int8_query ? raw[c] : s_q > 0.0f ? std::nearbyint(raw[c] / s_q) * s_q : 0.0f;
+    for (uint32_t i = 0; i < job.count; ++i) {
+      const std::byte* rec = job.records + std::size_t{job.slots[i]} * job.record_bytes;
+      for (uint32_t j = 0; j < r; ++j) {
+        const auto* column = reinterpret_cast<const int8_t*>(rec + layout.v_codes) + j * d / 2;
+        float dot = 0.0f;
+        for (uint32_t b = 0; b < d / 2; ++b) {
+          const int lo = static_cast<int8_t>(column[b] * 16) / 16, hi = column[b] >> 4;
+          dot += float(lo) * q[2 * b] + float(hi) * q[2 * b + 1];
+        }
+        z[j] = dot * bf16_at(rec + layout.v_scales + 2 * j);
+      }
+      const auto* mu = reinterpret_cast<const int8_t*>(rec + layout.mu_codes);
+      float mu_q = 0.0f;
+      for (uint32_t c = 0; c < d; ++c) mu_q += float(mu[c]) * q[c];
+      mu_q *= bf16_at(rec + layout.mu_scale);
+      const auto* coeffs = reinterpret_cast<const int8_t*>(rec + layout.c_codes);
+      float max_logit = -std::numeric_limits<float>::infinity();
+      for (uint32_t t = 0; t < B; ++t) {
+        float dot = 0.0f;
+        for (uint32_t j = 0; j < r; ++j) dot += float(coeffs[j * B + t]) * z[j];
+        logits[t] = job.scale * (dot * bf16_at(rec + layout.c_scales + 2 * t) + mu_q);
+        max_logit = std::max(max_logit, logits[t]);
+      }
+      float sum = 0.0f;
+      for (uint32_t t = 0; t < B; ++t) sum += std::exp(logits[t] - max_logit);
+      job.lse[std::size_t{g} * job.count + i] = max_logit + std::log(sum);
+    }
+  }
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Isa::scalar, encode, decode, attend, matvec_bf16};
+  static const Kernels table{Isa::scalar, encode, decode, attend, matvec_bf16, locks_score};
   return table;
 }
 

@@ -37,6 +37,26 @@ struct AttendJob {
   float* scratch;       // [group, page_tokens] floats of workspace, 64-byte aligned
 };
 
+// LOCKS page scores (papers.md 2(b) "Score") of the G query heads of one KV head over `count`
+// page records (layout: simd/locks_record.hpp), for each head g and page i:
+//   lse[g * count + i] = log sum_{t < page_tokens} exp(scale * (c_t . z + mu . q~)),  z = V^T q~,
+// with q~ = q[g], or, when int8_query, q rounded per head to s_q * round(q / s_q), s_q = max|q|/127
+// (q~ = 0 when q = 0). Computed in float32 from the dequantised record fields.
+struct LocksScoreJob {
+  const float* q;        // [group, head_dim], not scaled
+  uint32_t group;        // any number of query heads (taken in blocks of kLocksHeadBlock)
+  uint32_t head_dim;     // 64, 128 or 256
+  uint32_t page_tokens;  // 16, 32 or 64
+  uint32_t rank;         // 1 .. page_tokens - 1
+  bool int8_query;
+  float scale;               // attention scale, usually 1/sqrt(head_dim)
+  const std::byte* records;  // record of pool slot s at records + s * record_bytes
+  std::size_t record_bytes;  // locks_record_layout(head_dim, page_tokens, rank).bytes
+  const uint32_t* slots;     // [count] pool slot of each page to score
+  uint32_t count;
+  float* lse;  // out: [group, count]
+};
+
 struct Kernels {
   Isa isa;
   // n float32 values to storage dtype (round to nearest even).
@@ -50,6 +70,7 @@ struct Kernels {
   // vector is summed in the same order whatever n_vectors is (results do not depend on batching).
   void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
                       std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
+  void (*locks_score)(const LocksScoreJob& job) noexcept;
 };
 
 // The table for an ISA the CPU supports (callers resolve the ISA first with resolve_isa).
@@ -63,6 +84,8 @@ const Kernels& avx512_kernels() noexcept;
 // Largest group the SIMD kernels take in one pass over a page; larger groups are processed in
 // blocks of this many heads (each block re-reads the page from L1/L2, not from DRAM).
 inline constexpr uint32_t kHeadBlock = 4;
+// Query heads locks_score scores in one pass over the records (a GQA group is rarely larger).
+inline constexpr uint32_t kLocksHeadBlock = 8;
 // Most vectors matvec_bf16 takes at once.
 inline constexpr std::size_t kMaxVectors = 8;
 

@@ -1,6 +1,6 @@
 // LOCKS page summaries (papers.md 2 and the checks of 4.2): the small eigensolver against
-// LAPACK, the record's size, the factorisation's exactness and SVD properties, and the residual
-// bound's soundness.
+// LAPACK, the record's size, the factorisation's exactness and SVD properties, the residual
+// bound's soundness, and every ISA's locks_score kernel against the float64 reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -485,3 +485,99 @@ TEST(Locks, degenerate_pages_give_finite_records_and_scores) {
   select::locks_score_reference(s, rec.data(), q.data(), 1, false, 0.1f, &lse);
   EXPECT_TRUE(std::isfinite(lse));
 }
+
+// ---- The kernels --------------------------------------------------------------------------------
+
+namespace {
+
+class LocksKernels : public ::testing::TestWithParam<Isa> {
+ protected:
+  void SetUp() override {
+    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
+  }
+  const simd::Kernels& k() const { return simd::kernels_for(GetParam()); }
+};
+
+std::string isa_test_name(const ::testing::TestParamInfo<Isa>& info) {
+  return simd::isa_name(info.param);
+}
+
+}  // namespace
+
+TEST_P(LocksKernels, every_page_score_matches_the_float64_reference) {
+  uint32_t seed = 5000;
+  double worst = 0.0;
+  for (const LocksShape& base : all_shapes(8))
+    for (uint32_t rank : {1u, 8u, base.page_tokens - 1}) {
+      const LocksShape s{base.head_dim, base.page_tokens, rank};
+      const uint32_t d = s.head_dim;
+      const std::size_t bytes = select::locks_record_bytes(s);
+      // A pool of records with shuffled slots and a hole, like the selector's.
+      const uint32_t n_pages = 7 + (seed % 3) * 3;
+      std::vector<uint32_t> slots(n_pages + 2);
+      std::iota(slots.begin(), slots.end(), 0u);
+      std::shuffle(slots.begin(), slots.end(), std::mt19937(seed));
+      slots.resize(n_pages);
+      AlignedVector<std::byte> pool((n_pages + 2) * bytes);
+      std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank,
+                                     PageKind::outlier_channel};
+      for (uint32_t p = 0; p < n_pages; ++p) {
+        const Page page(s, p % 2 ? Dtype::bf16 : Dtype::f16, kinds[p % 3], ++seed);
+        select::locks_build(s, page.stored.data(), page.dtype, pool.data() + slots[p] * bytes);
+      }
+      for (uint32_t group : {1u, 2u, 3u, 4u, 5u, 7u, 8u, 11u})
+        for (bool int8_query : {false, true}) {
+          SCOPED_TRACE(testing::Message() << "d=" << d << " B=" << s.page_tokens << " r=" << rank
+                                          << " G=" << group << " int8=" << int8_query);
+          auto q = test::random_floats(std::size_t{group} * d, ++seed, 1.5f);
+          if (group > 2) std::fill(q.begin() + d, q.begin() + 2 * d, 0.0f);  // a zero head
+          const float scale = 1.0f / std::sqrt(float(d));
+          std::vector<float> lse(std::size_t{group} * n_pages, NAN);
+          simd::LocksScoreJob job{};
+          job.q = q.data();
+          job.group = group;
+          job.head_dim = d;
+          job.page_tokens = s.page_tokens;
+          job.rank = rank;
+          job.int8_query = int8_query;
+          job.scale = scale;
+          job.records = pool.data();
+          job.record_bytes = bytes;
+          job.slots = slots.data();
+          job.count = n_pages;
+          job.lse = lse.data();
+          k().locks_score(job);
+          for (uint32_t p = 0; p < n_pages; ++p) {
+            std::vector<float> want(group);
+            select::locks_score_reference(s, pool.data() + slots[p] * bytes, q.data(), group,
+                                          int8_query, scale, want.data());
+            for (uint32_t g = 0; g < group; ++g) {
+              const float got = lse[std::size_t{g} * n_pages + p];
+              const double err = std::fabs(double(got) - want[g]) / (1.0 + std::fabs(want[g]));
+              worst = std::max(worst, err);
+              ASSERT_LT(err, 2e-5)
+                  << "page " << p << " head " << g << ": " << got << " vs " << want[g];
+            }
+          }
+        }
+    }
+  RecordProperty("worst_relative_error", std::to_string(worst));
+}
+
+TEST_P(LocksKernels, an_empty_job_writes_nothing) {
+  simd::LocksScoreJob job{};
+  float sentinel = 42.0f;
+  job.group = 3;
+  job.head_dim = 128;
+  job.page_tokens = 16;
+  job.rank = 8;
+  const std::vector<float> q(3 * 128, 1.0f);
+  job.q = q.data();
+  job.count = 0;
+  job.lse = &sentinel;
+  k().locks_score(job);
+  EXPECT_EQ(sentinel, 42.0f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Locks, LocksKernels,
+                         ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512), isa_test_name);
