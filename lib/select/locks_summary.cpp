@@ -24,8 +24,11 @@ simd::LocksRecordLayout layout_of(const LocksShape& shape) noexcept {
   return simd::locks_record_layout(shape.head_dim, shape.page_tokens, shape.rank);
 }
 
-float to_f32(uint16_t x, simd::Dtype dtype) noexcept {
-  return dtype == simd::Dtype::f16 ? simd::f16_to_f32(x) : simd::bf16_to_f32(x);
+// n keys values to float32. Every ISA's decode is exact, so the best one the CPU has is used
+// (the scalar fp16 decode cost as much as the Gram).
+void decode(const uint16_t* k, std::size_t n, simd::Dtype dtype, float* out) noexcept {
+  static const simd::Kernels& kernels = simd::kernels_for(simd::resolve_isa(simd::Isa::avx512));
+  kernels.decode(k, out, n, dtype);
 }
 
 uint16_t load_u16(const std::byte* p) noexcept {
@@ -36,19 +39,6 @@ uint16_t load_u16(const std::byte* p) noexcept {
 
 void store_u16(std::byte* p, uint16_t x) noexcept {
   std::memcpy(p, &x, sizeof x);
-}
-
-// Float64 dot product of two float rows with four independent sums, so that the compiler can
-// keep two SSE2 vectors of partial sums instead of one serial chain.
-double dot(const float* a, const float* b, uint32_t n) noexcept {
-  double s0 = 0.0, s1 = 0.0, s2 = 0.0, s3 = 0.0;
-  for (uint32_t c = 0; c < n; c += 4) {
-    s0 += double(a[c]) * b[c];
-    s1 += double(a[c + 1]) * b[c + 1];
-    s2 += double(a[c + 2]) * b[c + 2];
-    s3 += double(a[c + 3]) * b[c + 3];
-  }
-  return (s0 + s1) + (s2 + s3);
 }
 
 // The bf16 scale absmax / levels, and each value's code against that stored scale (rounded to
@@ -93,13 +83,11 @@ void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                   const LocksFactors& out) noexcept {
   const uint32_t d = shape.head_dim, B = shape.page_tokens, r = shape.rank;
   float centered[kMaxPageTokens * kMaxHeadDim];  // D, token-major
-  double mean[kMaxHeadDim] = {};
+  decode(k, std::size_t{B} * d, dtype, centered);
+  double mean[kMaxHeadDim];
+  std::fill_n(mean, d, 0.0);
   for (uint32_t i = 0; i < B; ++i)
-    for (uint32_t c = 0; c < d; ++c) {
-      const float x = to_f32(k[i * d + c], dtype);
-      centered[i * d + c] = x;
-      mean[c] += x;
-    }
+    for (uint32_t c = 0; c < d; ++c) mean[c] += centered[i * d + c];
   for (uint32_t c = 0; c < d; ++c) out.mu[c] = static_cast<float>(mean[c] / B);
   for (uint32_t i = 0; i < B; ++i)
     for (uint32_t c = 0; c < d; ++c) centered[i * d + c] -= out.mu[c];
@@ -107,10 +95,23 @@ void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   // Float64 from here: V = D^T U / sigma divides by sigma, so the Gram's and the eigenvectors'
   // rounding is amplified by lambda_1 / lambda_r in V's orthonormality; float32 would lose it on
   // pages with a fast-decaying spectrum, float64 keeps V^T V = I to ~1e-12 (tests/test_locks.cpp).
+  // The lower triangle (all symmetric_eigen reads) as a sum of per-channel outer products: the
+  // inner loop has no reduction, so it vectorises (a float64 dot product would not, without
+  // -ffast-math).
   double gram[kMaxPageTokens * kMaxPageTokens];
-  for (uint32_t i = 0; i < B; ++i)
-    for (uint32_t j = 0; j <= i; ++j)
-      gram[i * B + j] = gram[j * B + i] = dot(centered + i * d, centered + j * d, d);
+  std::fill_n(gram, B * B, 0.0);
+  for (uint32_t c = 0; c < d; c += 2) {  // two channels per pass: half the row loads and stores
+    double x[kMaxPageTokens], y[kMaxPageTokens];
+    for (uint32_t i = 0; i < B; ++i) {
+      x[i] = centered[i * d + c];
+      y[i] = centered[i * d + c + 1];
+    }
+    for (uint32_t i = 0; i < B; ++i) {
+      double* row = gram + i * B;
+      const double xi = x[i], yi = y[i];
+      for (uint32_t j = 0; j <= i; ++j) row[j] += xi * x[j] + yi * y[j];
+    }
+  }
   double vectors[kMaxPageTokens * kMaxPageTokens];
   symmetric_eigen(B, gram, out.eigenvalues, vectors);
 
@@ -118,7 +119,8 @@ void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
     const double sigma = std::sqrt(std::max(out.eigenvalues[j], kMinEigenvalue));
     const double* u = vectors + j * B;
     for (uint32_t i = 0; i < B; ++i) out.coeffs[i * r + j] = static_cast<float>(sigma * u[i]);
-    double column[kMaxHeadDim] = {};
+    double column[kMaxHeadDim];
+    std::fill_n(column, d, 0.0);
     for (uint32_t i = 0; i < B; ++i) {
       const double w = u[i];
       const float* row = centered + i * d;
@@ -158,32 +160,38 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                      [&](std::size_t c, int code) { mu_codes[c] = static_cast<int8_t>(code); }));
 
   // The residual bound, against exactly what scoring reads. Per component, float64 evaluation
-  // of k - mu - sum_j V_j c_ij errs by at most (r + 2) u times the sum of the terms' magnitudes
-  // (u = DBL_EPSILON / 2, Higham's summation bound), so that much is added back; the final
-  // float32 rounding goes up.
+  // of k - mu - sum_j V_j c_ij errs by at most (r + 2) u (u = DBL_EPSILON / 2) times the sum of
+  // the terms' magnitudes (Higham's summation bound); over the vector that is at most
+  // (r + 2) u (|k| + |mu| + sum_j |c_ij| |V_j|) by the triangle inequality, and twice that is
+  // added back. The final float32 rounding goes up.
   locks_dequantize(shape, record, mu, coeffs, basis);
+  double mu_norm2 = 0.0, basis_norm[kMaxRank];
+  for (uint32_t c = 0; c < d; ++c) mu_norm2 += double(mu[c]) * mu[c];
+  for (uint32_t j = 0; j < r; ++j) {
+    double norm2 = 0.0;
+    for (uint32_t c = 0; c < d; ++c) norm2 += double(basis[j * d + c]) * basis[j * d + c];
+    basis_norm[j] = std::sqrt(norm2);
+  }
   double worst = 0.0;
   for (uint32_t i = 0; i < B; ++i) {
-    double residual[kMaxHeadDim], magnitude[kMaxHeadDim];
-    for (uint32_t c = 0; c < d; ++c) {
-      const double key = to_f32(k[i * d + c], dtype);
-      residual[c] = key - mu[c];
-      magnitude[c] = std::fabs(key) + std::fabs(mu[c]);
-    }
+    float key[kMaxHeadDim];
+    decode(k + std::size_t{i} * d, d, dtype, key);
+    double residual[kMaxHeadDim];
+    for (uint32_t c = 0; c < d; ++c) residual[c] = double(key[c]) - mu[c];
+    double magnitude = std::sqrt(mu_norm2);
     for (uint32_t j = 0; j < r; ++j) {
       const double w = coeffs[i * r + j];
       const float* v = basis + j * d;
-      for (uint32_t c = 0; c < d; ++c) {
-        residual[c] -= w * v[c];
-        magnitude[c] += std::fabs(w * v[c]);
-      }
+      for (uint32_t c = 0; c < d; ++c) residual[c] -= w * v[c];
+      magnitude += std::fabs(w) * basis_norm[j];
     }
-    double norm2 = 0.0, magnitude2 = 0.0;
+    double norm2 = 0.0, key_norm2 = 0.0;
     for (uint32_t c = 0; c < d; ++c) {
       norm2 += residual[c] * residual[c];
-      magnitude2 += magnitude[c] * magnitude[c];
+      key_norm2 += double(key[c]) * key[c];
     }
-    const double slack = (r + 4) * DBL_EPSILON * std::sqrt(magnitude2);
+    magnitude += std::sqrt(key_norm2);
+    const double slack = (r + 2) * DBL_EPSILON * magnitude;
     worst = std::max(worst, std::sqrt(norm2) * (1.0 + d * DBL_EPSILON) + slack);
   }
   float bound = static_cast<float>(worst);
