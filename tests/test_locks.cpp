@@ -484,6 +484,11 @@ TEST(Locks, degenerate_pages_give_finite_records_and_scores) {
   EXPECT_TRUE(std::isfinite(select::locks_residual_bound(s, rec.data())));
   select::locks_score_reference(s, rec.data(), q.data(), 1, false, 0.1f, &lse);
   EXPECT_TRUE(std::isfinite(lse));
+  // A non-finite key certifies nothing: the bound is infinite, not a NaN that comparisons skip.
+  std::vector<uint16_t> poisoned = constant.stored;
+  poisoned[5 * 128 + 7] = 0x7fc0;  // bf16 NaN
+  select::locks_build(s, poisoned.data(), Dtype::bf16, record.data());
+  EXPECT_EQ(select::locks_residual_bound(s, record.data()), INFINITY);
 }
 
 // ---- The kernels --------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ simd::LocksRecordLayout layout_of(const LocksShape& shape) noexcept {
   return simd::locks_record_layout(shape.head_dim, shape.page_tokens, shape.rank);
 }
 
-// n keys values to float32. Every ISA's decode is exact, so the best one the CPU has is used
+// n key values to float32. Every ISA's decode is exact, so the best one the CPU has is used
 // (the scalar fp16 decode cost as much as the Gram).
 void decode(const uint16_t* k, std::size_t n, simd::Dtype dtype, float* out) noexcept {
   static const simd::Kernels& kernels = simd::kernels_for(simd::resolve_isa(simd::Isa::avx512));
@@ -43,19 +43,20 @@ void store_u16(std::byte* p, uint16_t x) noexcept {
 
 // The bf16 scale absmax / levels, and each value's code against that stored scale (rounded to
 // nearest even, then clamped: the bf16 rounding may leave max/scale a hair above `levels`).
-// A zero (or underflowed) scale gives zero codes.
+// A zero (or underflowed) scale gives zero codes, and so does a NaN value.
 template <class Code>
-uint16_t quantize(const float* x, std::size_t n, std::size_t stride, float levels, int lowest,
-                  int highest, Code&& store_code) noexcept {
+uint16_t quantize(const float* x, std::size_t n, float levels, int lowest, int highest,
+                  Code&& store_code) noexcept {
   float absmax = 0.0f;
-  for (std::size_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i * stride]));
+  for (std::size_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i]));
   const uint16_t scale_bits = simd::f32_to_bf16(absmax / levels);
   const float scale = simd::bf16_to_f32(scale_bits);
+  const bool usable = scale > 0.0f && std::isfinite(scale);
   for (std::size_t i = 0; i < n; ++i) {
-    int code = 0;
-    if (scale > 0.0f && std::isfinite(scale))
-      code = std::clamp(static_cast<int>(std::nearbyint(x[i * stride] / scale)), lowest, highest);
-    store_code(i, code);
+    const float code = usable ? std::nearbyint(x[i] / scale) : 0.0f;
+    store_code(i, std::isnan(code)
+                      ? 0
+                      : static_cast<int>(std::clamp(code, float(lowest), float(highest))));
   }
   return scale_bits;
 }
@@ -142,7 +143,7 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   auto* v_codes = reinterpret_cast<uint8_t*>(record + layout.v_codes);
   for (uint32_t j = 0; j < r; ++j) {
     uint8_t* column = v_codes + j * d / 2;
-    const uint16_t scale = quantize(basis + j * d, d, 1, 7.0f, -8, 7, [&](std::size_t c, int code) {
+    const uint16_t scale = quantize(basis + j * d, d, 7.0f, -8, 7, [&](std::size_t c, int code) {
       column[c / 2] |= static_cast<uint8_t>((code & 0xf) << (c % 2 == 0 ? 0 : 4));
     });
     store_u16(record + layout.v_scales + 2 * j, scale);
@@ -150,13 +151,13 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   auto* c_codes = reinterpret_cast<int8_t*>(record + layout.c_codes);
   for (uint32_t i = 0; i < B; ++i) {
     const uint16_t scale =
-        quantize(coeffs + i * r, r, 1, 127.0f, -127, 127,
+        quantize(coeffs + i * r, r, 127.0f, -127, 127,
                  [&](std::size_t j, int code) { c_codes[j * B + i] = static_cast<int8_t>(code); });
     store_u16(record + layout.c_scales + 2 * i, scale);
   }
   auto* mu_codes = reinterpret_cast<int8_t*>(record + layout.mu_codes);
   store_u16(record + layout.mu_scale,
-            quantize(mu, d, 1, 127.0f, -127, 127,
+            quantize(mu, d, 127.0f, -127, 127,
                      [&](std::size_t c, int code) { mu_codes[c] = static_cast<int8_t>(code); }));
 
   // The residual bound, against exactly what scoring reads. Per component, float64 evaluation
@@ -192,7 +193,9 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
     }
     magnitude += std::sqrt(key_norm2);
     const double slack = (r + 2) * DBL_EPSILON * magnitude;
-    worst = std::max(worst, std::sqrt(norm2) * (1.0 + d * DBL_EPSILON) + slack);
+    const double token_bound = std::sqrt(norm2) * (1.0 + d * DBL_EPSILON) + slack;
+    // A NaN (a non-finite key) must not be skipped by max: it makes the bound infinite.
+    worst = token_bound <= worst ? worst : std::isnan(token_bound) ? HUGE_VAL : token_bound;
   }
   float bound = static_cast<float>(worst);
   if (!(worst <= double(std::numeric_limits<float>::max())))  // NaN or overflow: no bound

@@ -55,12 +55,13 @@ struct LocksFactors {
 
 // Factorises one page. k: [page_tokens, head_dim] keys in the storage dtype (as the cache stores
 // them). The shape must have passed locks_check_shape. No allocation (fixed stack arrays sized for
-// the largest shape, about 130 KB); reentrant.
+// the largest shape: about 200 KB of stack, the eigensolver's included); reentrant.
 void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                   const LocksFactors& out) noexcept;
 
 // Builds the record of one page: k as for locks_factor; record: out, locks_record_bytes(shape)
-// bytes (padding zeroed). No allocation (about 210 KB of stack at the largest shape); reentrant.
+// bytes (padding zeroed). No allocation (about 290 KB of stack at the largest shape, so call it
+// on threads with the usual 2-8 MB stacks); reentrant.
 void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                  std::byte* record) noexcept;
 
