@@ -23,6 +23,7 @@ namespace {
 template <class Ops>
 struct Body {
   using batch = typename Ops::batch;
+  using batch_bool = typename batch::batch_bool_type;
   static constexpr uint32_t W = static_cast<uint32_t>(batch::size);
   static constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -260,12 +261,18 @@ struct Body {
     return x;
   }
 
-  // Adds the products of CB consecutive V columns (int4, from `columns`) with NG heads' split
-  // queries into part[u * NG + g]: W-lane partial sums, two chains (low and high nibbles) each.
-  // Small groups take several columns per pass so that enough accumulators are in flight.
+  // Where a row must go among haddp's inputs for its sum to land at lane k of the output.
+  static constexpr uint32_t haddp_input(uint32_t k) noexcept {
+    return (k & ~(W - 1)) | haddp_slot(k & (W - 1));
+  }
+
+  // Computes the products of CB consecutive V columns (int4, from `columns`) with NG heads' split
+  // queries as W-lane partial sums, pair (u, g) into part[haddp_input(first + u * NG + g)]; two
+  // chains (low and high nibbles) each. Small groups take several columns per pass so that
+  // enough accumulators are in flight.
   template <uint32_t NG, uint32_t CB>
-  static void v_columns(const std::byte* columns, uint32_t d, const float* qe,
-                        batch* part) noexcept {
+  static void v_columns(const std::byte* columns, uint32_t d, const float* qe, batch* part,
+                        uint32_t first) noexcept {
     const uint32_t half = d / 2;
     batch lo_acc[CB][NG], hi_acc[CB][NG];
     for (uint32_t u = 0; u < CB; ++u)
@@ -281,7 +288,8 @@ struct Body {
         }
       }
     for (uint32_t u = 0; u < CB; ++u)
-      for (uint32_t g = 0; g < NG; ++g) part[u * NG + g] = lo_acc[u][g] + hi_acc[u][g];
+      for (uint32_t g = 0; g < NG; ++g)
+        part[haddp_input(first + u * NG + g)] = lo_acc[u][g] + hi_acc[u][g];
   }
 
   // Scores every page for a block of NG heads. qn: [NG, d] the heads' q~, already multiplied by
@@ -294,17 +302,16 @@ struct Body {
     constexpr uint32_t CB = NG == 1 ? 4 : NG == 2 ? 2 : 1;
     const uint32_t d = job.head_dim, B = job.page_tokens, r = job.rank;
     // The (column, head) dot products, column r being mu: `pairs` W-lane partial sums, reduced
-    // W at a time by haddp, which leaves pair k's sum at lane haddp_slot(k % W) of its block.
+    // W at a time by haddp into dots[column * NG + head].
     const uint32_t pairs = (r + 1) * NG, padded = (pairs + W - 1) / W * W;
     batch part[kMaxPageTokens * NG + W];
-    for (uint32_t k = pairs; k < padded; ++k) part[k] = batch(0.0f);
+    for (uint32_t k = pairs; k < padded; ++k) part[haddp_input(k)] = batch(0.0f);
     alignas(64) float dots[kMaxPageTokens * NG + W];
-    auto dot_of = [&dots](uint32_t k) { return dots[(k & ~(W - 1)) | haddp_slot(k & (W - 1))]; };
     alignas(64) float z[kMaxPageTokens * NG];
     alignas(64) float logits[NG][kMaxPageTokens];
-    // Each (page, head)'s sum of exp(logit - max) waits in a ring of W rows, reduced by one haddp
-    // and one log for W of them (not a hadd and a log each); max and destination are kept at the
-    // lane where haddp leaves the row's sum.
+    // Each (page, head)'s W-lane sum of exp(logit - shift) waits in a ring of W rows, reduced by
+    // one haddp and one log for W of them (not a hadd and a log each); the shift and the
+    // destination are kept at the lane where haddp leaves the row's sum.
     batch ring[W];
     alignas(64) float ring_max[W];
     float* ring_dest[W];
@@ -327,8 +334,8 @@ struct Body {
       const std::byte* v = rec + layout.v_codes;
       uint32_t j = 0;
       for (; j + CB <= r; j += CB)
-        v_columns<NG, CB>(v + std::size_t{j} * d / 2, d, qe, part + j * NG);
-      for (; j < r; ++j) v_columns<NG, 1>(v + std::size_t{j} * d / 2, d, qe, part + j * NG);
+        v_columns<NG, CB>(v + std::size_t{j} * d / 2, d, qe, part, j * NG);
+      for (; j < r; ++j) v_columns<NG, 1>(v + std::size_t{j} * d / 2, d, qe, part, j * NG);
       {
         const std::byte* mu = rec + layout.mu_codes;
         batch a0[NG], a1[NG];
@@ -341,16 +348,16 @@ struct Body {
             a1[g] = xsimd::fma(m1, batch::load_aligned(qg + c + W), a1[g]);
           }
         }
-        for (uint32_t g = 0; g < NG; ++g) part[r * NG + g] = a0[g] + a1[g];
+        for (uint32_t g = 0; g < NG; ++g) part[haddp_input(r * NG + g)] = a0[g] + a1[g];
       }
       for (uint32_t k = 0; k < pairs; k += W) xsimd::haddp(part + k).store_aligned(dots + k);
       for (uint32_t jj = 0; jj < r; ++jj) {
         const float v_scale = bf16_at(rec + layout.v_scales + 2 * jj);
-        for (uint32_t g = 0; g < NG; ++g) z[jj * NG + g] = dot_of(jj * NG + g) * v_scale;
+        for (uint32_t g = 0; g < NG; ++g) z[jj * NG + g] = dots[jj * NG + g] * v_scale;
       }
       const float mu_scale = bf16_at(rec + layout.mu_scale);
       batch mu_q[NG];
-      for (uint32_t g = 0; g < NG; ++g) mu_q[g] = batch(dot_of(r * NG + g) * mu_scale);
+      for (uint32_t g = 0; g < NG; ++g) mu_q[g] = batch(dots[r * NG + g] * mu_scale);
 
       // Logits, W tokens at a time: one load of a C component serves every head; small groups
       // split the sum over j in two chains.
@@ -372,13 +379,26 @@ struct Body {
           xsimd::fma(sum, c_scale, mu_q[g]).store_aligned(logits[g] + t0);
         }
       }
+      // The shift is the first token's logit, not the page's max (a horizontal max per head
+      // and page cost more than the exps): exp stays finite unless some logit exceeds it by 80,
+      // which is checked, and then the max is taken after all. The sum is >= 1 either way.
       for (uint32_t g = 0; g < NG; ++g) {
-        batch mx = batch::load_aligned(logits[g]);
-        for (uint32_t t = W; t < B; t += W) mx = xsimd::max(mx, batch::load_aligned(logits[g] + t));
-        const float m = Ops::hmax(mx);
-        batch sum(0.0f);
-        for (uint32_t t = 0; t < B; t += W)
-          sum += xsimd::exp(batch::load_aligned(logits[g] + t) - batch(m));
+        const float* lg = logits[g];
+        float m = lg[0];
+        batch sum(0.0f), shifted[kMaxPageTokens / W];
+        auto far = batch_bool(false);
+        for (uint32_t t = 0; t < B; t += W) {
+          shifted[t / W] = batch::load_aligned(lg + t) - batch(m);
+          far = far | (shifted[t / W] > batch(80.0f));
+        }
+        if (xsimd::any(far)) {
+          batch mx = batch::load_aligned(lg);
+          for (uint32_t t = W; t < B; t += W) mx = xsimd::max(mx, batch::load_aligned(lg + t));
+          m = Ops::hmax(mx);
+          for (uint32_t t = 0; t < B; t += W)
+            shifted[t / W] = batch::load_aligned(lg + t) - batch(m);
+        }
+        for (uint32_t t = 0; t < B; t += W) sum += xsimd::exp(shifted[t / W]);
         const uint32_t lane = haddp_slot(ring_fill);
         ring[ring_fill] = sum;
         ring_max[lane] = m;

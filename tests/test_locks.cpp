@@ -160,7 +160,7 @@ TEST(SymmetricEigen, handles_zero_diagonal_and_repeated_eigenvalues) {
 
 namespace {
 
-enum class PageKind { random, low_rank, outlier_channel, constant };
+enum class PageKind { random, low_rank, outlier_channel, constant, spike };
 
 // One page of keys as the cache stores them, and the same values as float.
 struct Page {
@@ -201,6 +201,10 @@ struct Page {
         break;
       case PageKind::constant:
         for (std::size_t i = 0; i < raw.size(); ++i) raw[i] = offset[i % d];
+        break;
+      case PageKind::spike:  // token 0 far from the rest: logits spread by hundreds
+        for (std::size_t i = 0; i < raw.size(); ++i) raw[i] = offset[i % d] + normal(rng);
+        raw[3] = 2000.0f;
         break;
     }
     stored.resize(raw.size());
@@ -524,10 +528,12 @@ TEST_P(LocksKernels, every_page_score_matches_the_float64_reference) {
       std::shuffle(slots.begin(), slots.end(), std::mt19937(seed));
       slots.resize(n_pages);
       AlignedVector<std::byte> pool((n_pages + 2) * bytes);
+      // The spike makes the kernels' shift (the first token's logit) lie hundreds below or above
+      // the others, by the sign of q's channel 3: both the fallback and the plain path run.
       std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank,
-                                     PageKind::outlier_channel};
+                                     PageKind::outlier_channel, PageKind::spike};
       for (uint32_t p = 0; p < n_pages; ++p) {
-        const Page page(s, p % 2 ? Dtype::bf16 : Dtype::f16, kinds[p % 3], ++seed);
+        const Page page(s, p % 2 ? Dtype::bf16 : Dtype::f16, kinds[p % 4], ++seed);
         select::locks_build(s, page.stored.data(), page.dtype, pool.data() + slots[p] * bytes);
       }
       for (uint32_t group : {1u, 2u, 3u, 4u, 5u, 7u, 8u, 11u})
