@@ -48,6 +48,7 @@ PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_ba
   for (Scratch& s : scratch_) {
     s.keys.resize(g.page_elems());
     s.head.resize(per_head);
+    s.mass.resize(per_head);
     s.slack.resize(per_head);
     s.suffix.resize(std::size_t{g.group_size} * (max_pages + 1));
     s.combined.resize(max_pages);
@@ -205,6 +206,8 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
     }
   }
 
+  if (scores_are_log_mass() || policy_.combine != GqaCombine::max)
+    masses(s, sel_first, sel_last);
   combine(s, sel_first, sel_last);
   std::fill(s.chosen.begin(), s.chosen.begin() + n_pages, uint8_t{0});
   for (uint32_t p = 0; p < sink; ++p) s.chosen[p] = 1;
@@ -240,17 +243,18 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
     out.kept_estimate[pair_index] = std::numeric_limits<float>::quiet_NaN();
     return;
   }
+  // s.mass holds the selectable pages' masses relative to the head's best selectable page; the
+  // few mandatory pages are added in float64, where no realistic score overflows.
   double kept_sum = 0.0;
   for (uint32_t h = 0; h < G; ++h) {
     const float* sh = s.head.data() + h * max_pages_;
-    const float top = *std::max_element(sh, sh + n_pages);
-    double all = 0.0, kept = 0.0;
-    for (uint32_t p = 0; p < n_pages; ++p) {
-      const double m = std::exp(static_cast<double>(sh[p]) - top);
-      all += m;
-      if (s.chosen[p]) kept += m;
-    }
-    kept_sum += kept / all;
+    const float* mh = s.mass.data() + h * max_pages_;
+    double kept = 0.0, mandatory_mass = 0.0;
+    for (uint32_t j = 0; j < take; ++j) kept += mh[order[j]];
+    for (uint32_t p = 0; p < n_pages; ++p)
+      if (p < sel_first || p >= sel_last)
+        mandatory_mass += std::exp(static_cast<double>(sh[p]) - s.top[h]);
+    kept_sum += (kept + mandatory_mass) / (s.selectable_mass[h] + mandatory_mass);
   }
   out.kept_estimate[pair_index] = static_cast<float>(kept_sum / G);
 }
@@ -265,30 +269,36 @@ void PageSelector::combine(Scratch& s, uint32_t first, uint32_t last) const noex
       S[p] = best;
     }
   } else {
-    combine_masses(s, first, last);
+    // s.mass rows are e^(score - the head's best selectable score): nrm sums them as they are,
+    // share_avg first divides each head's row by its sum.
+    std::fill(S + first, S + last, 0.0f);
+    for (uint32_t h = 0; h < G; ++h) {
+      const float* mh = s.mass.data() + h * max_pages_;
+      const float weight = policy_.combine == GqaCombine::share_avg
+                               ? 1.0f / (static_cast<float>(s.selectable_mass[h]) * G)
+                               : 1.0f;
+      for (uint32_t p = first; p < last; ++p) S[p] += mh[p] * weight;
+    }
   }
   // A NaN (from a NaN query) would break the ordering the choice sorts by: it ranks last.
   for (uint32_t p = first; p < last; ++p)
     if (std::isnan(S[p])) S[p] = -kInf;
 }
 
-void PageSelector::combine_masses(Scratch& s, uint32_t first, uint32_t last) const noexcept {
+void PageSelector::masses(Scratch& s, uint32_t first, uint32_t last) const noexcept {
   const uint32_t G = geometry().group_size;
-  float* S = s.combined.data();
-  std::fill(S + first, S + last, 0.0f);
   for (uint32_t h = 0; h < G; ++h) {
     const float* sh = s.head.data() + h * max_pages_;
+    float* mh = s.mass.data() + h * max_pages_;
     const float top = *std::max_element(sh + first, sh + last);
-    float norm = 0.0f;  // nrm: the head's best page weighs 1; share_avg: its shares sum to 1
-    if (policy_.combine == GqaCombine::share_avg) {
-      double total = 0.0;
-      for (uint32_t p = first; p < last; ++p) total += std::exp(static_cast<double>(sh[p]) - top);
-      norm = static_cast<float>(std::log(total));
+    s.top[h] = top;
+    double total = 0.0;
+    for (uint32_t p = first; p < last; ++p) {
+      mh[p] = std::exp(sh[p] - top);
+      total += mh[p];
     }
-    for (uint32_t p = first; p < last; ++p) S[p] += std::exp(sh[p] - top - norm);
+    s.selectable_mass[h] = total;
   }
-  if (policy_.combine == GqaCombine::share_avg)
-    for (uint32_t p = first; p < last; ++p) S[p] /= static_cast<float>(G);
 }
 
 namespace {

@@ -26,6 +26,9 @@ struct Scratch {
   AlignedVector<float> keys;      // [page_tokens, head_dim]
   AlignedVector<float> head;      // [G, max_pages] per-head page scores
   AlignedVector<float> slack;     // [G, max_pages] certified: score uncertainty per head and page
+  AlignedVector<float> mass;       // [G, max_pages] e^(score - top[h]) of the selectable pages
+  double top[kMaxGroupSize];       // per head: its best selectable page score
+  double selectable_mass[kMaxGroupSize];  // per head: sum of its row of `mass`
   AlignedVector<double> suffix;    // [G, max_pages + 1] certified: bound on the mass left out
   AlignedVector<float> combined;   // [max_pages]
   AlignedVector<uint32_t> order;   // [max_pages]
@@ -69,7 +72,8 @@ class PageSelector : public Selector {
                    Scratch& s, uint64_t& bytes) const noexcept;
   // Ranks the selectable pages [first, last) into s.combined by the policy's GQA combine.
   void combine(Scratch& s, uint32_t first, uint32_t last) const noexcept;
-  void combine_masses(Scratch& s, uint32_t first, uint32_t last) const noexcept;
+  // Fills s.mass, s.top and s.selectable_mass for the selectable pages [first, last).
+  void masses(Scratch& s, uint32_t first, uint32_t last) const noexcept;
   void certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last, uint64_t budget,
                uint32_t& n_chosen, float& bound) const noexcept;
 
