@@ -273,6 +273,26 @@ TEST(Select, the_open_page_is_always_attended) {
   EXPECT_EQ(pages.back(), 20u);
 }
 
+TEST(Select, equal_scores_choose_the_lower_page_ids) {
+  CacheGeometry geometry;
+  geometry.n_kv_heads = 1;
+  geometry.group_size = 2;
+  geometry.head_dim = 64;
+  KvCache cache(geometry, CacheOptions{});
+  const int32_t seq = cache.create_sequence();
+  const std::vector<float> k(std::size_t{16} * 20 * 64, 0.5f);  // every page the same
+  cache.append(seq, 0, 16 * 20, k.data(), k.data());
+  const std::vector<float> q = test::random_floats(2 * 64, 1);
+  for (Kind kind : {Kind::oracle, Kind::quest, Kind::locks}) {
+    auto selector = Selector::create(policy_of(kind, 16 * 6), cache, 1, 20, 2);
+    Selection sel;
+    selector->reserve_selection(sel);
+    selector->select(select::SelectCall{0, 1, &seq, q.data()}, sel);
+    EXPECT_EQ(pages_of(sel, 0), (std::vector<uint32_t>{0, 1, 2, 3, 4, 19}))
+        << select::kind_name(kind);
+  }
+}
+
 TEST(Select, quest_scores_bound_every_logit_of_their_page) {
   const uint32_t H = 2, G = 3, d = 128, B = 16;
   Fixture f(H, G, d, B, {16 * 40}, 11);
