@@ -1,0 +1,187 @@
+// Louver (papers.md section 1): an exact halfspace range-search index over the keys of one
+// (sequence, layer, KV head). For a query q and threshold tau it returns exactly the token ids
+// with q . k >= tau (the sound algorithm of papers.md 1(b); not the authors' centroid-ranked
+// top-256 GPU heuristic, which can miss keys).
+//
+// Structure. The head_dim coordinates are split into S contiguous subspaces (widths differ by at
+// most one, the wider first). In each subspace a balanced binary tree splits the keys in half by
+// rank along a direction (the node's principal direction or its highest-variance axis) until
+// clusters of r keys remain (the last cluster of a build may hold fewer). Each cluster keeps, per
+// subspace, a ball: center = the members' mean rounded to fp16, radius = the largest member
+// distance to that rounded center, computed in float64 and rounded up to float32, so the ball
+// contains every member and q_s . k_s <= q_s . c + |q_s| rho holds for every member k.
+//
+// Queries (LouverSearch):
+// - all_subspace (Query 1): t_s = tau - sum_{s' != s} max_C UB_s'(C); a key is a candidate when
+//   its cluster's bound reaches t_s in every subspace.
+// - threshold_algorithm (Query 2, Fagin's TA): per subspace the clusters in descending bound;
+//   the stop row L is the first with sum_s UB_s(pi_s(L)) < tau; a key is a candidate when one of
+//   its clusters ranks above the stop row in some subspace (bound >= the stop row's bound).
+// - summed_key_bound (on by default, on top of either): a key is a candidate only when the sum of
+//   its own clusters' bounds reaches tau. This implies Query 1's test and is never looser than
+//   Query 2's, and costs S gathers per key; measured in bench_louver.cpp.
+// Every candidate and every buffered key is then scored exactly; the result is the ids whose
+// score reaches tau. Rounding: bounds are computed in float32, so every pruning comparison is
+// made against tau - slack, slack = (2d + 16S + 64) * 2^-24 * |q| * 4 max|k| (a bound on the
+// float32 error of a length-d dot product plus S bound sums); the final test is the exact check,
+// whose arithmetic is the brute-force scan's (simd/louver_kernels.hpp). The answer therefore
+// equals scan() bit for bit.
+//
+// Updates. append() stores a decode key in the buffer (buffer_keys, default 256), which every
+// query checks exactly; when the buffer is full its keys are clustered with the same tree and
+// added as new clusters; earlier clusters are never refitted.
+//
+// Threshold oracle (LouverTau). A reservoir sample of sample_keys (default 512) key ids, kept
+// uniform over every key appended. Per query the sample is scored exactly and tau is:
+// sample_fraction: the ceil(f * M)-th largest sample score (the authors' `budget` mode);
+// token_budget: the same with f = budget / n_keys; target_mass: the largest sample score s such
+// that the sample keys scoring >= s hold at least the target share of the sample's softmax mass
+// exp(scale * score); fixed: the caller's tau.
+// GQA (LouverGroupMode): union_of_heads gives each query head its own tau and returns the keys
+// that reach it for some head; shared_tau takes one tau from the sample's per-key maximum over
+// the heads and returns the keys whose maximum reaches it.
+//
+// Memory layout (per index): keys fp16 [capacity, d] in token order (an own copy of the cache's
+// keys; simd/louver_kernels.hpp has the exact layouts of centers, radii and assignments); per
+// subspace: centers fp16 in blocks of 16 clusters, radii float32 [clusters rounded up to 16],
+// assignments uint32 [keys]. index_bytes() counts centers, radii, assignments and the sample.
+//
+// Thread safety: an index is used by one thread at a time (query() writes its workspace);
+// distinct indexes are independent. query() and scan() are noexcept and do not allocate; the
+// workspaces are sized by the constructor and by append() when the buffer is flushed.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "lib/core/aligned.hpp"
+#include "simd/louver_kernels.hpp"
+
+namespace kvsift {
+
+class KvCache;
+
+enum class LouverSplit : uint8_t { pca = 0, max_variance_axis = 1 };
+enum class LouverSearch : uint8_t { all_subspace = 0, threshold_algorithm = 1 };
+enum class LouverTau : uint8_t {
+  fixed = 0,
+  sample_fraction = 1,
+  token_budget = 2,
+  target_mass = 3
+};
+enum class LouverGroupMode : uint8_t { union_of_heads = 0, shared_tau = 1 };
+
+struct LouverParams {
+  uint32_t head_dim = 128;     // any multiple of 16 up to 256
+  uint32_t n_subspaces = 0;    // S, 1..8; 0: 4 when head_dim >= 128, else 2
+  uint32_t cluster_keys = 4;   // r, 2..64
+  uint32_t buffer_keys = 256;  // decode keys held before a flush, a multiple of r
+  uint32_t sample_keys = 512;  // oracle reservoir M
+  LouverSplit split = LouverSplit::pca;
+  uint32_t power_iterations = 6;      // per tree node, PCA split only
+  uint32_t max_group = 8;             // most query heads per query (workspace sizing), <= 16
+  uint64_t seed = 0x6c6f75766572;     // reservoir sampling
+  simd::Isa isa = simd::Isa::avx512;  // capped by the CPU and the process cap
+};
+
+struct LouverQuery {
+  LouverSearch search = LouverSearch::all_subspace;
+  bool summed_key_bound = true;
+  LouverTau tau_mode = LouverTau::sample_fraction;
+  LouverGroupMode group_mode = LouverGroupMode::union_of_heads;
+  float fraction = 0.10f;      // sample_fraction, in (0, 1]
+  uint64_t budget_tokens = 0;  // token_budget, >= 1
+  float target_mass = 0.9f;    // target_mass, in (0, 1]
+  float scale = 0.0f;          // target_mass: softmax scale; 0 means 1/sqrt(head_dim)
+  const float* tau = nullptr;  // fixed: [group] (shared_tau reads tau[0])
+};
+
+// Valid until the next query() or append() on the same index.
+struct LouverResult {
+  std::span<const uint32_t> token_ids;  // ascending
+  std::span<const float> tau;           // [group] thresholds used (all equal under shared_tau)
+  uint32_t checked = 0;                 // keys scored exactly (candidates + buffer + sample)
+  uint32_t candidates = 0;              // indexed keys that survived the bounds
+  uint64_t bytes_read = 0;              // bounds, assignments, keys scored, sample ids
+};
+
+class LouverIndex {
+ public:
+  // Builds over keys [n, head_dim] float32 (rounded to fp16, the cache's storage; keys read from
+  // the cache round-trip exactly). n may be 0. Throws Error (invalid_argument for bad params or a
+  // non-finite key, out_of_memory).
+  LouverIndex(const LouverParams& params, const float* keys, uint64_t n);
+  // Builds over the stored keys of one (sequence, layer, KV head) of the cache (after prefill).
+  // Throws what KvCache::read_tokens and the constructor throw.
+  static LouverIndex from_cache(const KvCache& cache, int32_t seq_id, uint32_t layer,
+                                uint32_t kv_head, LouverParams params);
+
+  // Appends one key [head_dim] (the next token id); flushes the buffer into the index when it is
+  // full. Allocates only when a capacity is outgrown (reserve() avoids that). Throws Error.
+  void append(const float* key);
+  void reserve(uint64_t n_keys);
+
+  // The keys with q_g . k >= tau_g for some head g < group; q [group, head_dim] float32, group in
+  // 1..max_group. The query must have been validated with validate(); then this never fails.
+  LouverResult query(const float* q, uint32_t group, const LouverQuery& query) noexcept;
+  // Throws Error(invalid_argument) when query() would not accept (group, query).
+  void validate(uint32_t group, const LouverQuery& query) const;
+
+  // Brute-force reference with the same score arithmetic: ids with q_g . k >= tau[g] for some g.
+  // out has room for size() ids; returns the count.
+  uint32_t scan(const float* q, uint32_t group, const float* tau, uint32_t* out) const noexcept;
+
+  uint64_t size() const noexcept { return n_keys_; }
+  uint64_t indexed() const noexcept { return n_indexed_; }
+  uint32_t buffered() const noexcept { return static_cast<uint32_t>(n_keys_ - n_indexed_); }
+  uint32_t n_clusters() const noexcept { return n_clusters_; }
+  uint32_t n_subspaces() const noexcept { return S_; }
+  uint32_t subspace_offset(uint32_t s) const noexcept { return offset_[s]; }
+  uint32_t subspace_width(uint32_t s) const noexcept { return offset_[s + 1] - offset_[s]; }
+  const LouverParams& params() const noexcept { return params_; }
+  const simd::LouverKernels& kernels() const noexcept { return *kernels_; }
+  // Centers, radii, assignments and the sample ids (not the keys, not the workspaces).
+  uint64_t index_bytes() const noexcept;
+  // For tests: the stored fp16 keys [size(), head_dim], and one cluster's ball and members.
+  const uint16_t* keys() const noexcept { return keys_.data(); }
+  uint32_t assignment(uint32_t s, uint64_t key) const noexcept { return assign_[s][key]; }
+  void center(uint32_t s, uint32_t cluster, float* out) const noexcept;
+  float radius(uint32_t s, uint32_t cluster) const noexcept { return radius_[s][cluster]; }
+
+ private:
+  void grow(uint64_t key_capacity, uint32_t cluster_capacity);
+  void cluster_keys(uint64_t first, uint64_t n);  // keys [first, first + n) into new clusters
+  void choose_tau(const float* q, uint32_t group, const LouverQuery& query) noexcept;
+  // Candidates of head g among the indexed keys into cand_, marking mark_ when merging heads.
+  uint32_t gate_head(const float* q, float tau, const LouverQuery& query, uint32_t* out) noexcept;
+
+  LouverParams params_;
+  const simd::LouverKernels* kernels_;
+  uint32_t d_, S_, r_;
+  uint32_t offset_[simd::kLouverMaxSubspaces + 1] = {};
+  uint64_t n_keys_ = 0, n_indexed_ = 0;
+  uint32_t n_clusters_ = 0;
+  uint64_t key_capacity_ = 0;
+  uint32_t cluster_capacity_ = 0;  // a multiple of 16
+  float max_key_norm_ = 0.0f;
+
+  AlignedVector<uint16_t> keys_;                  // [key_capacity, d]
+  std::vector<AlignedVector<uint16_t>> centers_;  // [S] blocked
+  std::vector<AlignedVector<float>> radius_;      // [S][cluster_capacity]
+  std::vector<AlignedVector<uint32_t>> assign_;   // [S][key_capacity]
+  std::vector<uint32_t> sample_;                  // reservoir ids
+  uint64_t rng_state_;
+
+  // Query workspaces.
+  std::vector<AlignedVector<float>> ub_;         // [S][cluster_capacity]
+  std::vector<std::vector<float>> sorted_;       // [S][cluster_capacity] TA
+  AlignedVector<uint32_t> cand_, merged_, out_;  // [key_capacity]
+  std::vector<uint8_t> mark_;                    // [key_capacity]
+  std::vector<float> sample_scores_;             // [max_group, sample_keys]
+  std::vector<float> sample_tmp_;                // [sample_keys]
+  std::vector<float> tau_, tau_eff_;             // [max_group]
+  uint64_t bytes_read_ = 0;
+};
+
+}  // namespace kvsift
