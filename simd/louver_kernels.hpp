@@ -22,7 +22,7 @@
 
 namespace kvsift::simd {
 
-inline constexpr uint32_t kLouverMaxSubspaces = 8;
+inline constexpr uint32_t kLouverMaxSubspaces = 32;
 inline constexpr uint32_t kLouverMaxGroup = 16;
 
 // Which clusters a key's bounds must pass (lib/select/louver_index.hpp: LouverQuery).

@@ -39,7 +39,11 @@
 // exp(scale * score); fixed: the caller's tau.
 // GQA (LouverGroupMode): union_of_heads gives each query head its own tau and returns the keys
 // that reach it for some head; shared_tau takes one tau from the sample's per-key maximum over
-// the heads and returns the keys whose maximum reaches it.
+// the heads and returns the keys whose maximum reaches it. shared_tau is the default: on real
+// SmolLM2 keys at f = 0.10 (test_louver.cpp, 30 layers x 3 KV heads x 4 decode steps, G = 3) it
+// returns 10.3% of the keys and keeps 0.79 of the worst head's softmax mass, against 18.0% and
+// 0.86 for the union: 7.7 against 4.8 mass points per percent of keys, and the set size stays
+// the budget the caller asked for.
 //
 // Memory layout (per index): keys fp16 [capacity, d] in token order (an own copy of the cache's
 // keys; simd/louver_kernels.hpp has the exact layouts of centers, radii and assignments); per
@@ -88,8 +92,12 @@ struct LouverParams {
 struct LouverQuery {
   LouverSearch search = LouverSearch::all_subspace;
   bool summed_key_bound = true;
+  // With summed_key_bound: when the indexed sample keys predict that the bounds keep more than
+  // half of the keys, score every key with the streaming scan instead (same answer, and never
+  // much slower than the scan; checked then counts every key).
+  bool scan_fallback = true;
   LouverTau tau_mode = LouverTau::sample_fraction;
-  LouverGroupMode group_mode = LouverGroupMode::union_of_heads;
+  LouverGroupMode group_mode = LouverGroupMode::shared_tau;
   float fraction = 0.10f;      // sample_fraction, in (0, 1]
   uint64_t budget_tokens = 0;  // token_budget, >= 1
   float target_mass = 0.9f;    // target_mass, in (0, 1]
