@@ -68,10 +68,11 @@ void expect_exact(LouverIndex& index, const float* q, float tau, Tally& tally) {
   expected.resize(index.scan(q, 1, &tau, expected.data()));
   for (LouverSearch search : {LouverSearch::all_subspace, LouverSearch::threshold_algorithm})
     for (bool summed : {false, true}) {
-      if (summed && search == LouverSearch::threshold_algorithm) continue;  // same gate
       LouverQuery query;
       query.search = search;
       query.summed_key_bound = summed;
+      // The TA search does not matter under summed_key_bound: that slot tests the fallback.
+      query.scan_fallback = summed && search == LouverSearch::threshold_algorithm;
       query.tau_mode = LouverTau::fixed;
       query.tau = &tau;
       const LouverResult r = index.query(q, 1, query);
@@ -434,6 +435,8 @@ TEST(LouverIndex, returns_exactly_the_brute_force_set_on_real_smollm2_keys) {
   Tally tally;
   std::mt19937 rng(1);
   const uint32_t d = g.head_dim;
+  double pruning[4] = {}, gqa_size[2] = {}, gqa_mass[2] = {};
+  uint64_t pruning_queries = 0, gqa_steps = 0;
   for (uint32_t layer = 0; layer < g.n_layers; ++layer) {
     for (uint32_t h = 0; h < g.n_kv_heads; ++h) {
       LouverIndex index = LouverIndex::from_cache(m->cache(), seq, layer, h, LouverParams{});
@@ -453,11 +456,68 @@ TEST(LouverIndex, returns_exactly_the_brute_force_set_on_real_smollm2_keys) {
       }
       for (const auto& q : queries)
         for (float tau : test_taus(index, q.data(), rng)) expect_exact(index, q.data(), tau, tally);
+      // Pruning on the real queries (reported, not asserted): the oracle at f = 0.10, the top-20
+      // threshold, and the same with 8 subspaces of 8 coordinates.
+      LouverParams narrow;
+      narrow.n_subspaces = 8;
+      LouverIndex index8 = LouverIndex::from_cache(m->cache(), seq, layer, h, narrow);
+      for (uint32_t i = 0; i < steps * g.group_size; ++i) {
+        const float* q = queries[i].data();
+        std::vector<float> s = exact_scores(index, q);
+        std::nth_element(s.begin(), s.begin() + 19, s.end(), std::greater<float>());
+        const float top20 = s[19];
+        LouverQuery oracle;
+        oracle.scan_fallback = false;
+        LouverQuery fixed = oracle;
+        fixed.tau_mode = LouverTau::fixed;
+        fixed.tau = &top20;
+        pruning[0] += index.query(q, 1, oracle).checked / double(index.size());
+        pruning[1] += index.query(q, 1, fixed).checked / double(index.size());
+        pruning[2] += index8.query(q, 1, oracle).checked / double(index.size());
+        pruning[3] += index8.query(q, 1, fixed).checked / double(index.size());
+        ++pruning_queries;
+      }
+      // GQA: union of the heads' sets against one shared tau, at f = 0.10: size of the set and
+      // the smallest share of a head's softmax mass it keeps.
+      for (int step = 0; step < steps; ++step) {
+        const float* q =
+            capture.q[layer].data() + step * capture.width + std::size_t{h} * g.group_size * d;
+        for (int mode = 0; mode < 2; ++mode) {
+          LouverQuery query;
+          query.group_mode = mode ? LouverGroupMode::shared_tau : LouverGroupMode::union_of_heads;
+          const LouverResult r = index.query(q, g.group_size, query);
+          std::vector<uint8_t> in(index.size(), 0);
+          for (uint32_t id : r.token_ids) in[id] = 1;
+          double worst = 1.0;
+          for (uint32_t head = 0; head < g.group_size; ++head) {
+            const std::vector<float> s = exact_scores(index, q + head * d);
+            const float top = *std::max_element(s.begin(), s.end());
+            double kept = 0, total = 0;
+            for (std::size_t i = 0; i < s.size(); ++i) {
+              const double e = std::exp((s[i] - top) / std::sqrt(double(d)));
+              total += e;
+              kept += in[i] ? e : 0.0;
+            }
+            worst = std::min(worst, kept / total);
+          }
+          gqa_size[mode] += r.token_ids.size() / double(index.size());
+          gqa_mass[mode] += worst;
+        }
+        ++gqa_steps;
+      }
     }
   }
   EXPECT_GE(tally.queries, 80000u);
   std::printf("SmolLM2 keys (%zu tokens): %llu queries, checked %.3f of the keys\n", tokens.size(),
               (unsigned long long)tally.queries, double(tally.checked) / double(tally.keys));
+  std::printf(
+      "real queries, share of keys checked: f=0.10 %.3f, top-20 %.3f; S=8: f=0.10 %.3f, "
+      "top-20 %.3f\n",
+      pruning[0] / pruning_queries, pruning[1] / pruning_queries, pruning[2] / pruning_queries,
+      pruning[3] / pruning_queries);
+  std::printf("GQA f=0.10: union %.3f of the keys, worst head mass %.3f; shared tau %.3f, %.3f\n",
+              gqa_size[0] / gqa_steps, gqa_mass[0] / gqa_steps, gqa_size[1] / gqa_steps,
+              gqa_mass[1] / gqa_steps);
 }
 
 }  // namespace
