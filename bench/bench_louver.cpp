@@ -123,7 +123,8 @@ void BM_louver_query(benchmark::State& state) {
   const uint64_t n = state.range(0);
   const auto split = LouverSplit(state.range(3));
   LouverIndex& index = index_of(n, uint32_t(state.range(2)), split, uint32_t(state.range(4)));
-  const LouverQuery query = query_of(state.range(1));
+  LouverQuery query = query_of(state.range(1));
+  query.fraction = float(state.range(5)) * 1e-3f;
   const Data& d = data(n);
   double checked = 0, returned = 0, bytes = 0;
   uint32_t t = 0;
@@ -146,9 +147,11 @@ void BM_louver_scan(benchmark::State& state) {
   const uint64_t n = state.range(0);
   LouverIndex& index = index_of(n, 4, LouverSplit::pca);
   const Data& d = data(n);
+  LouverQuery oracle;
+  oracle.fraction = float(state.range(1)) * 1e-3f;
   std::vector<float> taus(kQueries);
   for (uint32_t t = 0; t < kQueries; ++t)
-    taus[t] = index.query(d.queries.data() + t * kDim, 1, LouverQuery{}).tau[0];
+    taus[t] = index.query(d.queries.data() + t * kDim, 1, oracle).tau[0];
   std::vector<uint32_t> out(n);
   uint32_t t = 0;
   for (auto _ : state) {
@@ -197,22 +200,28 @@ void BM_louver_append(benchmark::State& state) {
 }
 
 void query_args(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"n", "gate", "r", "split", "S"});
+  b->ArgNames({"n", "gate", "r", "split", "S", "f_permille"});
   for (int64_t n : {40960, 131072}) {
-    for (int64_t gate : {3, 0, 1, 2}) b->Args({n, gate, 4, 0, 4});
-    for (int64_t S : {8, 16, 32}) b->Args({n, 0, 4, 0, S});
-    b->Args({n, 0, 8, 0, 16});
-    b->Args({n, 0, 4, 1, 16});
+    for (int64_t gate : {3, 0, 1, 2}) b->Args({n, gate, 4, 0, 4, 100});
+    for (int64_t S : {8, 16, 32}) b->Args({n, 0, 4, 0, S, 100});
+    b->Args({n, 0, 8, 0, 16, 100});
+    b->Args({n, 0, 4, 1, 16, 100});
+    // A tail threshold (1% of the sample), where the bounds can prune.
+    for (int64_t S : {4, 16}) b->Args({n, 3, 4, 0, S, 10});
   }
 }
 
 BENCHMARK(BM_louver_query)->Apply(query_args)->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_louver_scan)->ArgNames({"n"})->Arg(40960)->Arg(131072)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_louver_scan)
+    ->ArgNames({"n", "f_permille"})
+    ->ArgsProduct({{40960, 131072}, {100, 10}})
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_louver_build)
     ->ArgNames({"n", "r", "split"})
     ->Args({40960, 4, 0})
     ->Args({40960, 4, 1})
     ->Args({131072, 4, 0})
+    ->UseRealTime()  // the build runs one OpenMP task per subspace
     ->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_louver_append)->ArgNames({"split"})->Arg(0)->Unit(benchmark::kMicrosecond);
 
