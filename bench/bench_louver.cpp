@@ -8,7 +8,9 @@
 //                      exactly: the pruning rate is 1 - checked), returned (share of keys in the
 //                      answer), bytes_vs_scan (bytes read / the scan's), and index_B_per_key.
 //   BM_louver_scan     the brute-force scan over the same keys with the same taus.
-//   BM_louver_build    building the index; counter ns_per_key.
+//   BM_louver_heads    a layer's step: 8 KV heads through louver_query_many (OpenMP over the
+//                      heads) against the 8 brute-force scans in the same OpenMP loop.
+//   BM_louver_build    building the index (wall time); counter ns_per_key.
 //   BM_louver_append   one decode step's append (a flush every 256 steps, amortised).
 // Compare with tools/louver_numpy_bench.py (numpy matmul + threshold). Run with repetitions:
 //   kvsift-bench-louver --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
@@ -163,6 +165,44 @@ void BM_louver_scan(benchmark::State& state) {
   state.SetLabel(simd::isa_name(index.kernels().isa));
 }
 
+// A layer's decode step: 8 KV heads (copies of one index, each its own query), one OpenMP
+// iteration per head, against the same heads' brute-force scans in the same OpenMP loop.
+constexpr uint32_t kHeads = 8;
+
+void BM_louver_heads(benchmark::State& state) {
+  const uint64_t n = state.range(0);
+  const bool brute = state.range(1) != 0;
+  LouverQuery query = query_of(3);
+  std::vector<std::unique_ptr<LouverIndex>> heads;
+  for (uint32_t h = 0; h < kHeads; ++h)
+    heads.push_back(std::make_unique<LouverIndex>(index_of(n, 4, LouverSplit::pca)));
+  std::vector<LouverIndex*> ptrs;
+  for (auto& h : heads) ptrs.push_back(h.get());
+  const Data& d = data(n);
+  std::vector<const float*> q(kHeads);
+  std::vector<LouverResult> results(kHeads);
+  std::vector<float> taus(kQueries);
+  for (uint32_t t = 0; t < kQueries; ++t)
+    taus[t] = heads[0]->query(d.queries.data() + t * kDim, 1, query).tau[0];
+  std::vector<std::vector<uint32_t>> out(kHeads, std::vector<uint32_t>(n));
+  std::vector<uint32_t> counts(kHeads);
+  uint32_t t = 0;
+  for (auto _ : state) {
+    for (uint32_t h = 0; h < kHeads; ++h) q[h] = d.queries.data() + ((t + h) % kQueries) * kDim;
+    if (brute) {
+#pragma omp parallel for schedule(dynamic)
+      for (int h = 0; h < int(kHeads); ++h)
+        counts[h] = heads[h]->scan(q[h], 1, &taus[(t + h) % kQueries], out[h].data());
+    } else {
+      louver_query_many(ptrs, q.data(), 1, query, results.data());
+    }
+    ++t;
+    benchmark::ClobberMemory();
+  }
+  state.SetItemsProcessed(state.iterations() * int64_t(n) * kHeads);
+  state.SetLabel(brute ? "brute-force scan" : "louver");
+}
+
 void BM_louver_build(benchmark::State& state) {
   const uint64_t n = state.range(0);
   const Data& d = data(n);
@@ -215,6 +255,11 @@ BENCHMARK(BM_louver_query)->Apply(query_args)->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_louver_scan)
     ->ArgNames({"n", "f_permille"})
     ->ArgsProduct({{40960, 131072}, {100, 10}})
+    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_louver_heads)
+    ->ArgNames({"n", "brute"})
+    ->ArgsProduct({{40960, 131072}, {0, 1}})
+    ->UseRealTime()
     ->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_louver_build)
     ->ArgNames({"n", "r", "split"})

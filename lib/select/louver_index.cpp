@@ -527,6 +527,13 @@ uint64_t LouverIndex::index_bytes() const noexcept {
   return uint64_t{n_clusters_} * (2 * d_ + 4 * S_) + n_keys_ * 4 * S_ + sample_.size() * 4;
 }
 
+void louver_query_many(std::span<LouverIndex* const> indexes, const float* const* q, uint32_t group,
+                       const LouverQuery& query, LouverResult* results) noexcept {
+  const int64_t n = static_cast<int64_t>(indexes.size());
+#pragma omp parallel for schedule(dynamic) if (n > 1)
+  for (int64_t i = 0; i < n; ++i) results[i] = indexes[i]->query(q[i], group, query);
+}
+
 void LouverIndex::center(uint32_t s, uint32_t cluster, float* out) const noexcept {
   const uint32_t w = subspace_width(s);
   const uint16_t* block = centers_[s].data() + std::size_t{cluster / 16} * w * 16 + cluster % 16;

@@ -192,4 +192,10 @@ class LouverIndex {
   uint64_t bytes_read_ = 0;
 };
 
+// One decode step's queries over many indexes (every KV head of a layer, say), one OpenMP loop
+// iteration per index: q[i] is index i's [group, head_dim] query, results[i] its answer. The
+// indexes must be distinct and the query validated for each of them.
+void louver_query_many(std::span<LouverIndex* const> indexes, const float* const* q, uint32_t group,
+                       const LouverQuery& query, LouverResult* results) noexcept;
+
 }  // namespace kvsift
