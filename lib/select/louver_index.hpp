@@ -126,7 +126,7 @@ struct LouverQuery {
 struct LouverResult {
   std::span<const uint32_t> token_ids;  // ascending
   std::span<const float> tau;           // [group] thresholds used (all equal under shared_tau)
-  uint32_t checked = 0;                 // keys scored exactly (candidates + buffer + sample)
+  uint32_t checked = 0;                 // keys scored exactly for the answer (candidates + buffer)
   uint32_t candidates = 0;              // indexed keys that survived the bounds
   uint64_t bytes_read = 0;              // bounds, assignments, keys scored, sample ids
 };
