@@ -65,10 +65,27 @@ struct IsaOps {
 
 namespace kvsift::simd {
 
+namespace {
+
+// Only installed where the CPU has VNNI. The float kernel stays for exact queries (the certified
+// selector's).
+void locks_score_with_vnni(const LocksScoreJob& job) noexcept {
+  if (job.int8_query)
+    locks_score_avx512_vnni(job);
+  else
+    Body<IsaOps>::locks_score(job);
+}
+
+}  // namespace
+
 const Kernels& avx512_kernels() noexcept {
   static const Kernels table{
-      Isa::avx512,          Body<IsaOps>::encode,      Body<IsaOps>::decode,
-      Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16, Body<IsaOps>::locks_score};
+      Isa::avx512,
+      Body<IsaOps>::encode,
+      Body<IsaOps>::decode,
+      Body<IsaOps>::attend,
+      Body<IsaOps>::matvec_bf16,
+      avx512_vnni_locks_score() != nullptr ? locks_score_with_vnni : Body<IsaOps>::locks_score};
   return table;
 }
 

@@ -11,4 +11,10 @@ const Kernels& kernels_for(Isa isa) noexcept {
   return scalar_kernels();
 }
 
+LocksScoreFn avx512_vnni_locks_score() noexcept {
+  // VNNI is not part of x86-64-v4: Skylake-SP has AVX-512 without it.
+  static const bool vnni = detect_isa() == Isa::avx512 && __builtin_cpu_supports("avx512vnni");
+  return vnni ? locks_score_avx512_vnni : nullptr;
+}
+
 }  // namespace kvsift::simd

@@ -81,6 +81,15 @@ const Kernels& scalar_kernels() noexcept;
 const Kernels& avx2_kernels() noexcept;
 const Kernels& avx512_kernels() noexcept;
 
+using LocksScoreFn = void (*)(const LocksScoreJob& job) noexcept;
+// locks_score for int8-query jobs (job.int8_query must be true) with AVX-512 VNNI: z = V^T q~ and
+// mu . q~ exact in integers, the rest in float32 (simd/locks_avx512_vnni.cpp). nullptr when the
+// CPU lacks AVX-512 or AVX-512 VNNI (checked once). avx512_kernels().locks_score sends int8-query
+// jobs here when it is not null; exposed so that tests can run it by name.
+LocksScoreFn avx512_vnni_locks_score() noexcept;
+// The kernel itself: call it only through the pointer above.
+void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
+
 // Largest group the SIMD kernels take in one pass over a page; larger groups are processed in
 // blocks of this many heads (each block re-reads the page from L1/L2, not from DRAM).
 inline constexpr uint32_t kHeadBlock = 4;

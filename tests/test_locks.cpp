@@ -1,6 +1,7 @@
 // LOCKS page summaries (papers.md 2 and the checks of 4.2): the small eigensolver against
 // LAPACK, the record's size, the factorisation's exactness and SVD properties, the residual
-// bound's soundness, and every ISA's locks_score kernel against the float64 reference.
+// bound's soundness, and every ISA's locks_score kernel (the AVX-512 VNNI int8-query one too)
+// against the float64 reference.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include "lib/select/symmetric_eigen.hpp"
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
+#include "simd/locks_record.hpp"
 #include "test_util.hpp"
 
 // LAPACK (reference BLAS/LAPACK 3.11, gfortran ABI: hidden string lengths last).
@@ -592,3 +594,185 @@ TEST_P(LocksKernels, an_empty_job_writes_nothing) {
 
 INSTANTIATE_TEST_SUITE_P(Locks, LocksKernels,
                          ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512), isa_test_name);
+
+// ---- The AVX-512 VNNI int8-query kernel ---------------------------------------------------------
+
+namespace {
+
+// Records that real keys rarely produce: every code at its extreme, a token whose logit lies
+// thousands away from the others (first or later, above or below by the head's sign).
+enum class Crafted { extreme_codes, huge_later_token, huge_first_token };
+
+void craft_record(const LocksShape& s, Crafted kind, uint32_t seed, std::byte* rec) {
+  const auto layout = simd::locks_record_layout(s.head_dim, s.page_tokens, s.rank);
+  std::mt19937 rng(seed);
+  auto put_bf16 = [rec](uint32_t offset, float x) {
+    const uint16_t h = simd::f32_to_bf16(x);
+    std::memcpy(rec + offset, &h, sizeof h);
+  };
+  auto code = [&rng](int extreme) { return rng() % 2 ? extreme : -extreme; };
+  std::memset(rec, 0, layout.bytes);
+  const bool extreme = kind == Crafted::extreme_codes;
+  for (uint32_t b = 0; b < layout.c_codes; ++b)  // nibbles -8 or 7 (extreme), else any
+    rec[b] = extreme ? std::byte((rng() % 2 ? 0x8 : 0x7) | (rng() % 2 ? 0x80 : 0x70))
+                     : std::byte(rng() & 0xff);
+  for (uint32_t i = 0; i < s.rank * s.page_tokens; ++i)
+    rec[layout.c_codes + i] =
+        std::byte(static_cast<uint8_t>(extreme ? code(127) : int(rng() % 255) - 127));
+  for (uint32_t c = 0; c < s.head_dim; ++c)
+    rec[layout.mu_codes + c] =
+        std::byte(static_cast<uint8_t>(extreme ? code(127) : int(rng() % 255) - 127));
+  for (uint32_t j = 0; j < s.rank; ++j) put_bf16(layout.v_scales + 2 * j, 0.02f);
+  for (uint32_t t = 0; t < s.page_tokens; ++t) put_bf16(layout.c_scales + 2 * t, 0.05f);
+  put_bf16(layout.mu_scale, 0.03f);
+  if (kind == Crafted::huge_later_token)
+    put_bf16(layout.c_scales + 2 * (s.page_tokens / 2 + 1), 300.0f);
+  if (kind == Crafted::huge_first_token) put_bf16(layout.c_scales, 300.0f);
+}
+
+// scale * max_t (sum_j |c_tj z_j| + |mu . q~|) in float64: the size of the terms a logit sums,
+// which bounds its float32 rounding.
+double logit_magnitude(const LocksShape& s, const std::byte* rec, const float* q, float scale) {
+  const uint32_t d = s.head_dim, B = s.page_tokens, r = s.rank;
+  std::vector<float> mu(d), coeffs(std::size_t{B} * r), basis(std::size_t{r} * d);
+  select::locks_dequantize(s, rec, mu.data(), coeffs.data(), basis.data());
+  float amax = 0.0f;
+  for (uint32_t c = 0; c < d; ++c) amax = std::max(amax, std::fabs(q[c]));
+  const float s_q = amax / 127.0f;
+  std::vector<double> qt(d, 0.0);
+  if (s_q > 0.0f)
+    for (uint32_t c = 0; c < d; ++c) qt[c] = std::nearbyint(q[c] / s_q) * double(s_q);
+  double mu_q = 0.0, worst = 0.0;
+  for (uint32_t c = 0; c < d; ++c) mu_q += double(mu[c]) * qt[c];
+  std::vector<double> z(r, 0.0);
+  for (uint32_t j = 0; j < r; ++j)
+    for (uint32_t c = 0; c < d; ++c) z[j] += double(basis[j * d + c]) * qt[c];
+  for (uint32_t t = 0; t < B; ++t) {
+    double sum = std::fabs(mu_q);
+    for (uint32_t j = 0; j < r; ++j) sum += std::fabs(double(coeffs[t * r + j]) * z[j]);
+    worst = std::max(worst, sum);
+  }
+  return double(scale) * worst;
+}
+
+}  // namespace
+
+// The integer parts (V^T q~ and mu . q~) are exact; the logits and the log-sum-exp are float32,
+// so the tolerance is the float32 one of the other kernels plus the rounding of logits whose
+// terms are large and cancel.
+TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
+  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
+  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  uint32_t seed = 7000;
+  double worst = 0.0;
+  for (const LocksShape& base : all_shapes(8))
+    for (uint32_t rank : {1u, 8u, base.page_tokens - 1}) {
+      const LocksShape s{base.head_dim, base.page_tokens, rank};
+      const uint32_t d = s.head_dim, B = s.page_tokens;
+      const std::size_t bytes = select::locks_record_bytes(s);
+      // Built pages of every kind, the crafted records and a page of zero keys, in shuffled slots
+      // with holes; odd counts leave the kernel's 16-row reduction part-filled.
+      const std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank,
+                                           PageKind::outlier_channel, PageKind::spike,
+                                           PageKind::constant};
+      const uint32_t n_built = 13, n_pages = n_built + 4;
+      std::vector<uint32_t> slots(n_pages + 3);
+      std::iota(slots.begin(), slots.end(), 0u);
+      std::shuffle(slots.begin(), slots.end(), std::mt19937(seed));
+      slots.resize(n_pages);
+      AlignedVector<std::byte> pool((n_pages + 3) * bytes, std::byte{0xcd});
+      for (uint32_t p = 0; p < n_built; ++p) {
+        const Page page(s, p % 2 ? Dtype::bf16 : Dtype::f16, kinds[p % kinds.size()], ++seed);
+        select::locks_build(s, page.stored.data(), page.dtype, pool.data() + slots[p] * bytes);
+      }
+      const std::vector<uint16_t> zeros(std::size_t{B} * d, 0);
+      select::locks_build(s, zeros.data(), Dtype::f16, pool.data() + slots[n_built] * bytes);
+      for (Crafted kind :
+           {Crafted::extreme_codes, Crafted::huge_later_token, Crafted::huge_first_token})
+        craft_record(s, kind, ++seed, pool.data() + slots[n_built + 1 + int(kind)] * bytes);
+
+      for (uint32_t group = 1; group <= 11; ++group)
+        for (uint32_t count : {1u, 7u, n_pages}) {
+          SCOPED_TRACE(testing::Message() << "d=" << d << " B=" << B << " r=" << rank
+                                          << " G=" << group << " count=" << count);
+          auto q = test::random_floats(std::size_t{group} * d, ++seed, 1.5f);
+          if (group > 1) std::fill(q.begin() + d, q.begin() + 2 * d, 0.0f);  // a zero head
+          if (group > 2)                                                     // every code +-127
+            for (uint32_t c = 0; c < d; ++c) q[2 * d + c] = (c * 7 + seed) % 3 ? 1.0f : -1.0f;
+          if (group > 3) q[3 * d + seed % d] = 1e4f;  // one channel: the rest round to 0
+          const float scale = 1.0f / std::sqrt(float(d));
+          // The last `count` pages: the crafted ones are always in.
+          const uint32_t* job_slots = slots.data() + (n_pages - count);
+          std::vector<float> lse(std::size_t{group} * count, NAN);
+          simd::LocksScoreJob job{};
+          job.q = q.data();
+          job.group = group;
+          job.head_dim = d;
+          job.page_tokens = B;
+          job.rank = rank;
+          job.int8_query = true;
+          job.scale = scale;
+          job.records = pool.data();
+          job.record_bytes = bytes;
+          job.slots = job_slots;
+          job.count = count;
+          job.lse = lse.data();
+          vnni(job);
+          for (uint32_t p = 0; p < count; ++p) {
+            const std::byte* rec = pool.data() + std::size_t{job_slots[p]} * bytes;
+            std::vector<float> want(group);
+            select::locks_score_reference(s, rec, q.data(), group, true, scale, want.data());
+            for (uint32_t g = 0; g < group; ++g) {
+              const float got = lse[std::size_t{g} * count + p];
+              const double mag = logit_magnitude(s, rec, q.data() + std::size_t{g} * d, scale);
+              const double err = std::fabs(double(got) - want[g]);
+              const double tol = 2e-5 * (1.0 + std::fabs(want[g])) + 1e-6 * mag;
+              worst = std::max(worst, err / tol);
+              ASSERT_LE(err, tol) << "page " << p << " (slot " << job_slots[p] << ") head " << g
+                                  << ": " << got << " vs " << want[g] << ", terms " << mag;
+            }
+          }
+        }
+    }
+  RecordProperty("worst_error_over_tolerance", std::to_string(worst));
+}
+
+// Where the CPU has VNNI, the AVX-512 table sends int8-query jobs to it and keeps the float
+// kernel for exact queries.
+TEST(LocksVnniKernel, the_avx512_table_uses_it_for_int8_queries_only) {
+  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
+  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  const LocksShape s{128, 16, 8};
+  const std::size_t bytes = select::locks_record_bytes(s);
+  const uint32_t count = 9;
+  AlignedVector<std::byte> pool(count * bytes);
+  for (uint32_t p = 0; p < count; ++p) {
+    const Page page(s, Dtype::bf16, PageKind::random, 7900 + p);
+    select::locks_build(s, page.stored.data(), page.dtype, pool.data() + p * bytes);
+  }
+  std::vector<uint32_t> slots(count);
+  std::iota(slots.begin(), slots.end(), 0u);
+  const auto q = test::random_floats(4 * 128, 7999, 1.5f);
+  auto run = [&](simd::LocksScoreFn fn, bool int8_query) {
+    std::vector<float> lse(4 * count);
+    simd::LocksScoreJob job{};
+    job.q = q.data();
+    job.group = 4;
+    job.head_dim = 128;
+    job.page_tokens = 16;
+    job.rank = 8;
+    job.int8_query = int8_query;
+    job.scale = 0.125f;
+    job.records = pool.data();
+    job.record_bytes = bytes;
+    job.slots = slots.data();
+    job.count = count;
+    job.lse = lse.data();
+    fn(job);
+    return lse;
+  };
+  const simd::LocksScoreFn table = simd::avx512_kernels().locks_score;
+  EXPECT_EQ(run(table, true), run(vnni, true));
+  // The exact query's scores differ from the int8 query's (the float kernel ran, not VNNI).
+  EXPECT_NE(run(table, false), run(vnni, true));
+}

@@ -1,0 +1,450 @@
+// LOCKS page scores of int8 queries with AVX-512 VNNI (papers.md 2(b) "Score"; record layout in
+// simd/locks_record.hpp). Compiled with -march=x86-64-v4 -mavx512vnni, and called only where the
+// CPU has AVX-512 VNNI (avx512_vnni_locks_score in simd/kernels.hpp).
+//
+// q~ = s_q * qcode, so z_j = s_q * v_scale_j * sum_c vcode[c, j] * qcode[c] and mu . q~ =
+// s_q * mu_scale * sum_c mucode[c] * qcode[c]. vpdpbusd multiplies unsigned by signed bytes, so
+// V's int4 codes enter biased by +8 (nibble xor 8) and mu's int8 codes by +128 (xor 0x80); each
+// accumulator starts at -bias * sum_c qcode[c]. Every partial sum stays below 2^23 in magnitude:
+// exact in int32, and the final sums exact in float32. The logits (C's int8 codes, bf16 row
+// scales, times z) and the log-sum-exp are float32, as in the float kernel (attend_body.hpp).
+//
+// No horizontal sum per V column: four columns are transposed in 16-byte quarters so that 128-bit
+// lane k of every operand holds column k; lane k of a head's accumulator then sums column k alone,
+// and one in-lane 4x4 transpose-add turns four heads' accumulators into [column][head]. The
+// quarters are moved once per page and shared by every head; the query side is permuted to match
+// once per job.
+//
+// Intrinsics only, no xsimd: an xsimd template instantiated here would share its name with the
+// AVX-512 objects' copies, and a copy compiled with VNNI could be linked into their callers on a
+// CPU without it (tests/check_isa_symbols.cmake allows this object no weak symbol at all).
+#include <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#if !defined(__AVX512BW__) || !defined(__AVX512VL__) || !defined(__AVX512VNNI__)
+#error "locks_avx512_vnni.cpp must be compiled with AVX-512 and AVX-512 VNNI flags"
+#endif
+
+#include "simd/kernels.hpp"
+#include "simd/locks_record.hpp"
+
+namespace kvsift::simd {
+namespace {
+
+constexpr uint32_t W = 16;
+constexpr uint32_t kMaxHeadDim = 256;
+constexpr uint32_t kMaxPageTokens = 64;
+constexpr uint32_t kMaxQuarters = kMaxHeadDim / 32;        // 16-byte quarters of a V column
+constexpr uint32_t kMaxColumnGroups = kMaxPageTokens / 4;  // rank < page_tokens
+constexpr uint32_t kMaxHeadQuads = kLocksHeadBlock / 4;
+// Records are fetched this many pages ahead: the slots may be in any order, which the hardware
+// prefetcher cannot follow.
+constexpr uint32_t kPrefetchPages = 4;
+
+// A block of up to kLocksHeadBlock heads' query codes in the operand orders below, built once
+// per job.
+struct QueryCodes {
+  // Head g, quarter s: channels 32s + 2b (lo) and 32s + 2b + 1 (hi), b < 16, repeated in the
+  // four 128-bit lanes (the low and high nibbles of quarter s of a V column).
+  alignas(64) int8_t lo[kLocksHeadBlock][kMaxQuarters][64];
+  alignas(64) int8_t hi[kLocksHeadBlock][kMaxQuarters][64];
+  alignas(64) int8_t codes[kLocksHeadBlock][kMaxHeadDim];  // in channel order, for mu
+  // -8 (V) and -128 (mu) times the sum of the head's codes, at lane 0 of each 128-bit lane: one
+  // lane per column sum.
+  alignas(64) int32_t v_init[kLocksHeadBlock][W];
+  alignas(64) int32_t mu_init[kLocksHeadBlock][W];
+  // Head quad p, lane 4k + h: s_q of head 4p + h times the attention scale.
+  alignas(64) float scale[kMaxHeadQuads][W];
+};
+
+// q rounded as the float64 reference does it: s_q = max|q| / 127 in float, codes round(q / s_q)
+// to nearest even (cvtps uses the default rounding, as nearbyint), all zero when q = 0.
+float quantize(const float* q, uint32_t d, int8_t* codes) noexcept {
+  __m512 amax = _mm512_setzero_ps();
+  for (uint32_t c = 0; c < d; c += W)
+    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + c)));
+  const float s_q = _mm512_reduce_max_ps(amax) / 127.0f;
+  for (uint32_t c = 0; c < d; c += W) {
+    const __m512i code =
+        s_q > 0.0f ? _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + c), _mm512_set1_ps(s_q)))
+                   : _mm512_setzero_si512();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + c), _mm512_cvtsepi32_epi8(code));
+  }
+  return s_q;
+}
+
+void prepare(const LocksScoreJob& job, uint32_t g0, uint32_t ng, QueryCodes& qc) noexcept {
+  const uint32_t d = job.head_dim;
+  alignas(64) float s_q[kLocksHeadBlock] = {};
+  for (uint32_t g = 0; g < ng; ++g) {
+    int8_t* codes = qc.codes[g];
+    s_q[g] = quantize(job.q + std::size_t{g0 + g} * d, d, codes);
+    int32_t sum = 0;
+    for (uint32_t c = 0; c < d; ++c) sum += codes[c];
+    for (uint32_t s = 0; s < d / 32; ++s)
+      for (uint32_t b = 0; b < 16; ++b)
+        for (uint32_t k = 0; k < 4; ++k) {
+          qc.lo[g][s][16 * k + b] = codes[32 * s + 2 * b];
+          qc.hi[g][s][16 * k + b] = codes[32 * s + 2 * b + 1];
+        }
+    for (uint32_t lane = 0; lane < W; ++lane) {
+      qc.v_init[g][lane] = lane % 4 == 0 ? -8 * sum : 0;
+      qc.mu_init[g][lane] = lane == 0 ? -128 * sum : 0;
+    }
+  }
+  for (uint32_t lane = 0; lane < kLocksHeadBlock * 4; ++lane)
+    qc.scale[lane / W][lane % W] = s_q[4 * (lane / W) + lane % 4] * job.scale;
+}
+
+// 128-bit lane k of the result: [sum of a's lane k, b's, c's, d's] (four int32 each).
+__m512i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
+  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
+}
+__m512 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) noexcept {
+  const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+  const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+  const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+  const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd));
+  return _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+}
+
+// Lane i of the result: the sum of x[i]'s lanes.
+__m512 sum16_ps(const __m512* x) noexcept {
+  __m512 s[4];
+  for (uint32_t m = 0; m < 4; ++m)
+    s[m] = sum4_ps(x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3]);
+  // s[m] lane 4k + h: quarter k's part of x[4m + h]; add the quarters.
+  const __m512 a =
+      _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44), _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
+  const __m512 b =
+      _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44), _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+}
+
+// Four bf16 at p to floats, each repeated over the four lanes of one 128-bit lane; lanes from
+// `live` on are zero.
+__m512 bf16_quads(const std::byte* p, uint32_t live) noexcept {
+  const __m512i index = _mm512_set_epi16(3, 0, 3, 0, 3, 0, 3, 0, 2, 0, 2, 0, 2, 0, 2, 0,  //
+                                         1, 0, 1, 0, 1, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+  const __m128i four = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm512_castsi512_ps(
+      _mm512_maskz_permutexvar_epi16(live >= 4 ? 0xAAAAAAAAu : 0xAAAAAAAAu & ((1u << 8 * live) - 1),
+                                     index, _mm512_castsi128_si512(four)));
+}
+
+float bf16_at(const std::byte* p) noexcept {
+  uint16_t h;
+  __builtin_memcpy(&h, p, sizeof h);
+  const uint32_t bits = uint32_t{h} << 16;
+  float x;
+  __builtin_memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+__m512 load_i8(const std::byte* p) noexcept {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// e^x to within 2 ulp for x <= 88 (above: inf or a large finite value, which the caller's far check
+// discards); below -87 it falls to 0 through vscalefps, with no range selects (xsimd's exp has
+// four). Cephes' expf reduction and polynomial.
+__m512 exp_ps(__m512 x) noexcept {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // keeps the reduction below exact
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// ln x for finite x >= 1 (the sums of exps) to about 1 ulp: x = m 2^e with m in [0.75, 1.5), and
+// ln m = 2 atanh(s), s = (m - 1) / (m + 1), |s| <= 0.2, whose series to s^9 is within 1e-8.
+__m512 log_ps(__m512 x) noexcept {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 m = _mm512_getmant_ps(x, _MM_MANT_NORM_p75_1p5, _MM_MANT_SIGN_src);
+  __m512 e = _mm512_getexp_ps(x);  // floor(log2 x): a mantissa below 1 belongs to e + 1
+  e = _mm512_mask_add_ps(e, _mm512_cmp_ps_mask(m, one, _CMP_LT_OQ), e, one);
+  const __m512 s = _mm512_div_ps(_mm512_sub_ps(m, one), _mm512_add_ps(m, one));
+  const __m512 s2 = _mm512_mul_ps(s, s);
+  __m512 p = _mm512_set1_ps(1.0f / 9);
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(1.0f / 7));
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(1.0f / 5));
+  p = _mm512_fmadd_ps(p, s2, _mm512_set1_ps(1.0f / 3));
+  p = _mm512_fmadd_ps(p, s2, one);
+  const __m512 ln_m = _mm512_mul_ps(_mm512_add_ps(s, s), p);
+  // ln 2 in two parts: e * 0.693359375 is exact.
+  return _mm512_fmadd_ps(e, _mm512_set1_ps(0.693359375f),
+                         _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), ln_m));
+}
+
+// Each (page, head)'s W-lane sum of exp(logit - shift) waits here; one sum16 and one log serve W
+// of them. The fill count stays with the caller, in a register: as a member it went through
+// memory on every push, a store-to-load chain across all pages.
+struct Ring {
+  __m512 sum[W];
+  float shift[W];
+  float* dest[W];
+
+  void push(uint32_t& fill, __m512 s, float m, float* out) noexcept {
+    sum[fill] = s;
+    shift[fill] = m;
+    dest[fill] = out;
+    if (++fill == W) {
+      flush(W);
+      fill = 0;
+    }
+  }
+  // Writes the first `fill` rows' log-sum-exps.
+  [[gnu::noinline]] void flush(uint32_t fill) noexcept {
+    for (uint32_t k = fill; k < W; ++k) {
+      sum[k] = _mm512_set1_ps(1.0f);
+      shift[k] = 0.0f;
+    }
+    alignas(64) float out[W];
+    _mm512_store_ps(out, _mm512_add_ps(log_ps(sum16_ps(sum)), _mm512_loadu_ps(shift)));
+    for (uint32_t k = 0; k < fill; ++k) *dest[k] = out[k];
+  }
+};
+
+template <uint32_t d, uint32_t NG>
+struct Block {
+  static constexpr uint32_t nq = d / 32;  // quarters per V column
+  static constexpr uint32_t HQ = (NG + 3) / 4;
+
+  // The int32 products of four V columns (clamped to the last one past the rank) with the NG
+  // heads' codes: acc[g] lane k holds column k's partial sums.
+  static void column_group(const std::byte* v, uint32_t first, uint32_t r, const QueryCodes& codes,
+                           __m512i* acc) noexcept {
+    // Left alone, GCC hoists the query operands out of the page loop, spills them and copies them
+    // back every page; hidden behind an empty asm they stay vpdpbusd's memory operands.
+    const QueryCodes* q = &codes;
+    asm("" : "+r"(q));
+    const QueryCodes& qc = *q;
+    const __m512i eight = _mm512_set1_epi8(0x08), low = _mm512_set1_epi8(0x0f);
+    const std::byte* col[4];
+    for (uint32_t k = 0; k < 4; ++k)
+      col[k] = v + std::size_t{first + k < r ? first + k : r - 1} * (d / 2);
+    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_load_si512(qc.v_init[g]);
+    auto step = [&](__m512i o, uint32_t s) {
+      // (x xor 8) and 15: ternary-logic table 0x28 = (a xor b) and c.
+      const __m512i lo = _mm512_ternarylogic_epi32(o, eight, low, 0x28);
+      const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(o, 4), eight, low, 0x28);
+      for (uint32_t g = 0; g < NG; ++g) {
+        acc[g] = _mm512_dpbusd_epi32(acc[g], lo, _mm512_load_si512(qc.lo[g][s]));
+        acc[g] = _mm512_dpbusd_epi32(acc[g], hi, _mm512_load_si512(qc.hi[g][s]));
+      }
+    };
+    if constexpr (d == 64) {
+      // A column is two quarters: pairs of columns fill a register.
+      auto pair = [](const std::byte* a, const std::byte* b) {
+        const __m512i x =
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a)));
+        return _mm512_inserti64x4(x, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
+      };
+      const __m512i p0 = pair(col[0], col[1]), p2 = pair(col[2], col[3]);
+      step(_mm512_shuffle_i64x2(p0, p2, 0x88), 0);
+      step(_mm512_shuffle_i64x2(p0, p2, 0xDD), 1);
+    } else {
+      for (uint32_t s0 = 0; s0 < nq; s0 += 4) {
+        __m512i x[4];
+        for (uint32_t k = 0; k < 4; ++k) x[k] = _mm512_loadu_si512(col[k] + 16 * s0);
+        const __m512i p0 = _mm512_shuffle_i64x2(x[0], x[1], 0x44);
+        const __m512i p1 = _mm512_shuffle_i64x2(x[0], x[1], 0xEE);
+        const __m512i p2 = _mm512_shuffle_i64x2(x[2], x[3], 0x44);
+        const __m512i p3 = _mm512_shuffle_i64x2(x[2], x[3], 0xEE);
+        step(_mm512_shuffle_i64x2(p0, p2, 0x88), s0);
+        step(_mm512_shuffle_i64x2(p0, p2, 0xDD), s0 + 1);
+        step(_mm512_shuffle_i64x2(p1, p3, 0x88), s0 + 2);
+        step(_mm512_shuffle_i64x2(p1, p3, 0xDD), s0 + 3);
+      }
+    }
+  }
+
+  // Heads 4p .. 4p + 3 of acc (zero past NG) summed per 128-bit lane: lane 4k + h.
+  static __m512i quad_sum(const __m512i* acc, uint32_t p) noexcept {
+    __m512i a[4];
+    for (uint32_t h = 0; h < 4; ++h)
+      a[h] = 4 * p + h < NG ? acc[4 * p + h] : _mm512_setzero_si512();
+    return sum4_epi32(a[0], a[1], a[2], a[3]);
+  }
+
+  // A page's z as [column group][quad][column k][head h] and mu . q~ as [quad][head h]
+  // (lanes 0..3 of each quad's 16), both times s_q, the record's scales and the attention scale.
+  static void dots(const std::byte* rec, const LocksRecordLayout& layout, uint32_t r,
+                   const QueryCodes& qc, float* z, float* mu_q) noexcept {
+    const uint32_t groups = (r + 3) / 4;
+    for (uint32_t grp = 0; grp < groups; ++grp) {
+      __m512i acc[NG];
+      column_group(rec + layout.v_codes, 4 * grp, r, qc, acc);
+      // Columns past the rank get z = 0, so that the logits can take whole groups.
+      const __m512 v_scale = bf16_quads(rec + layout.v_scales + 8 * grp, r - 4 * grp);
+      for (uint32_t p = 0; p < HQ; ++p)
+        _mm512_store_ps(z + (grp * HQ + p) * W,
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(quad_sum(acc, p)), v_scale),
+                                      _mm512_load_ps(qc.scale[p])));
+    }
+    const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    __m512i acc[NG];
+    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_load_si512(qc.mu_init[g]);
+    for (uint32_t c = 0; c < d; c += 64) {
+      const __m512i mu = _mm512_xor_si512(_mm512_loadu_si512(rec + layout.mu_codes + c), bias);
+      for (uint32_t g = 0; g < NG; ++g)
+        acc[g] = _mm512_dpbusd_epi32(acc[g], mu, _mm512_load_si512(qc.codes[g] + c));
+    }
+    const __m512 mu_scale = _mm512_set1_ps(bf16_at(rec + layout.mu_scale));
+    for (uint32_t p = 0; p < HQ; ++p) {
+      __m512i t = quad_sum(acc, p);
+      t = _mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0x4E));
+      t = _mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0xB1));
+      _mm512_store_ps(mu_q + p * W, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), mu_scale),
+                                                  _mm512_load_ps(qc.scale[p])));
+    }
+  }
+
+  // Tokens t0 .. t0 + W - 1's logits for every head. One conversion of a C component serves
+  // every head; small groups split the sum over j in two chains.
+  static void logits(const std::byte* rec, const LocksRecordLayout& layout, uint32_t B, uint32_t r,
+                     const float* z, const float* mu_q, uint32_t t0, __m512* out) noexcept {
+    constexpr uint32_t LA = NG <= 4 ? 2 : 1;
+    const std::byte* c_codes = rec + layout.c_codes + t0;
+    __m512 acc[LA][NG];
+    for (uint32_t a = 0; a < LA; ++a)
+      for (uint32_t g = 0; g < NG; ++g) acc[a][g] = _mm512_setzero_ps();
+    // Whole groups of four components: the rows past the rank read the fields after C (at most
+    // 3 * page_tokens bytes, inside the record) and meet z = 0.
+    for (uint32_t grp = 0; grp < (r + 3) / 4; ++grp, c_codes += 4 * std::size_t{B}, z += HQ * W)
+      for (uint32_t k = 0; k < 4; ++k) {
+        const __m512 ck = load_i8(c_codes + k * std::size_t{B});
+        for (uint32_t g = 0; g < NG; ++g)
+          acc[k % LA][g] =
+              _mm512_fmadd_ps(ck, _mm512_set1_ps(z[(g / 4) * W + 4 * k + g % 4]), acc[k % LA][g]);
+      }
+    const __m512 c_scale = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec + layout.c_scales + 2 * t0))),
+        16));
+    for (uint32_t g = 0; g < NG; ++g) {
+      __m512 sum = acc[0][g];
+      for (uint32_t a = 1; a < LA; ++a) sum = _mm512_add_ps(sum, acc[a][g]);
+      out[g] = _mm512_fmadd_ps(sum, c_scale, _mm512_set1_ps(mu_q[(g / 4) * W + g % 4]));
+    }
+  }
+
+  // A page's logits and every head's sum of exps into the ring. The shift is the first token's
+  // logit, not the page's max (a horizontal max per head and page costs more than the exps): exp
+  // stays finite unless some logit exceeds it by 80, which is checked, and then the page is done
+  // again with the max. The sum is >= 1 either way.
+  static void sums(const std::byte* rec, const LocksRecordLayout& layout, uint32_t B, uint32_t r,
+                   const float* z, const float* mu_q, float* lse, std::size_t lse_stride,
+                   Ring& ring, uint32_t& fill) noexcept {
+    __m512 shift[NG], sum[NG], lg[NG];
+    __mmask16 far = 0;
+    logits(rec, layout, B, r, z, mu_q, 0, lg);
+    for (uint32_t g = 0; g < NG; ++g) {
+      shift[g] = _mm512_broadcastss_ps(_mm512_castps512_ps128(lg[g]));
+      const __m512 x = _mm512_sub_ps(lg[g], shift[g]);
+      far |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(80.0f), _CMP_GT_OQ);
+      sum[g] = exp_ps(x);
+    }
+    for (uint32_t t0 = W; t0 < B; t0 += W) {
+      logits(rec, layout, B, r, z, mu_q, t0, lg);
+      for (uint32_t g = 0; g < NG; ++g) {
+        const __m512 x = _mm512_sub_ps(lg[g], shift[g]);
+        far |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(80.0f), _CMP_GT_OQ);
+        sum[g] = _mm512_add_ps(sum[g], exp_ps(x));
+      }
+    }
+    if (far != 0) [[unlikely]]
+      with_max(rec, layout, B, r, z, mu_q, shift, sum);
+    for (uint32_t g = 0; g < NG; ++g)
+      ring.push(fill, sum[g], _mm512_cvtss_f32(shift[g]), lse + g * lse_stride);
+  }
+
+  [[gnu::noinline]] static void with_max(const std::byte* rec, const LocksRecordLayout& layout,
+                                         uint32_t B, uint32_t r, const float* z, const float* mu_q,
+                                         __m512* shift, __m512* sum) noexcept {
+    __m512 lg[kMaxPageTokens / W][NG];
+    for (uint32_t t0 = 0; t0 < B; t0 += W) logits(rec, layout, B, r, z, mu_q, t0, lg[t0 / W]);
+    for (uint32_t g = 0; g < NG; ++g) {
+      __m512 mx = lg[0][g];
+      for (uint32_t t = 1; t < B / W; ++t) mx = _mm512_max_ps(mx, lg[t][g]);
+      shift[g] = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+      sum[g] = _mm512_setzero_ps();
+      for (uint32_t t = 0; t < B / W; ++t)
+        sum[g] = _mm512_add_ps(sum[g], exp_ps(_mm512_sub_ps(lg[t][g], shift[g])));
+    }
+  }
+
+  // Flattened: past GCC's inlining budget the helpers above become calls that pass vectors
+  // through memory.
+  [[gnu::flatten]] static void score(const LocksScoreJob& job, const LocksRecordLayout& layout,
+                                     const QueryCodes& qc, float* lse) noexcept {
+    const uint32_t B = job.page_tokens, r = job.rank;
+    const uint32_t lines = static_cast<uint32_t>(job.record_bytes / 64);
+    // Both per page: batching the pages (all their integer products, then all their logits)
+    // measured no faster.
+    alignas(64) float z[kMaxColumnGroups * kMaxHeadQuads * W];
+    alignas(64) float mu_q[kMaxHeadQuads * W];
+    Ring ring;
+    uint32_t fill = 0;
+    for (uint32_t i = 0; i < job.count; ++i) {
+      if (i + kPrefetchPages < job.count) {
+        const char* ahead = reinterpret_cast<const char*>(
+            job.records + std::size_t{job.slots[i + kPrefetchPages]} * job.record_bytes);
+        for (uint32_t l = 0; l < lines; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
+      }
+      const std::byte* rec = job.records + std::size_t{job.slots[i]} * job.record_bytes;
+      dots(rec, layout, r, qc, z, mu_q);
+      sums(rec, layout, B, r, z, mu_q, lse + i, job.count, ring, fill);
+    }
+    if (fill != 0) ring.flush(fill);
+  }
+};
+
+template <uint32_t d>
+void score_heads(const LocksScoreJob& job, const LocksRecordLayout& layout, const QueryCodes& qc,
+                 uint32_t ng, float* lse) noexcept {
+  static_assert(kLocksHeadBlock == 8, "the switch covers blocks of up to 8 heads");
+  switch (ng) {
+    case 1: Block<d, 1>::score(job, layout, qc, lse); break;
+    case 2: Block<d, 2>::score(job, layout, qc, lse); break;
+    case 3: Block<d, 3>::score(job, layout, qc, lse); break;
+    case 4: Block<d, 4>::score(job, layout, qc, lse); break;
+    case 5: Block<d, 5>::score(job, layout, qc, lse); break;
+    case 6: Block<d, 6>::score(job, layout, qc, lse); break;
+    case 7: Block<d, 7>::score(job, layout, qc, lse); break;
+    default: Block<d, 8>::score(job, layout, qc, lse); break;
+  }
+}
+
+}  // namespace
+
+void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept {
+  const LocksRecordLayout layout = locks_record_layout(job.head_dim, job.page_tokens, job.rank);
+  QueryCodes qc;
+  for (uint32_t g0 = 0; g0 < job.group; g0 += kLocksHeadBlock) {
+    const uint32_t left = job.group - g0;
+    const uint32_t ng = left < kLocksHeadBlock ? left : kLocksHeadBlock;
+    prepare(job, g0, ng, qc);
+    float* lse = job.lse + std::size_t{g0} * job.count;
+    switch (job.head_dim) {
+      case 64: score_heads<64>(job, layout, qc, ng, lse); break;
+      case 128: score_heads<128>(job, layout, qc, ng, lse); break;
+      default: score_heads<256>(job, layout, qc, ng, lse); break;
+    }
+  }
+}
+
+}  // namespace kvsift::simd
