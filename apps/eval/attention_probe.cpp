@@ -9,6 +9,56 @@
 
 namespace kvsift::eval {
 
+namespace {
+
+// One query head against tokens [0, n) of its KV head: the float64 softmax (p: [n] scratch), the
+// share of its mass on the listed pages (all of it when all_pages) and the relative error of
+// `out` against the exact output. Cloned for x86-64-v3 (AVX2, FMA): it is most of the probe's
+// time, and the build's baseline is plain x86-64.
+__attribute__((target_clones("arch=x86-64-v3", "default"))) void exact_head(
+    const float* q, const float* k, const float* v, std::size_t n, uint32_t d, uint32_t page_tokens,
+    const uint32_t* pages, uint32_t n_pages, bool all_pages, const float* out, double* p,
+    double& recall, double& rel_err) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  double m = -std::numeric_limits<double>::infinity();
+  for (std::size_t t = 0; t < n; ++t) {
+    const float* kt = k + t * d;
+    double dot = 0.0;
+#pragma omp simd reduction(+ : dot)
+    for (uint32_t c = 0; c < d; ++c) dot += double{q[c]} * double{kt[c]};
+    p[t] = dot * scale;
+    m = std::max(m, p[t]);
+  }
+  double z = 0.0;
+  double o[256] = {};  // head_dim <= 256 (CacheGeometry)
+  for (std::size_t t = 0; t < n; ++t) {
+    p[t] = std::exp(p[t] - m);
+    z += p[t];
+    const float* vt = v + t * d;
+    for (uint32_t c = 0; c < d; ++c) o[c] += p[t] * double{vt[c]};
+  }
+  double kept = 0.0;
+  if (all_pages) {
+    kept = z;
+  } else {
+    for (uint32_t i = 0; i < n_pages; ++i) {
+      const std::size_t first = std::size_t{pages[i]} * page_tokens;
+      const std::size_t last = std::min(n, first + page_tokens);
+      for (std::size_t t = first; t < last; ++t) kept += p[t];
+    }
+  }
+  recall = kept / z;
+  double diff = 0.0, norm = 0.0;
+  for (uint32_t c = 0; c < d; ++c) {
+    const double exact = o[c] / z;
+    diff += (double{out[c]} - exact) * (double{out[c]} - exact);
+    norm += exact * exact;
+  }
+  rel_err = norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+}  // namespace
+
 AttentionProbe::AttentionProbe(const model::LlamaModel& model, uint32_t max_new)
     : model_(model),
       n_layers_(model.config().n_layers),
@@ -46,49 +96,6 @@ void AttentionProbe::begin(int32_t seq) {
   failed_ = false;
 }
 
-void AttentionProbe::exact_head(const float* q, const float* k, const float* v, std::size_t n,
-                                const uint32_t* pages, uint32_t n_pages, bool all_pages,
-                                const float* out, double* p, double& recall,
-                                double& rel_err) const noexcept {
-  const uint32_t d = head_dim_;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  double m = -std::numeric_limits<double>::infinity();
-  for (std::size_t t = 0; t < n; ++t) {
-    const float* kt = k + t * d;
-    double dot = 0.0;
-#pragma omp simd reduction(+ : dot)
-    for (uint32_t c = 0; c < d; ++c) dot += double{q[c]} * double{kt[c]};
-    p[t] = dot * scale;
-    m = std::max(m, p[t]);
-  }
-  double z = 0.0;
-  double o[256] = {};  // head_dim <= 256 (CacheGeometry)
-  for (std::size_t t = 0; t < n; ++t) {
-    p[t] = std::exp(p[t] - m);
-    z += p[t];
-    const float* vt = v + t * d;
-    for (uint32_t c = 0; c < d; ++c) o[c] += p[t] * double{vt[c]};
-  }
-  double kept = 0.0;
-  if (all_pages) {
-    kept = z;
-  } else {
-    for (uint32_t i = 0; i < n_pages; ++i) {
-      const std::size_t first = std::size_t{pages[i]} * page_tokens_;
-      const std::size_t last = std::min(n, first + page_tokens_);
-      for (std::size_t t = first; t < last; ++t) kept += p[t];
-    }
-  }
-  recall = kept / z;
-  double diff = 0.0, norm = 0.0;
-  for (uint32_t c = 0; c < d; ++c) {
-    const double exact = o[c] / z;
-    diff += (double{out[c]} - exact) * (double{out[c]} - exact);
-    norm += exact * exact;
-  }
-  rel_err = norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
-}
-
 void AttentionProbe::on_layer(uint32_t layer, std::span<const int32_t> seq_ids, const float* q,
                               const select::Selection& selection, const float* out) noexcept {
   const auto start = std::chrono::steady_clock::now();
@@ -97,28 +104,28 @@ void AttentionProbe::on_layer(uint32_t layer, std::span<const int32_t> seq_ids, 
   for (std::size_t s = 0; s < seq_ids.size(); ++s) {
     if (seq_ids[s] != seq_) continue;  // only the sequence begin() named is measured
     const uint64_t n = cache.length_unchecked(seq_, layer);
+    if (n > prompt_tokens_ + max_new_) {
+      failed_ = true;
+      break;
+    }
     // Bring the copies up to the cache: the step's token (and any before it this decode).
-    for (uint32_t h = 0; h < n_kv_heads_; ++h) {
+    for (uint32_t h = 0; h < n_kv_heads_ && !failed_; ++h) {
       const std::size_t i = std::size_t{layer} * n_kv_heads_ + h;
-      if (n > prompt_tokens_ + max_new_) {
-        failed_ = true;
-        return;
-      }
       if (filled_[i] < n) {
         try {
           cache.read_tokens(seq_, layer, h, filled_[i], n - filled_[i],
                             k_[i].data() + filled_[i] * d, v_[i].data() + filled_[i] * d);
         } catch (...) {
           failed_ = true;
-          return;
         }
         filled_[i] = n;
       }
     }
+    if (failed_) break;
     const bool all_pages = selection.n_pairs == 0;  // no lists: every page was attended
     const float* q_seq = q + s * n_heads * d;
     const float* out_seq = out + s * n_heads * d;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(dynamic) num_threads(static_cast <int>(scratch_.size()))
     for (uint32_t head = 0; head < n_heads; ++head) {
       const uint32_t h = head / group_;
       const std::size_t i = std::size_t{layer} * n_kv_heads_ + h;
@@ -127,8 +134,8 @@ void AttentionProbe::on_layer(uint32_t layer, std::span<const int32_t> seq_ids, 
           all_pages ? nullptr : selection.page_ids.data() + selection.offsets[pair];
       const uint32_t n_pages =
           all_pages ? 0 : selection.offsets[pair + 1] - selection.offsets[pair];
-      exact_head(q_seq + std::size_t{head} * d, k_[i].data(), v_[i].data(), n, pages, n_pages,
-                 all_pages, out_seq + std::size_t{head} * d,
+      exact_head(q_seq + std::size_t{head} * d, k_[i].data(), v_[i].data(), n, d, page_tokens_,
+                 pages, n_pages, all_pages, out_seq + std::size_t{head} * d,
                  scratch_[static_cast<std::size_t>(omp_get_thread_num())].data(), recall_[head],
                  rel_err_[head]);
     }

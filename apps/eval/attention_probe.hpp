@@ -54,11 +54,6 @@ class AttentionProbe final : public model::DecodeObserver {
                 const select::Selection& selection, const float* out) noexcept override;
 
  private:
-  // One query head against tokens [0, n) of its KV head: fills recall and rel_err.
-  void exact_head(const float* q, const float* k, const float* v, std::size_t n,
-                  const uint32_t* pages, uint32_t n_pages, bool all_pages, const float* out,
-                  double* scratch, double& recall, double& rel_err) const noexcept;
-
   const model::LlamaModel& model_;
   uint32_t n_layers_, n_kv_heads_, group_, head_dim_, page_tokens_;
   uint32_t max_new_;

@@ -80,13 +80,15 @@ void write_file(const std::string& path, const std::string& text) {
 Report::Report(std::vector<Config> configs, double min_dense)
     : configs_(std::move(configs)), min_dense_(min_dense) {}
 
-void Report::add(const Sample& sample, const SampleResult& result) {
+void Report::add(const Sample& sample, uint64_t prompt_tokens,
+                 const std::vector<ConfigResult>& results) {
   auto it = std::find(tasks_.begin(), tasks_.end(), sample.task);
   if (it == tasks_.end()) it = tasks_.insert(tasks_.end(), sample.task);
   std::vector<Cell>& cells = cells_[{sample.length, static_cast<std::size_t>(it - tasks_.begin())}];
   cells.resize(configs_.size());
   for (std::size_t c = 0; c < configs_.size(); ++c) {
-    const ConfigResult& r = result.configs[c];
+    const ConfigResult& r = results[c];
+    if (!r.ran) continue;
     Cell& cell = cells[c];
     cell.samples += 1;
     cell.score_sum += r.score;
@@ -95,7 +97,7 @@ void Report::add(const Sample& sample, const SampleResult& result) {
     cell.decode_seconds += r.decode_seconds;
     cell.kv_bytes += r.kv_bytes;
     cell.index_bytes += r.index_bytes;
-    cell.prompt_tokens_sum += static_cast<double>(result.prompt_tokens);
+    cell.prompt_tokens_sum += static_cast<double>(prompt_tokens);
     cell.probe_failures += r.probe_failed ? 1 : 0;
     ProbeTotals& p = cell.probe;
     p.heads += r.probe.heads;
@@ -124,9 +126,9 @@ std::vector<Record> Report::records() const {
       r.selector = configs_[c].selector;
       r.budget = configs_[c].budget;
       r.samples = cell.samples;
-      r.accuracy = cell.score_sum / cell.samples;
+      r.accuracy = ratio(cell.score_sum, cell.samples);
       r.accuracy_vs_dense = ratio(r.accuracy, dense_accuracy);
-      r.agreement = static_cast<double>(cell.agreements) / cell.samples;
+      r.agreement = ratio(cell.agreements, cell.samples);
       r.mass_recall = ratio(p.recall_sum, static_cast<double>(p.heads));
       r.mass_recall_min = p.heads > 0 ? p.recall_min : kNaN;
       r.out_rel_err = ratio(p.rel_err_sum, static_cast<double>(p.heads));
@@ -141,7 +143,7 @@ std::vector<Record> Report::records() const {
       r.bound_violations =
           ratio(static_cast<double>(p.bound_violations), static_cast<double>(p.bounded_pairs));
       r.steps = cell.steps;
-      r.prompt_tokens = cell.prompt_tokens_sum / cell.samples;
+      r.prompt_tokens = ratio(cell.prompt_tokens_sum, cell.samples);
       r.dense_accuracy = dense_accuracy;
       r.compared = dense_accuracy >= min_dense_;
       r.probe_failures = cell.probe_failures;
@@ -168,7 +170,11 @@ std::string Report::markdown() const {
     md << "| " << d.task << " | " << length_label(d.length) << " | " << d.samples << " | "
        << fixed(d.prompt_tokens, 0) << " | " << fixed(d.accuracy, 2) << " | "
        << significant(d.out_rel_err) << " | " << mib(d.kv_bytes_per_step) << " | "
-       << fixed(d.decode_tok_s, 1) << " | " << (d.compared ? "yes" : "no: dense cannot do it")
+       << fixed(d.decode_tok_s, 1) << " | "
+       << (d.compared ? "yes"
+           : n_configs > 1 && records[i + 1].samples == 0
+               ? "no: dense cannot do it (selectors not run)"
+               : "no: dense cannot do it")
        << " |\n";
     if (!d.compared) dropped.push_back(d.task + " at " + length_label(d.length));
   }
@@ -230,18 +236,20 @@ std::string Report::markdown() const {
 }
 
 void Report::write_json(const std::string& path) const {
-  const auto number = [](double x) { return std::isnan(x) ? nlohmann::json() : nlohmann::json(x); };
-  nlohmann::json out = nlohmann::json::array();
+  const auto number = [](double x) {
+    return std::isnan(x) ? nlohmann::ordered_json() : nlohmann::ordered_json(x);
+  };
+  nlohmann::ordered_json out = nlohmann::ordered_json::array();
   for (const Record& r : records()) {
-    nlohmann::json o = nlohmann::json::object();
+    nlohmann::ordered_json o = nlohmann::ordered_json::object();
     o["task"] = r.task;
     o["length"] = r.length;
     o["selector"] = r.selector;
     o["budget"] = r.budget;
     o["samples"] = r.samples;
-    o["accuracy"] = r.accuracy;
+    o["accuracy"] = number(r.accuracy);
     o["accuracy_vs_dense"] = number(r.accuracy_vs_dense);
-    o["agreement"] = r.agreement;
+    o["agreement"] = number(r.agreement);
     o["mass_recall"] = number(r.mass_recall);
     o["out_rel_err"] = number(r.out_rel_err);
     o["kv_bytes_per_step"] = number(r.kv_bytes_per_step);
@@ -253,7 +261,7 @@ void Report::write_json(const std::string& path) const {
     o["dropped_bound"] = number(r.dropped_bound);
     o["bound_violations"] = number(r.bound_violations);
     o["steps"] = r.steps;
-    o["prompt_tokens"] = r.prompt_tokens;
+    o["prompt_tokens"] = number(r.prompt_tokens);
     o["dense_accuracy"] = r.dense_accuracy;
     o["compared"] = r.compared;
     o["probe_failures"] = r.probe_failures;
@@ -349,6 +357,14 @@ void Report::write_plots(const std::string& dir) const {
           gp << "set label 1 'no (task, length) pair that dense can do' at graph 0.5,0.5 center\n"
              << "plot 2 notitle\nunset label 1\n";
         for (const uint32_t length : panels) {
+          // A tick at every budget run (token budgets fall elsewhere at each length).
+          std::set<double> ticks;
+          for (std::size_t c = 1; c < n_configs; ++c)
+            ticks.insert(budget_fraction(configs_[c], length));
+          gp << "set xtics (";
+          for (auto it = ticks.begin(); it != ticks.end(); ++it)
+            gp << (it == ticks.begin() ? "" : ", ") << "'" << general(*it) << "' " << *it;
+          gp << ")\n";
           gp << "set title '" << length_label(length)
              << " context: " << (compared_only ? compared_tasks[length] : all_tasks[length])
              << " of " << all_tasks[length] << " tasks'\nplot ";
@@ -390,7 +406,8 @@ void Report::write_plots(const std::string& dir) const {
      << "set output 'kv_bytes.png'\n"
      << "set multiplot layout 1," << std::max<std::size_t>(1, selectors.size())
      << " title 'K/V bytes read per decode step, all layers (mean over tasks and steps)'\n"
-     << "set logscale xy 2\nset xtics (" << xtics << ")\nset xlabel 'context length (tokens)'\n"
+     << "set logscale xy 2\nset xtics (" << xtics << ")\nset xrange [" << length_list.front() / 1.3
+     << ":" << length_list.back() * 1.3 << "]\nset xlabel 'context length (tokens)'\n"
      << "set ylabel 'MiB per step'\nset key top left\n";
   if (selectors.empty()) gp << "set title 'dense'\nplot $kv_dense lc 'black' title 'dense'\n";
   for (const std::string& selector : selectors) {
@@ -432,9 +449,11 @@ void Report::write_results(const std::string& path, const RunInfo& info,
      << "- Date: " << info.date << "\n"
      << "- Machine: " << info.machine << "\n"
      << "- Model: " << info.model << "\n"
+     << "- Source: " << info.source << "\n"
      << "- Suite: " << info.suite << "\n"
      << "- Wall time: " << fixed(info.wall_seconds / 60.0, 1) << " min (prefill "
-     << fixed(info.prefill_seconds, 0) << " s, decode " << fixed(info.decode_seconds, 0)
+     << fixed(info.prefill_seconds, 0) << " s, forks and selector set-up "
+     << fixed(info.setup_seconds, 0) << " s, decode " << fixed(info.decode_seconds, 0)
      << " s, exact attention for the metrics " << fixed(info.probe_seconds, 0) << " s)\n\n"
      << markdown();
   if (!plots.empty())

@@ -2,9 +2,9 @@
 // records, the Markdown tables, the gnuplot PNGs and docs/RESULTS.md.
 //
 // Dense baseline rule: a (task, length) pair whose dense accuracy is below min_dense is one the
-// model cannot do even with exact attention; its selector rows are still measured and written
-// to the JSON (compared: false) but left out of the comparison tables, the summary and the
-// accuracy plot, which say so.
+// model cannot do even with exact attention. It is left out of the selector comparison: the
+// dense table says so, and its selector records (compared: false) have samples 0 and null
+// metrics when the selectors were skipped, as main.cpp does for groups it can gate whole.
 #pragma once
 
 #include <cstdint>
@@ -24,7 +24,7 @@ struct Record {
   uint32_t length = 0;
   std::string selector;
   double budget = 1.0;
-  uint32_t samples = 0;
+  uint32_t samples = 0;  // 0: not run (the pair was dropped before its selectors ran)
   double accuracy = 0.0;
   double accuracy_vs_dense = 0.0;  // accuracy / dense accuracy; NaN when dense scores 0
   double agreement = 0.0;          // share of samples with dense's exact greedy output
@@ -51,9 +51,11 @@ struct RunInfo {
   std::string date;
   std::string machine;
   std::string model;
+  std::string source;  // the source version (git describe), as the caller gives it
   std::string suite;
   double wall_seconds = 0.0;
   double prefill_seconds = 0.0;
+  double setup_seconds = 0.0;
   double decode_seconds = 0.0;
   double probe_seconds = 0.0;
 };
@@ -62,7 +64,8 @@ class Report {
  public:
   Report(std::vector<Config> configs, double min_dense);
 
-  void add(const Sample& sample, const SampleResult& result);
+  // results: per configuration, in the configurations' order; those not run count nowhere.
+  void add(const Sample& sample, uint64_t prompt_tokens, const std::vector<ConfigResult>& results);
 
   // Ordered by length, then task (in order of first appearance), then configuration.
   std::vector<Record> records() const;

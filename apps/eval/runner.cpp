@@ -22,6 +22,10 @@ struct SequenceGuard {
   ~SequenceGuard() { model.free_sequence(seq); }
 };
 
+int32_t greedy(std::span<const float> logits) {
+  return model::Sampler(model::SamplerParams{}).sample(logits);
+}
+
 }  // namespace
 
 Runner::Runner(model::LlamaModel& model, std::vector<Config> configs, uint32_t max_new)
@@ -30,56 +34,75 @@ Runner::Runner(model::LlamaModel& model, std::vector<Config> configs, uint32_t m
     throw std::invalid_argument("the first configuration must be dense");
 }
 
-SampleResult Runner::run(const Sample& sample, std::span<const int32_t> prompt) {
+Prompt Runner::prefill(std::span<const int32_t> tokens) {
+  // Prefill under dense so no selector summarises the pages the prefill seals.
+  model_.set_selector(configs_.front().policy);
+  Prompt p;
+  p.seq = model_.create_sequence();
+  p.tokens = tokens.size();
+  try {
+    const auto start = Clock::now();
+    model_.prefill(p.seq, tokens, nullptr, nullptr, nullptr);
+    p.prefill_seconds = seconds_since(start);
+    p.first_token = greedy(model_.logits(p.seq));
+  } catch (...) {
+    model_.free_sequence(p.seq);
+    throw;
+  }
+  return p;
+}
+
+void Runner::release(const Prompt& prompt) {
+  if (probe_prompt_ == prompt.seq) probe_prompt_ = -1;
+  model_.free_sequence(prompt.seq);
+}
+
+ConfigResult Runner::decode(const Sample& sample, const Prompt& prompt, std::size_t config,
+                            const ConfigResult* dense) {
   if (sample.max_new > max_new_)
     throw std::invalid_argument("sample " + sample.id + " asks for more new tokens than planned");
-  const model::Tokenizer& tokenizer = model_.tokenizer();
-  model::Sampler greedy(model::SamplerParams{});
-  SampleResult result;
-  result.prompt_tokens = prompt.size();
-
-  // Prefill under the dense selector so no selector summarises pages the prefill seals.
-  model_.set_selector(configs_.front().policy);
-  const SequenceGuard base{model_, model_.create_sequence()};
-  const auto prefill_start = Clock::now();
-  model_.prefill(base.seq, prompt, nullptr, nullptr, nullptr);
-  result.prefill_seconds = seconds_since(prefill_start);
-  probe_.set_prompt(base.seq);
-  const int32_t first = greedy.sample(model_.logits(base.seq));
-
-  for (const Config& config : configs_) {
-    ConfigResult r;
-    const SequenceGuard fork{model_, model_.fork_sequence(base.seq)};
-    model_.set_selector(config.policy);
-    probe_.begin(fork.seq);
-    model_.set_observer(&probe_);
-    int32_t next = first;
-    try {
-      while (!tokenizer.is_end_of_generation(next)) {
-        r.tokens.push_back(next);
-        if (r.tokens.size() == sample.max_new) break;
-        const double probe_before = probe_.totals().seconds;
-        const auto step_start = Clock::now();
-        model_.decode({&fork.seq, 1}, {&next, 1});
-        r.decode_seconds += seconds_since(step_start) - (probe_.totals().seconds - probe_before);
-        r.steps += 1;
-        r.kv_bytes += model_.stats().last_step_kv_bytes_read;
-        r.index_bytes += model_.stats().last_step_index_bytes_read;
-        next = greedy.sample(model_.logits(fork.seq));
-      }
-    } catch (...) {
-      model_.set_observer(nullptr);
-      throw;
-    }
-    model_.set_observer(nullptr);
-    r.probe = probe_.totals();
-    r.probe_failed = probe_.failed();
-    r.text = tokenizer.decode(r.tokens);
-    r.score = score_output(sample, r.text);
-    r.agrees = result.configs.empty() || r.tokens == result.configs.front().tokens;
-    result.configs.push_back(std::move(r));
+  if (probe_prompt_ != prompt.seq) {
+    probe_.set_prompt(prompt.seq);
+    probe_prompt_ = prompt.seq;
   }
-  return result;
+  const model::Tokenizer& tokenizer = model_.tokenizer();
+  ConfigResult r;
+  r.ran = true;
+  const auto setup_start = Clock::now();
+  // Fork under dense, which keeps no summaries: the previous configuration's selector would
+  // otherwise summarise the fork's pages only to be replaced.
+  model_.set_selector(configs_.front().policy);
+  const SequenceGuard fork{model_, model_.fork_sequence(prompt.seq)};
+  if (config > 0) model_.set_selector(configs_[config].policy);
+  r.setup_seconds = seconds_since(setup_start);
+
+  probe_.begin(fork.seq);
+  model_.set_observer(&probe_);
+  int32_t next = prompt.first_token;
+  try {
+    while (!tokenizer.is_end_of_generation(next)) {
+      r.tokens.push_back(next);
+      if (r.tokens.size() == sample.max_new) break;
+      const double probe_before = probe_.totals().seconds;
+      const auto step_start = Clock::now();
+      model_.decode({&fork.seq, 1}, {&next, 1});
+      r.decode_seconds += seconds_since(step_start) - (probe_.totals().seconds - probe_before);
+      r.steps += 1;
+      r.kv_bytes += model_.stats().last_step_kv_bytes_read;
+      r.index_bytes += model_.stats().last_step_index_bytes_read;
+      next = greedy(model_.logits(fork.seq));
+    }
+  } catch (...) {
+    model_.set_observer(nullptr);
+    throw;
+  }
+  model_.set_observer(nullptr);
+  r.probe = probe_.totals();
+  r.probe_failed = probe_.failed();
+  r.text = tokenizer.decode(r.tokens);
+  r.score = score_output(sample, r.text);
+  r.agrees = dense == nullptr || r.tokens == dense->tokens;
+  return r;
 }
 
 }  // namespace kvsift::eval

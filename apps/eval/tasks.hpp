@@ -11,8 +11,9 @@
 //   vt                  variable tracking: one chain of 4 hops in noise lines, one worked example
 //
 // Keys are "adjective-noun" pairs from word lists in tasks.cpp, values 7-digit numbers. The
-// queried needle of sample i of n sits at depth i / (n - 1) of the haystack (0.5 for n = 1); other
-// needles at depths drawn from RULER's grid of 40 points. A haystack holds as many units (noise
+// queried needle of sample i of n sits at depth (i + 0.5) / n of the haystack, so n samples spread
+// it evenly over the context; other needles at depths drawn from RULER's grid of 40 points, and the
+// variable-tracking chain at sorted random depths. A haystack holds as many units (noise
 // lines or prose sentences) as fit: the largest count whose prompt plus max_new tokens is at most
 // the length, found by bisection on the real token count.
 #pragma once
