@@ -41,7 +41,8 @@ struct AttendJob {
 // page records (layout: simd/locks_record.hpp), for each head g and page i:
 //   lse[g * count + i] = log sum_{t < page_tokens} exp(scale * (c_t . z + mu . q~)),  z = V^T q~,
 // with q~ = q[g], or, when int8_query, q rounded per head to s_q * round(q / s_q), s_q = max|q|/127
-// (q~ = 0 when q = 0). Computed in float32 from the dequantised record fields.
+// (q~ = 0 when q = 0). Computed in float32 from the dequantised record fields, except that the
+// int8-query kernel on AVX-512 VNNI takes V^T q~ and mu . q~ exactly in integers.
 struct LocksScoreJob {
   const float* q;        // [group, head_dim], not scaled
   uint32_t group;        // any number of query heads (taken in blocks of kLocksHeadBlock)
