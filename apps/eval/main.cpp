@@ -17,10 +17,8 @@
 #include <thread>
 #include <vector>
 
-#include "attention_probe.hpp"
 #include "common/devils_dictionary.hpp"
 #include "common/model_path.hpp"
-#include "lib/core/error.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/llama_model.hpp"
 #include "report.hpp"
@@ -378,6 +376,10 @@ int main(int argc, char** argv) {
   app.add_option("--epsilon", o.epsilon, "locks_certified: bound on the dropped mass")
       ->capture_default_str();
   app.add_flag("--verbose", o.verbose, "print every output");
+  // A single-valued option given twice takes the last: make eval's EVAL_ARGS can override it.
+  for (CLI::Option* option : app.get_options())
+    if (option->get_items_expected_max() == 1)
+      option->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   CLI11_PARSE(app, argc, argv);
   try {
     const kvsift::eval::Suite suite = kvsift::eval::suite_named(o.suite);
