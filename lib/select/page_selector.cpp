@@ -206,8 +206,7 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
     }
   }
 
-  if (scores_are_log_mass() || policy_.combine != GqaCombine::max)
-    masses(s, sel_first, sel_last);
+  if (scores_are_log_mass() || combine_mode() != GqaCombine::max) masses(s, sel_first, sel_last);
   combine(s, sel_first, sel_last);
   std::fill(s.chosen.begin(), s.chosen.begin() + n_pages, uint8_t{0});
   for (uint32_t p = 0; p < sink; ++p) s.chosen[p] = 1;
@@ -262,7 +261,7 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
 void PageSelector::combine(Scratch& s, uint32_t first, uint32_t last) const noexcept {
   const uint32_t G = geometry().group_size;
   float* S = s.combined.data();
-  if (policy_.combine == GqaCombine::max) {
+  if (combine_mode() == GqaCombine::max) {
     for (uint32_t p = first; p < last; ++p) {
       float best = -kInf;
       for (uint32_t h = 0; h < G; ++h) best = std::max(best, s.head[h * max_pages_ + p]);
@@ -274,7 +273,7 @@ void PageSelector::combine(Scratch& s, uint32_t first, uint32_t last) const noex
     std::fill(S + first, S + last, 0.0f);
     for (uint32_t h = 0; h < G; ++h) {
       const float* mh = s.mass.data() + h * max_pages_;
-      const float weight = policy_.combine == GqaCombine::share_avg
+      const float weight = combine_mode() == GqaCombine::share_avg
                                ? 1.0f / (static_cast<float>(s.selectable_mass[h]) * G)
                                : 1.0f;
       for (uint32_t p = first; p < last; ++p) S[p] += mh[p] * weight;
@@ -398,6 +397,10 @@ class QuestSelector final : public PageSelector {
  protected:
   bool summarises() const noexcept override { return true; }
   bool scores_are_log_mass() const noexcept override { return false; }
+  // A page bound for the group is the largest of its heads' bounds; averaging or summing
+  // exponentiated bounds as if they were masses lost the needle on every generated task
+  // (kvsift-eval, 2K and 4K: 0 of 4 at every budget with share_avg).
+  GqaCombine combine_mode() const noexcept override { return GqaCombine::max; }
 
   void summarise(uint32_t slot, const uint16_t* k) noexcept override {
     const CacheGeometry& g = geometry();

@@ -58,6 +58,8 @@ class PageSelector : public Selector {
   // Whether score() gives estimated log-masses, so a kept-mass estimate can be formed.
   virtual bool scores_are_log_mass() const noexcept { return true; }
   virtual bool certified() const noexcept { return false; }
+  // How the group's heads combine page scores: the policy's, unless the method fixes one.
+  virtual GqaCombine combine_mode() const noexcept { return policy_.combine; }
 
   // Exact log-sum-exp of the scaled logits of one page's n tokens for the G heads into
   // s.head[g * max_pages + page]. Returns the bytes read.
