@@ -19,6 +19,7 @@
 
 #include "common/devils_dictionary.hpp"
 #include "common/model_path.hpp"
+#include "kvsift/kvsift.h"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/llama_model.hpp"
 #include "report.hpp"
@@ -90,12 +91,12 @@ uint32_t parse_length(const std::string& s) {
   return static_cast<uint32_t>(n);
 }
 
+// Through the C API's name table, so a selector added to the library is known here too.
 select::Kind parse_selector(const std::string& name) {
-  for (const select::Kind k : {select::Kind::dense, select::Kind::oracle, select::Kind::quest,
-                               select::Kind::locks, select::Kind::locks_certified})
-    if (select::kind_name(k) == name) return k;
-  throw std::invalid_argument("--selectors: unknown selector '" + name +
-                              "' (dense, oracle, quest, locks, locks_certified)");
+  kvsift_selector selector;
+  if (kvsift_selector_from_name(name.c_str(), &selector) != KVSIFT_STATUS_OK)
+    throw std::invalid_argument(std::string("--selectors: ") + kvsift_last_error());
+  return static_cast<select::Kind>(selector);
 }
 
 // Dense first (always run: the others are measured against it), then each other selector at

@@ -289,13 +289,14 @@ void Report::write_plots(const std::string& dir) const {
   };
   std::map<std::pair<uint32_t, std::size_t>, Series> accuracy, recall;
   std::map<std::pair<uint32_t, std::size_t>, std::pair<double, double>> bytes;  // bytes, steps
-  std::map<uint32_t, uint32_t> compared_tasks, all_tasks;
+  std::map<uint32_t, uint32_t> compared_tasks, measured_tasks, all_tasks;
   for (std::size_t i = 0; i < records.size(); ++i) {
     const Record& r = records[i];
     const std::size_t c = i % n_configs;
     if (c == 0) {
       all_tasks[r.length] += 1;
       if (r.compared) compared_tasks[r.length] += 1;
+      if (n_configs > 1 && records[i + 1].samples > 0) measured_tasks[r.length] += 1;
     }
     if (r.compared) {
       accuracy[{r.length, c}].sum += r.accuracy;
@@ -366,7 +367,7 @@ void Report::write_plots(const std::string& dir) const {
             gp << (it == ticks.begin() ? "" : ", ") << "'" << general(*it) << "' " << *it;
           gp << ")\n";
           gp << "set title '" << length_label(length)
-             << " context: " << (compared_only ? compared_tasks[length] : all_tasks[length])
+             << " context: " << (compared_only ? compared_tasks[length] : measured_tasks[length])
              << " of " << all_tasks[length] << " tasks'\nplot ";
           for (const std::string& selector : selectors)
             gp << "$" << name << "_" << length << "_" << colour(selector) << " lc "
@@ -380,7 +381,9 @@ void Report::write_plots(const std::string& dir) const {
   budget_plot("accuracy", "Task accuracy against budget (mean over the tasks dense can do)",
               "accuracy", accuracy, true);
   budget_plot("mass_recall",
-              "Attention-mass recall against budget (mean over all tasks, steps, layers, heads)",
+              "Attention-mass recall against budget (mean over the tasks whose selectors ran: "
+              "steps, layers, "
+              "heads)",
               "mass recall", recall, false);
 
   // KV bytes per step against context: one panel per selector, one line per budget.
