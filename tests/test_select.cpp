@@ -438,7 +438,9 @@ uint64_t expect_certified_bounds_hold(Fixture& f, double epsilon, double budget,
       const double truth = true_dropped_share(lse, pages);
       EXPECT_LE(truth, sel.dropped_bound[pair]) << "query " << r << " pair " << pair;
       const uint64_t allowed = policy.budget_tokens(f.cache->length(f.seq_ids[pair / H], 0)) / 16;
-      if (pages.size() < std::max<uint64_t>(allowed, 2)) EXPECT_LT(sel.dropped_bound[pair], epsilon);
+      if (pages.size() < std::max<uint64_t>(allowed, 2)) {
+        EXPECT_LT(sel.dropped_bound[pair], epsilon);
+      }
       checks += lse.size() * lse[0].size();
     }
   }

@@ -172,7 +172,8 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
     std::unique_ptr<kvsift_cache> handle(
         new kvsift_cache{kvsift::KvCache(geometry, options),
-                         kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads)});
+                         kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads),
+                         nullptr, kvsift::select::Selection{}});
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
                   std::string("cache created: isa=") +
