@@ -240,12 +240,7 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
   return guard(__func__, [&] {
     require_pointer(cache, "cache");
     kvsift::PageLists lists;
-    kvsift::AttendCall call;
-    call.layer = layer;
-    call.n_seqs = n_seqs;
-    call.seq_ids = seq_ids;
-    call.q = q;
-    call.out = out;
+    kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
     if (pages != nullptr) {
       lists.offsets = pages->offsets;
       lists.page_ids = pages->page_ids;
@@ -327,12 +322,7 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
   return guard(__func__, [&] {
     require_pointer(cache, "cache");
     if (!cache->selector) set_selector(*cache, kvsift::select::Policy{});
-    kvsift::AttendCall call;
-    call.layer = layer;
-    call.n_seqs = n_seqs;
-    call.seq_ids = seq_ids;
-    call.q = q;
-    call.out = out;
+    kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
     // Validated as dense first: the selector trusts its call (ids, layer, sizes).
     cache->attention.validate(cache->cache, call);
     kvsift::select::Selection& sel = cache->selection;
