@@ -208,9 +208,8 @@ void BM_select(benchmark::State& state, Case c) {
   state.counters["dense_ms"] = dense_median * 1e3;
   state.counters["selected_ms"] = selected_median * 1e3;
   state.counters["speedup"] = dense_median / selected_median;
-  state.counters["bytes_vs_dense"] =
-      static_cast<double>(sel.index_bytes_read + sel.kv_bytes_read) /
-      static_cast<double>(dense_stats.last_bytes_read);
+  state.counters["bytes_vs_dense"] = static_cast<double>(sel.index_bytes_read + sel.kv_bytes_read) /
+                                     static_cast<double>(dense_stats.last_bytes_read);
   state.counters["index_MB"] = static_cast<double>(sel.index_bytes_read) * 1e-6;
   state.counters["pages_chosen_share"] =
       static_cast<double>(sel.pages_chosen) / static_cast<double>(sel.pages_stored);

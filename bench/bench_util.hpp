@@ -62,7 +62,8 @@ inline kvsift_cache_params cache_params(const Shape& shape, uint64_t context, ui
   params.head_dim = shape.head_dim;
   params.page_tokens = kPageTokens;
   params.dtype = KVSIFT_DTYPE_F16;
-  params.max_pages = uint64_t{batch} * shape.n_kv_heads * ((context + kPageTokens - 1) / kPageTokens);
+  params.max_pages =
+      uint64_t{batch} * shape.n_kv_heads * ((context + kPageTokens - 1) / kPageTokens);
   params.max_batch = batch;
   params.n_threads = threads;
   return params;

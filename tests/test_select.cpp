@@ -84,16 +84,16 @@ struct Fixture {
   Selection run(Selector& selector) {
     Selection out;
     selector.reserve_selection(out);
-    selector.select(select::SelectCall{0, static_cast<uint32_t>(seq_ids.size()), seq_ids.data(),
-                                       q.data()},
-                    out);
+    selector.select(
+        select::SelectCall{0, static_cast<uint32_t>(seq_ids.size()), seq_ids.data(), q.data()},
+        out);
     return out;
   }
 
   std::vector<std::vector<double>> page_lse(std::size_t s, uint32_t h) const {
-    return exact_page_lse(*cache, seq_ids[s], 0, h,
-                          q.data() + (s * geometry.n_kv_heads + h) * geometry.group_size *
-                                         geometry.head_dim);
+    return exact_page_lse(
+        *cache, seq_ids[s], 0, h,
+        q.data() + (s * geometry.n_kv_heads + h) * geometry.group_size * geometry.head_dim);
   }
 };
 
@@ -477,7 +477,8 @@ class CertifiedCheck : public model::DecodeObserver {
           q + (std::size_t{s} * g.n_query_heads() + std::size_t{h} * g.group_size) * g.head_dim);
       const std::vector<uint32_t> pages(sel.page_ids.begin() + sel.offsets[pair],
                                         sel.page_ids.begin() + sel.offsets[pair + 1]);
-      worst_excess = std::max(worst_excess, true_dropped_share(lse, pages) - sel.dropped_bound[pair]);
+      worst_excess =
+          std::max(worst_excess, true_dropped_share(lse, pages) - sel.dropped_bound[pair]);
       pages_chosen += pages.size();
       pages_stored += lse[0].size();
       ++pairs;

@@ -299,10 +299,9 @@ namespace {
 
 void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
   handle.selector.reset();  // one selector listens at a time
-  handle.selector = kvsift::select::Selector::create(policy, handle.cache,
-                                                     handle.attention.max_batch(),
-                                                     handle.cache.pool().capacity(),
-                                                     handle.attention.n_threads());
+  handle.selector = kvsift::select::Selector::create(
+      policy, handle.cache, handle.attention.max_batch(), handle.cache.pool().capacity(),
+      handle.attention.n_threads());
   handle.selector->reserve_selection(handle.selection);
 }
 
@@ -335,9 +334,9 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
     stats->pairs = sel.n_pairs;
     stats->pages_chosen = sel.pages_chosen();
     for (uint32_t i = 0; i < n_seqs; ++i)
-      stats->pages_stored += cache->cache.geometry().n_kv_heads *
-                             cache->cache.geometry().pages_for(
-                                 cache->cache.length_unchecked(seq_ids[i], layer));
+      stats->pages_stored +=
+          cache->cache.geometry().n_kv_heads *
+          cache->cache.geometry().pages_for(cache->cache.length_unchecked(seq_ids[i], layer));
     stats->index_bytes_read = sel.index_bytes_read;
     stats->kv_bytes_read = cache->attention.last_stats().bytes_read;
     double kept = 0.0, bound = 0.0;

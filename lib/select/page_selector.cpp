@@ -59,8 +59,7 @@ PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_ba
 
 void PageSelector::on_page_sealed(const SealedPage& page) noexcept {
   if (!summarises()) return;
-  const std::size_t offset =
-      reinterpret_cast<const std::byte*>(page.k) - cache_.pool().base();
+  const std::size_t offset = reinterpret_cast<const std::byte*>(page.k) - cache_.pool().base();
   // pending_slots_ has room for every slot (sized in summarise_existing): a slot can be pending
   // at most once per seal, and a page seals once before its slot is freed and reused.
   if (n_pending_ < pending_slots_.size())
@@ -107,7 +106,8 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   float key_norm = 0.0f;
   for (uint32_t t = 0; t < n; ++t) {
     float sq = 0.0f;
-    for (uint32_t c = 0; c < d; ++c) sq += s.keys[std::size_t{t} * d + c] * s.keys[std::size_t{t} * d + c];
+    for (uint32_t c = 0; c < d; ++c)
+      sq += s.keys[std::size_t{t} * d + c] * s.keys[std::size_t{t} * d + c];
     key_norm = std::max(key_norm, std::sqrt(sq));
   }
   for (uint32_t h = 0; h < g.group_size; ++h) {
@@ -181,8 +181,8 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
   uint32_t* ids = out.page_ids.data() + first;
   float* scores = out.scores.data() + first;
 
-  const bool everything = policy_.kind == Kind::dense || sel_last <= sel_first ||
-                          budget_tokens >= pair.tokens;
+  const bool everything =
+      policy_.kind == Kind::dense || sel_last <= sel_first || budget_tokens >= pair.tokens;
   if (everything) {
     for (uint32_t p = 0; p < n_pages; ++p) {
       ids[p] = p;

@@ -23,16 +23,16 @@ struct PairView {
 
 // Per-thread workspace, sized at creation.
 struct Scratch {
-  AlignedVector<float> keys;      // [page_tokens, head_dim]
-  AlignedVector<float> head;      // [G, max_pages] per-head page scores
-  AlignedVector<float> slack;     // [G, max_pages] certified: score uncertainty per head and page
-  AlignedVector<float> mass;       // [G, max_pages] e^(score - top[h]) of the selectable pages
-  double top[kMaxGroupSize];       // per head: its best selectable page score
+  AlignedVector<float> keys;   // [page_tokens, head_dim]
+  AlignedVector<float> head;   // [G, max_pages] per-head page scores
+  AlignedVector<float> slack;  // [G, max_pages] certified: score uncertainty per head and page
+  AlignedVector<float> mass;   // [G, max_pages] e^(score - top[h]) of the selectable pages
+  double top[kMaxGroupSize];   // per head: its best selectable page score
   double selectable_mass[kMaxGroupSize];  // per head: sum of its row of `mass`
-  AlignedVector<double> suffix;    // [G, max_pages + 1] certified: bound on the mass left out
-  AlignedVector<float> combined;   // [max_pages]
-  AlignedVector<uint32_t> order;   // [max_pages]
-  AlignedVector<uint8_t> chosen;   // [max_pages]
+  AlignedVector<double> suffix;   // [G, max_pages + 1] certified: bound on the mass left out
+  AlignedVector<float> combined;  // [max_pages]
+  AlignedVector<uint32_t> order;  // [max_pages]
+  AlignedVector<uint8_t> chosen;  // [max_pages]
 };
 
 class PageSelector : public Selector {
@@ -81,8 +81,8 @@ class PageSelector : public Selector {
 
   AlignedVector<uint32_t> pending_slots_;  // sealed since the last build; room for every slot
   std::size_t n_pending_ = 0;
-  std::vector<Scratch> scratch_;   // [n_threads]
-  std::vector<uint32_t> region_;   // [max pairs + 1] where each pair's pages go in a Selection
+  std::vector<Scratch> scratch_;  // [n_threads]
+  std::vector<uint32_t> region_;  // [max pairs + 1] where each pair's pages go in a Selection
 };
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,

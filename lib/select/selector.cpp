@@ -68,18 +68,19 @@ Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uin
   require(max_pages > 0, "max_pages must be > 0");
 }
 
-Selector::~Selector() { cache_.remove_seal_listener(this); }
+Selector::~Selector() {
+  cache_.remove_seal_listener(this);
+}
 
 void Selector::reserve_selection(Selection& selection) const {
   const uint32_t pairs = max_batch_ * cache_.geometry().n_kv_heads;
   // The pairs of one call hold distinct slots, so the pool's capacity bounds their pages too.
-  selection.reserve(pairs, std::min<uint64_t>(uint64_t{pairs} * max_pages_,
-                                              cache_.pool().capacity()));
+  selection.reserve(pairs,
+                    std::min<uint64_t>(uint64_t{pairs} * max_pages_, cache_.pool().capacity()));
 }
 
-std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,
-                                           uint32_t max_batch, uint64_t max_pages,
-                                           int n_threads) {
+std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache, uint32_t max_batch,
+                                           uint64_t max_pages, int n_threads) {
   policy.validate();
   std::unique_ptr<PageSelector> selector =
       make_page_selector(policy, cache, max_batch, max_pages, n_threads);
