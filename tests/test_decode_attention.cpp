@@ -88,12 +88,7 @@ CacheGeometry geometry(uint32_t H, uint32_t G, uint32_t d, uint32_t B = 16) {
   return g;
 }
 
-class DecodeAttentionIsa : public ::testing::TestWithParam<simd::Isa> {
- protected:
-  void SetUp() override {
-    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
-  }
-};
+class DecodeAttentionIsa : public test::IsaTest {};
 
 }  // namespace
 
@@ -128,7 +123,7 @@ TEST_P(DecodeAttentionIsa, ragged_batches_match_float64_on_one_and_two_threads) 
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, DecodeAttentionIsa,
                          ::testing::Values(simd::Isa::scalar, simd::Isa::avx2, simd::Isa::avx512),
-                         [](const auto& info) { return std::string(simd::isa_name(info.param)); });
+                         test::isa_test_name);
 
 TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
   const CacheGeometry g = geometry(2, 4, 128);

@@ -20,17 +20,9 @@ using simd::Isa;
 
 namespace {
 
-class Kernels : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
-  }
-  const simd::Kernels& k() const { return simd::kernels_for(GetParam()); }
-};
+class Kernels : public test::IsaTest {};
 
-std::string isa_test_name(const ::testing::TestParamInfo<Isa>& info) {
-  return simd::isa_name(info.param);
-}
+using test::isa_test_name;
 
 // A pool of random pages for one (sequence, KV head), stored through the scalar encoder so every
 // ISA reads identical bytes, with shuffled slot ids like a real pool.

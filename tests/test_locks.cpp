@@ -501,17 +501,9 @@ TEST(Locks, degenerate_pages_give_finite_records_and_scores) {
 
 namespace {
 
-class LocksKernels : public ::testing::TestWithParam<Isa> {
- protected:
-  void SetUp() override {
-    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
-  }
-  const simd::Kernels& k() const { return simd::kernels_for(GetParam()); }
-};
+class LocksKernels : public test::IsaTest {};
 
-std::string isa_test_name(const ::testing::TestParamInfo<Isa>& info) {
-  return simd::isa_name(info.param);
-}
+using test::isa_test_name;
 
 }  // namespace
 

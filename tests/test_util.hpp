@@ -5,9 +5,13 @@
 #include <cstddef>
 #include <cstdint>
 #include <random>
+#include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "simd/isa.hpp"
+#include "simd/kernels.hpp"
 
 namespace kvsift::test {
 
@@ -37,6 +41,20 @@ inline std::vector<simd::Isa> supported_isas() {
   for (simd::Isa isa : {simd::Isa::scalar, simd::Isa::avx2, simd::Isa::avx512})
     if (isa <= simd::detect_isa()) isas.push_back(isa);
   return isas;
+}
+
+// A test parameterised over the ISAs: it skips the ones this CPU lacks, and k() is the kernel
+// table of the one it runs on.
+class IsaTest : public ::testing::TestWithParam<simd::Isa> {
+ protected:
+  void SetUp() override {
+    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
+  }
+  const simd::Kernels& k() const { return simd::kernels_for(GetParam()); }
+};
+
+inline std::string isa_test_name(const ::testing::TestParamInfo<simd::Isa>& info) {
+  return simd::isa_name(info.param);
 }
 
 }  // namespace kvsift::test
