@@ -339,15 +339,8 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
           cache->cache.geometry().pages_for(cache->cache.length_unchecked(seq_ids[i], layer));
     stats->index_bytes_read = sel.index_bytes_read;
     stats->kv_bytes_read = cache->attention.last_stats().bytes_read;
-    double kept = 0.0, bound = 0.0;
-    for (uint32_t i = 0; i < sel.n_pairs; ++i) {
-      kept += sel.kept_estimate[i];
-      bound = std::isnan(bound) || std::isnan(sel.dropped_bound[i])
-                  ? NAN
-                  : std::max(bound, double{sel.dropped_bound[i]});
-    }
-    stats->kept_estimate = sel.n_pairs > 0 ? kept / sel.n_pairs : 1.0;
-    stats->dropped_bound = bound;
+    stats->kept_estimate = sel.n_pairs > 0 ? sel.kept_estimate_sum() / sel.n_pairs : 1.0;
+    stats->dropped_bound = sel.worst_dropped_bound();
   });
 }
 

@@ -445,12 +445,8 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     decode_attention_.run(cache_, call);
     bytes_read += decode_attention_.last_stats().bytes_read;
     index_bytes += selection_.index_bytes_read;
-    for (uint32_t i = 0; i < selection_.n_pairs; ++i) {
-      kept_sum += selection_.kept_estimate[i];
-      // NaN (no bound proven) wins over numbers: the step reports no bound.
-      const double b = selection_.dropped_bound[i];
-      worst_bound = std::isnan(worst_bound) || std::isnan(b) ? NAN : std::max(worst_bound, b);
-    }
+    kept_sum += selection_.kept_estimate_sum();
+    worst_bound = select::worse_bound(worst_bound, selection_.worst_dropped_bound());
     pairs += selection_.n_pairs;
     attention_seconds += seconds_since(a0);
     if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q_.data(), selection_, attn_.data());

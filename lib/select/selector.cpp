@@ -57,6 +57,18 @@ void Selection::reserve(uint32_t max_pairs, uint64_t max_pages) {
   n_pairs = 0;
 }
 
+double Selection::kept_estimate_sum() const noexcept {
+  double sum = 0.0;
+  for (uint32_t i = 0; i < n_pairs; ++i) sum += kept_estimate[i];
+  return sum;
+}
+
+double Selection::worst_dropped_bound() const noexcept {
+  double worst = 0.0;
+  for (uint32_t i = 0; i < n_pairs; ++i) worst = worse_bound(worst, dropped_bound[i]);
+  return worst;
+}
+
 Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
                    int n_threads)
     : cache_(cache),

@@ -13,9 +13,11 @@
 // open page, partial or just filled) is always attended.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string_view>
 
@@ -34,6 +36,10 @@ enum class GqaCombine : uint8_t {
 };
 
 std::string_view kind_name(Kind kind) noexcept;
+// The larger of two dropped-mass bounds, where NaN (nothing proven) wins over any number.
+inline double worse_bound(double a, double b) noexcept {
+  return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
+}
 std::string_view combine_name(GqaCombine combine) noexcept;
 
 struct Policy {
@@ -78,6 +84,10 @@ struct Selection {
   // max_pages: the most pages one call chooses over all its pairs.
   void reserve(uint32_t max_pairs, uint64_t max_pages);
   PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
+  // Telemetry over the pairs: the sum of kept_estimate, and the largest dropped_bound (NaN when
+  // some pair proves none).
+  double kept_estimate_sum() const noexcept;
+  double worst_dropped_bound() const noexcept;
   uint64_t pages_chosen() const noexcept { return n_pairs == 0 ? 0 : offsets[n_pairs]; }
 };
 
