@@ -396,10 +396,13 @@ TEST(CApi, create_rejects_unknown_dtype) {
   expect_create_fails(params, KVSIFT_STATUS_INVALID_ARGUMENT, "dtype");
 }
 
-TEST(CApi, create_reports_pre_rope_keys_unsupported) {
+TEST(CApi, create_rejects_pre_rope_keys_without_a_positive_rope_theta) {
   kvsift_cache_params params = small_params();
   params.key_form = KVSIFT_KEYS_PRE_ROPE;
-  expect_create_fails(params, KVSIFT_STATUS_UNSUPPORTED, "key_form");
+  params.rope_theta = 0.0f;
+  expect_create_fails(params, KVSIFT_STATUS_INVALID_ARGUMENT, "rope_theta");
+  params.rope_theta = 10000.0f;
+  make_cache(params);  // accepted
 }
 
 TEST(CApi, create_rejects_unknown_key_form) {
@@ -1168,16 +1171,16 @@ TEST(CApi, attend_selected_with_the_whole_context_as_budget_equals_dense) {
   const auto ids = f.ids();
   ASSERT_EQ(kvsift_attend(f.cache.get(), 0, 2, ids.data(), f.q.data(), dense.data(), nullptr),
             KVSIFT_STATUS_OK);
-  for (kvsift_selector selector : {KVSIFT_SELECTOR_DENSE, KVSIFT_SELECTOR_ORACLE,
-                                   KVSIFT_SELECTOR_QUEST}) {
+  for (kvsift_selector selector :
+       {KVSIFT_SELECTOR_DENSE, KVSIFT_SELECTOR_ORACLE, KVSIFT_SELECTOR_QUEST}) {
     const kvsift_selector_policy policy =
         policy_for(selector, selector == KVSIFT_SELECTOR_DENSE ? 0.0 : 1.0);
     ASSERT_EQ(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_OK)
         << kvsift_last_error();
     kvsift_selection_stats stats{};
-    ASSERT_EQ(kvsift_attend_selected(f.cache.get(), 0, 2, ids.data(), f.q.data(), f.out.data(),
-                                     &stats),
-              KVSIFT_STATUS_OK)
+    ASSERT_EQ(
+        kvsift_attend_selected(f.cache.get(), 0, 2, ids.data(), f.q.data(), f.out.data(), &stats),
+        KVSIFT_STATUS_OK)
         << kvsift_last_error();
     EXPECT_EQ(f.out, dense) << kvsift_selector_name(selector);
     EXPECT_EQ(stats.pairs, 2u * kKvHeads);

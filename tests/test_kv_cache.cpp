@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <tuple>
 #include <vector>
 
@@ -56,6 +57,64 @@ TEST(KvCache, stored_tokens_read_back_as_the_rounded_inputs) {
         ASSERT_EQ(v_out[t * d + c], simd::f16_to_f32(simd::f32_to_f16(v[in])));
       }
   }
+}
+
+// RoPE in float64 on adjacent pairs, the reference for the cache's float32 table.
+void rope_reference(float* x, uint32_t n_heads, uint32_t d, uint64_t pos, double theta) {
+  for (uint32_t h = 0; h < n_heads; ++h)
+    for (uint32_t i = 0; i < d / 2; ++i) {
+      const double angle = static_cast<double>(pos) * std::pow(theta, -2.0 * i / d);
+      float* p = x + std::size_t{h} * d + 2 * i;
+      const double a = p[0], b = p[1];
+      p[0] = static_cast<float>(a * std::cos(angle) - b * std::sin(angle));
+      p[1] = static_cast<float>(a * std::sin(angle) + b * std::cos(angle));
+    }
+}
+
+TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
+  const CacheGeometry g = small_geometry();
+  CacheOptions pre;
+  pre.key_form = KeyForm::pre_rope;
+  pre.rope_theta = 50000.0f;
+  KvCache cache(g, pre);
+  const int32_t seq = cache.create_sequence();
+  const uint32_t n = 41, H = g.n_kv_heads, d = g.head_dim;
+  const auto k = test::random_floats(n * H * d, 3), v = test::random_floats(n * H * d, 4);
+  cache.append(seq, 0, 25, k.data(), v.data());
+  for (uint32_t t = 25; t < n; ++t)
+    cache.append(seq, 0, 1, k.data() + t * H * d, v.data() + t * H * d);
+  std::vector<float> rotated = k;
+  for (uint32_t t = 0; t < n; ++t) rope_reference(rotated.data() + t * H * d, H, d, t, 50000.0);
+  std::vector<float> k_out(n * d), k_pre(n * d), v_out(n * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    cache.read_tokens(seq, 0, h, 0, n, k_out.data(), v_out.data());
+    cache.read_tokens(seq, 0, h, 0, n, k_pre.data(), nullptr, KeyForm::pre_rope);
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t c = 0; c < d; ++c) {
+        const std::size_t in = (std::size_t{t} * H + h) * d + c;
+        // fp16 storage: half an ulp of rounding plus the float table's few ulps.
+        ASSERT_NEAR(k_out[t * d + c], rotated[in], 1e-3 * (1.0 + std::fabs(rotated[in])))
+            << "t=" << t << " h=" << h << " c=" << c;
+        ASSERT_NEAR(k_pre[t * d + c], k[in], 2e-3 * (1.0 + std::fabs(k[in])));
+        ASSERT_EQ(v_out[t * d + c], simd::f16_to_f32(simd::f32_to_f16(v[in])));  // V as given
+      }
+  }
+}
+
+TEST(KvCache, pre_rope_keys_read_back_only_from_a_pre_rope_cache) {
+  const CacheGeometry g = small_geometry();
+  KvCache cache(g, CacheOptions{});
+  const int32_t seq = cache.create_sequence();
+  const auto k = test::random_floats(g.n_kv_heads * g.head_dim, 5);
+  cache.append(seq, 0, 1, k.data(), k.data());
+  std::vector<float> out(g.head_dim);
+  test::expect_error(
+      [&] { cache.read_tokens(seq, 0, 0, 0, 1, out.data(), nullptr, KeyForm::pre_rope); },
+      Status::invalid_argument, "pre-RoPE");
+  CacheOptions bad;
+  bad.key_form = KeyForm::pre_rope;
+  bad.rope_theta = 0.0f;
+  test::expect_error([&] { KvCache c(g, bad); }, Status::invalid_argument, "theta");
 }
 
 TEST(KvCache, pages_seal_once_when_they_fill_in_order) {

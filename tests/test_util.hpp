@@ -6,10 +6,12 @@
 #include <cstdint>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <gtest/gtest.h>
 
+#include "lib/core/error.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
 
@@ -34,6 +36,18 @@ double relative_error(const A* a, const B* b, std::size_t n) {
   }
   if (norm == 0.0) return std::sqrt(diff);
   return std::sqrt(diff / norm);
+}
+
+// f() must throw kvsift::Error with `status` and a message containing `needle`.
+template <class F>
+void expect_error(F&& f, Status status, std::string_view needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no error thrown; expected one mentioning \"" << needle << "\"";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_NE(std::string_view(e.what()).find(needle), std::string_view::npos) << e.what();
+  }
 }
 
 inline std::vector<simd::Isa> supported_isas() {

@@ -132,8 +132,11 @@ typedef enum kvsift_dtype {
 } kvsift_dtype;
 
 typedef enum kvsift_key_form {
-  KVSIFT_KEYS_POST_ROPE = 0, /* keys already rotated by the engine (the only form for now) */
-  KVSIFT_KEYS_PRE_ROPE = 1,  /* keys before RoPE; the cache rotates them (not yet: UNSUPPORTED) */
+  KVSIFT_KEYS_POST_ROPE = 0, /* keys already rotated by the engine */
+  /* Keys before RoPE; the cache rotates them at each token's position (its index in the
+   * sequence), on adjacent channel pairs (2i, 2i+1) by pos * rope_theta^(-2i/head_dim), as GGUF
+   * stores Llama weights. Needed by the S4R selector, which compresses keys before RoPE. */
+  KVSIFT_KEYS_PRE_ROPE = 1,
   KVSIFT_KEYS_MAX_ENUM = 0x7fffffff
 } kvsift_key_form;
 
@@ -147,6 +150,7 @@ typedef struct kvsift_cache_params {
   uint32_t page_tokens;     /* tokens per page: 16, 32 or 64. Default 16. */
   kvsift_dtype dtype;       /* storage type. Default KVSIFT_DTYPE_F16. */
   kvsift_key_form key_form; /* Default KVSIFT_KEYS_POST_ROPE. */
+  float rope_theta;         /* RoPE base for KVSIFT_KEYS_PRE_ROPE, > 0. Default 10000. */
   /* Capacity of the page pool, in pages. One page holds page_tokens tokens of K and of V for one
    * (layer, KV head): 2 * page_tokens * head_dim * 2 bytes. Appends that would need more pages
    * fail with CAPACITY_EXCEEDED. Host memory is reserved up front but committed lazily as pages
@@ -165,7 +169,7 @@ KVSIFT_API void kvsift_cache_params_init(kvsift_cache_params* params);
 /* Creates a cache. *out receives the handle (set to NULL on failure); free it with
  * kvsift_cache_free. Errors: INVALID_ARGUMENT (NULL pointers, counts outside the ranges above,
  * unknown enum values), UNSUPPORTED (a head_dim or page_tokens kvsift has no kernels for, pinned
- * memory without CUDA or without a usable driver, pre-RoPE keys, an ISA the CPU lacks),
+ * memory without CUDA or without a usable driver, an ISA the CPU lacks),
  * OUT_OF_MEMORY. */
 KVSIFT_API kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out);
 

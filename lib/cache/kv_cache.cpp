@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <new>
 
 #include "lib/core/error.hpp"
 
@@ -20,7 +21,10 @@ const CacheGeometry& validated(const CacheGeometry& geometry) {
 KvCache::KvCache(const CacheGeometry& geometry, const CacheOptions& options)
     : geometry_(validated(geometry)),
       kernels_(&simd::kernels_for(simd::resolve_isa(options.isa))),
-      pool_(geometry.slot_bytes(), options.max_pages, options.pinned) {}
+      pool_(geometry.slot_bytes(), options.max_pages, options.pinned),
+      key_form_(options.key_form) {
+  if (key_form_ == KeyForm::pre_rope) rope_.emplace(options.rope_theta, geometry_.head_dim);
+}
 
 int32_t KvCache::create_sequence() {
   Sequence fresh;
@@ -102,6 +106,19 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   pool_.reserve(new_pages_per_head * H, "append");
   for (uint32_t h = 0; h < H; ++h)
     seq.tables[std::size_t{layer} * H + h].reserve(geometry_.pages_for(after));
+  if (rope_) {
+    const std::size_t elems = std::size_t{n_tokens} * H * d;
+    rope_->reserve(after);
+    try {
+      if (rotated_.size() < elems) rotated_.resize(elems);
+    } catch (const std::bad_alloc&) {
+      fail(Status::out_of_memory, "append: rotated keys of ", n_tokens, " tokens");
+    }
+    std::copy_n(k, elems, rotated_.data());
+    for (uint32_t t = 0; t < n_tokens; ++t)
+      rope_->rotate(rotated_.data() + std::size_t{t} * H * d, H, before + t);
+    k = rotated_.data();
+  }
 
   const std::size_t page_elems = geometry_.page_elems();
   for (uint32_t h = 0; h < H; ++h) {
@@ -128,8 +145,8 @@ void KvCache::notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page,
     for (uint32_t h = 0; h < H; ++h) {
       const auto* slot = reinterpret_cast<const uint16_t*>(
           pool_.slot(seq.tables[std::size_t{layer} * H + h][page]));
-      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), slot,
-                              slot + geometry_.page_elems()};
+      const SealedPage sealed{
+          seq_id, layer, h, static_cast<uint32_t>(page), slot, slot + geometry_.page_elems()};
       for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
     }
   }
@@ -157,7 +174,7 @@ int32_t KvCache::fork_sequence(int32_t src) {
 }
 
 void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first,
-                          uint64_t n, float* k_out, float* v_out) const {
+                          uint64_t n, float* k_out, float* v_out, KeyForm form) const {
   const Sequence& seq = sequence(seq_id);
   check_layer(layer);
   require(kv_head < geometry_.n_kv_heads, "kv_head=", kv_head,
@@ -165,13 +182,18 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
   const uint64_t stored = seq.tokens[layer];
   require(first <= stored && n <= stored - first, "first=", first, ", n_tokens=", n,
           ": the range is beyond the ", stored, " tokens stored");
+  require(form == KeyForm::post_rope || rope_,
+          "pre-RoPE keys can be read back only from a cache that takes pre-RoPE keys");
   const uint32_t B = geometry_.page_tokens, d = geometry_.head_dim;
   const auto& table = seq.tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head];
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t pos = first + i;
     const auto* slot = reinterpret_cast<const uint16_t*>(pool_.slot(table[pos / B]));
     const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
-    if (k_out) kernels_->decode(slot + offset, k_out + i * d, d, geometry_.dtype);
+    if (k_out) {
+      kernels_->decode(slot + offset, k_out + i * d, d, geometry_.dtype);
+      if (form == KeyForm::pre_rope) rope_->unrotate(k_out + i * d, 1, pos);
+    }
     if (v_out)
       kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
   }

@@ -8,12 +8,19 @@
 
 #include "lib/cache/geometry.hpp"
 #include "lib/cache/page_pool.hpp"
+#include "lib/cache/rope.hpp"
 #include "simd/kernels.hpp"
 
 namespace kvsift {
 
+// How append() receives keys: rotated by the engine already, or before RoPE, which the cache
+// then applies at each token's position (its index in the sequence) with rope_theta.
+enum class KeyForm : uint8_t { post_rope, pre_rope };
+
 struct CacheOptions {
   uint64_t max_pages = 65536;
+  KeyForm key_form = KeyForm::post_rope;
+  float rope_theta = 10000.0f;  // pre_rope only
   bool pinned = false;
   simd::Isa isa = simd::Isa::avx512;  // capped by the CPU and the process cap
 };
@@ -55,14 +62,16 @@ class KvCache {
   // Tokens stored in one layer of a sequence. Throws not_found / invalid_argument.
   uint64_t length(int32_t seq_id, uint32_t layer) const;
 
-  // k, v: [n_tokens, n_kv_heads, head_dim] float32. All or nothing. Throws not_found,
-  // invalid_argument, capacity_exceeded, out_of_memory.
+  // k, v: [n_tokens, n_kv_heads, head_dim] float32, k in the cache's key form. Stored keys are
+  // always rotated. All or nothing. Throws not_found, invalid_argument, capacity_exceeded,
+  // out_of_memory.
   void append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k, const float* v);
 
-  // Stored tokens [first, first + n) of one (sequence, layer, KV head) as float32, [n, head_dim].
-  // k_out or v_out may be null.
+  // Stored tokens [first, first + n) of one (sequence, layer, KV head) as float32, [n, head_dim];
+  // keys rotated (post_rope) or rotated back (pre_rope: needs a pre_rope cache). k_out or v_out
+  // may be null.
   void read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first, uint64_t n,
-                   float* k_out, float* v_out) const;
+                   float* k_out, float* v_out, KeyForm form = KeyForm::post_rope) const;
 
   // The listener must outlive the cache or be removed first.
   void add_seal_listener(SealListener* listener);
@@ -74,6 +83,9 @@ class KvCache {
 
   const CacheGeometry& geometry() const noexcept { return geometry_; }
   const PagePool& pool() const noexcept { return pool_; }
+  KeyForm key_form() const noexcept { return key_form_; }
+  // The cache's RoPE, covering every stored position; pre_rope caches only.
+  const Rope& rope() const noexcept { return *rope_; }
   const simd::Kernels& kernels() const noexcept { return *kernels_; }
 
  private:
@@ -91,6 +103,9 @@ class KvCache {
   std::vector<std::optional<Sequence>> sequences_;  // index = id; freed ids are reused
   uint32_t n_live_ = 0;
   std::vector<SealListener*> listeners_;
+  KeyForm key_form_;
+  std::optional<Rope> rope_;
+  std::vector<float> rotated_;  // append's rotated keys (pre_rope), grown as needed
 };
 
 }  // namespace kvsift

@@ -138,6 +138,7 @@ void kvsift_cache_params_init(kvsift_cache_params* params) {
   params->page_tokens = 16;
   params->dtype = KVSIFT_DTYPE_F16;
   params->key_form = KVSIFT_KEYS_POST_ROPE;
+  params->rope_theta = 10000.0f;
   params->max_pages = 65536;
   params->pinned = 0;
   params->max_batch = 64;
@@ -150,11 +151,12 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
   return guard(__func__, [&] {
     require_pointer(params, "params");
     require_pointer(out, "out");
-    if (params->key_form == KVSIFT_KEYS_PRE_ROPE)
-      kvsift::fail(Status::unsupported, "params->key_form: pre-RoPE keys are not supported yet");
-    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE,
-                    "params->key_form=", static_cast<int>(params->key_form),
-                    " is not a kvsift_key_form");
+    kvsift::require(
+        params->key_form == KVSIFT_KEYS_POST_ROPE || params->key_form == KVSIFT_KEYS_PRE_ROPE,
+        "params->key_form=", static_cast<int>(params->key_form), " is not a kvsift_key_form");
+    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE ||
+                        (std::isfinite(params->rope_theta) && params->rope_theta > 0.0f),
+                    "params->rope_theta=", params->rope_theta, " is not a positive number");
     kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads,
                     " is negative");
     kvsift::CacheGeometry geometry;
@@ -166,6 +168,9 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     geometry.dtype = to_dtype(params->dtype, "params->dtype");
     kvsift::CacheOptions options;
     options.max_pages = params->max_pages;
+    options.key_form = params->key_form == KVSIFT_KEYS_PRE_ROPE ? kvsift::KeyForm::pre_rope
+                                                                : kvsift::KeyForm::post_rope;
+    options.rope_theta = params->rope_theta;
     options.pinned = params->pinned != 0;
     options.isa = to_supported_isa(params->isa, "params->isa");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())

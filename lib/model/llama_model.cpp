@@ -113,6 +113,10 @@ CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& op
   o.max_pages = uint64_t{options.max_seqs} * config.n_layers * config.n_kv_heads *
                 ((n_ctx + options.page_tokens - 1) / options.page_tokens);
   o.isa = options.isa;
+  // The runner hands the cache pre-RoPE keys: the cache rotates them with the same Rope code the
+  // runner uses for queries, and a selector that works before RoPE (S4R) can read them back.
+  o.key_form = KeyForm::pre_rope;
+  o.rope_theta = config.rope_theta;
   return o;
 }
 
@@ -125,6 +129,7 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
       config_(config),
       options_(options),
       n_ctx_(context_for(config, options)),
+      rope_(config.rope_theta, config.head_dim),
       cache_(geometry_for(config, options), cache_options_for(config, options)),
       decode_attention_(geometry_for(config, options), options.max_seqs, options.n_threads),
       prefill_attention_(geometry_for(config, options),
@@ -163,16 +168,7 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   output_ = load_linear(
       {{config.tied_output ? "token_embd.weight" : "output.weight", config.n_vocab}}, E);
 
-  // RoPE as GGUF stores Llama weights: adjacent pairs (2i, 2i+1) rotate by pos * theta^(-2i/d).
-  const uint32_t half = config.head_dim / 2;
-  rope_cos_.resize(std::size_t{n_ctx_} * half);
-  rope_sin_.resize(std::size_t{n_ctx_} * half);
-  for (uint32_t pos = 0; pos < n_ctx_; ++pos)
-    for (uint32_t i = 0; i < half; ++i) {
-      const double angle = pos * std::pow(double{config.rope_theta}, -2.0 * i / config.head_dim);
-      rope_cos_[std::size_t{pos} * half + i] = static_cast<float>(std::cos(angle));
-      rope_sin_[std::size_t{pos} * half + i] = static_cast<float>(std::sin(angle));
-    }
+  rope_.reserve(n_ctx_);  // queries; the cache rotates the keys
 
   max_rows_ = std::max(options.prefill_chunk, options.max_seqs);
   const std::size_t rows = max_rows_;
@@ -253,20 +249,6 @@ void LlamaModel::embed(int32_t token, float* x) const {
   dequantize(token_embd_->type, token_embd_->data + std::size_t(token) * stride, x, config_.n_embd);
 }
 
-void LlamaModel::rope(float* x, uint32_t n_heads, uint64_t position) const {
-  const uint32_t d = config_.head_dim, half = d / 2;
-  const float* c = rope_cos_.data() + position * half;
-  const float* s = rope_sin_.data() + position * half;
-  for (uint32_t h = 0; h < n_heads; ++h) {
-    float* v = x + std::size_t{h} * d;
-    for (uint32_t i = 0; i < half; ++i) {
-      const float a = v[2 * i], b = v[2 * i + 1];
-      v[2 * i] = a * c[i] - b * s[i];
-      v[2 * i + 1] = a * s[i] + b * c[i];
-    }
-  }
-}
-
 void LlamaModel::rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows,
                           float* y) const {
   const uint32_t E = config_.n_embd;
@@ -296,8 +278,7 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
       std::copy_n(row, qdim, q);
       std::copy_n(row + qdim, kvdim, k);
       std::copy_n(row + qdim + kvdim, kvdim, v_.data() + std::size_t{r} * kvdim);
-      rope(q, config_.n_heads, positions[r]);
-      rope(k, config_.n_kv_heads, positions[r]);
+      rope_.rotate(q, config_.n_heads, positions[r]);
     }
     attend(l);
     project(L.wo, attn_.data(), rows, h_.data());

@@ -18,6 +18,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/attend/prefill_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
+#include "lib/cache/rope.hpp"
 #include "lib/core/aligned.hpp"
 #include "lib/core/matmul.hpp"
 #include "lib/model/gguf_file.hpp"
@@ -136,7 +137,6 @@ class LlamaModel {
   Linear load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in) const;
   void project(const Linear& w, const float* x, uint32_t rows, float* y);
   void embed(int32_t token, float* x) const;
-  void rope(float* x, uint32_t n_heads, uint64_t position) const;
   void rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows, float* y) const;
   // The transformer blocks over `rows` tokens in x_; attend(layer) appends the layer's K/V from
   // k_, v_ and writes attn_ from q_ (prefill and decode differ only there).
@@ -154,7 +154,7 @@ class LlamaModel {
   std::vector<float> output_norm_;
   Linear output_;  // [n_vocab, n_embd]: token_embd when tied
   const GgufTensor* token_embd_;
-  std::vector<float> rope_cos_, rope_sin_;  // [n_ctx, head_dim / 2]
+  Rope rope_;
 
   KvCache cache_;
   DecodeAttention decode_attention_;
