@@ -208,7 +208,8 @@ struct Body {
     };
     for (uint32_t i = 0; i < job.count; ++i) {
       const uint32_t p = page_of(i);
-      const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[p] * job.slot_bytes);
+      const std::size_t slot = job.table ? job.table[p] : p;
+      const auto* k = reinterpret_cast<const uint16_t*>(job.pool + slot * job.slot_bytes);
       const uint16_t* v = k + page_elems;
       const uint64_t left = job.seq_tokens - uint64_t{p} * B;
       const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;

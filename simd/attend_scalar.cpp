@@ -34,7 +34,8 @@ void attend(const AttendJob& job) noexcept {
   const std::size_t page_elems = std::size_t{B} * d;
   for (uint32_t i = 0; i < job.count; ++i) {
     const uint32_t page = job.logical ? job.logical[job.first + i] : job.first + i;
-    const auto* k = reinterpret_cast<const uint16_t*>(job.pool + job.table[page] * job.slot_bytes);
+    const std::size_t slot = job.table ? job.table[page] : page;
+    const auto* k = reinterpret_cast<const uint16_t*>(job.pool + slot * job.slot_bytes);
     const uint16_t* v = k + page_elems;
     const uint64_t page_start = uint64_t{page} * B;
     const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(B, job.seq_tokens - page_start));

@@ -26,7 +26,7 @@ struct AttendJob {
   Dtype dtype;
   const std::byte* pool;  // base of the slot array
   std::size_t slot_bytes;
-  const uint32_t* table;    // slot id of each logical page of this (sequence, layer, KV head)
+  const uint32_t* table;    // slot id of each logical page; nullptr: the slot is the page index
   const uint32_t* logical;  // nullptr: logical pages first .. first+count-1; else logical[first..)
   uint32_t first;
   uint32_t count;

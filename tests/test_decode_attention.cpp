@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <random>
 #include <string>
 #include <vector>
@@ -161,6 +162,73 @@ TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
   EXPECT_EQ(attention.last_stats().tokens_read, (5 + 2) * 16u + 2 * 9u + 16u);
   EXPECT_EQ(attention.last_stats().bytes_read,
             attention.last_stats().tokens_read * g.token_bytes());
+}
+
+// Rows a selector gathered (here: scattered tokens of the middle pages, copied in storage form)
+// are attended with the listed pages as one softmax, on every ISA.
+TEST(DecodeAttention, row_chunks_attend_with_the_pages_as_one_softmax) {
+  const CacheGeometry g = geometry(2, 4, 64);
+  const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
+  for (simd::Isa isa : test::supported_isas()) {
+    const FilledCache s(g, isa, {B * 20 + 5}, 30);
+    const uint64_t n = B * 20 + 5;
+    const auto q = test::random_floats(std::size_t{H} * G * d, 31);
+    // Pages 0 and the open page 20 for both heads; rows: head 0 takes 37 scattered tokens of
+    // pages 1..19 (three chunks, the last partial), head 1 takes none.
+    const std::vector<uint32_t> offsets = {0, 2, 4}, ids = {0, 20, 0, 20};
+    const PageLists pages{offsets.data(), ids.data()};
+    std::vector<uint64_t> tokens;
+    for (uint64_t t = B + 3; tokens.size() < 37; t += 7) tokens.push_back(t);
+    const uint32_t row_counts[2] = {37, 0};
+    const uint32_t chunk_offsets[3] = {0, 3, 3};
+    std::vector<std::byte> chunks(3 * g.slot_bytes(), std::byte{0xff});  // NaN padding rows
+    const std::size_t row_bytes = std::size_t{d} * sizeof(uint16_t);
+    const uint32_t* table = s.cache.page_table(s.seqs[0], 0, 0);
+    for (std::size_t r = 0; r < tokens.size(); ++r) {
+      const std::byte* page = s.cache.pool().slot(table[tokens[r] / B]);
+      std::byte* chunk = chunks.data() + (r / B) * g.slot_bytes();
+      const std::size_t from = (tokens[r] % B) * row_bytes, to = (r % B) * row_bytes;
+      std::memcpy(chunk + to, page + from, row_bytes);  // K
+      std::memcpy(chunk + g.slot_bytes() / 2 + to, page + g.slot_bytes() / 2 + from, row_bytes);
+    }
+    const RowChunks rows{chunks.data(), chunk_offsets, row_counts};
+    DecodeAttention attention(g, 1, 2);
+    std::vector<float> out(q.size(), -1.0f);
+    AttendCall call;
+    call.n_seqs = 1;
+    call.seq_ids = s.seqs.data();
+    call.q = q.data();
+    call.out = out.data();
+    call.pages = &pages;
+    call.rows = &rows;
+    attention.validate(s.cache, call);
+    attention.run(s.cache, call);
+    std::vector<double> ref(q.size());
+    std::vector<float> k_all(n * d), v_all(n * d);
+    for (uint32_t h = 0; h < H; ++h) {
+      s.cache.read_tokens(s.seqs[0], 0, h, 0, n, k_all.data(), v_all.data());
+      std::vector<float> ks, vs;
+      auto take = [&](uint64_t t) {
+        ks.insert(ks.end(), k_all.begin() + t * d, k_all.begin() + (t + 1) * d);
+        vs.insert(vs.end(), v_all.begin() + t * d, v_all.begin() + (t + 1) * d);
+      };
+      for (uint64_t t = 0; t < B; ++t) take(t);
+      for (uint64_t t = 20 * B; t < n; ++t) take(t);
+      if (h == 0)
+        for (uint64_t t : tokens) take(t);
+      reference_attention(q.data() + std::size_t{h} * G * d, ks.data(), vs.data(), ks.size() / d, G,
+                          d, ref.data() + std::size_t{h} * G * d);
+    }
+    EXPECT_LT(test::relative_error(out.data(), ref.data(), out.size()), 1e-5)
+        << simd::isa_name(isa);
+    EXPECT_EQ(attention.last_stats().tokens_read, 2 * (B + 5) + 37u);
+    // A chunk count that does not match the rows is refused.
+    const uint32_t bad_offsets[3] = {0, 2, 2};
+    const RowChunks bad{chunks.data(), bad_offsets, row_counts};
+    call.rows = &bad;
+    test::expect_error([&] { attention.validate(s.cache, call); }, Status::invalid_argument,
+                       "37 rows in 2 chunks");
+  }
 }
 
 TEST(DecodeAttention, split_count_does_not_change_the_result_beyond_rounding) {

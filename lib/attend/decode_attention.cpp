@@ -30,7 +30,8 @@ DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_bat
   require(n_threads_ <= 4096, "n_threads=", n_threads_, " is not in 0..4096");
   const std::size_t G = geometry_.group_size, d = geometry_.head_dim, H = geometry_.n_kv_heads;
   const std::size_t pairs = std::size_t{max_batch} * H;
-  const std::size_t max_tasks = std::size_t{kTasksPerThread} * n_threads_ + pairs;
+  // Splitting rounds up once per pair for its pages and once for its row chunks.
+  const std::size_t max_tasks = std::size_t{kTasksPerThread} * n_threads_ + 2 * pairs;
   acc_offset_ = round_to_lines<float>(2 * G);
   partial_stride_ = acc_offset_ + G * d;
   tasks_.resize(max_tasks);
@@ -62,11 +63,25 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
       require(call.seq_ids[j] != call.seq_ids[i], "seq_ids[", j, "] and seq_ids[", i, "] are both ",
               call.seq_ids[i]);
   }
+  const uint32_t pairs = call.n_seqs * g.n_kv_heads;
+  if (call.rows != nullptr) {
+    const RowChunks& rows = *call.rows;
+    require(rows.chunk_offsets != nullptr, "rows->chunk_offsets is NULL");
+    require(rows.row_counts != nullptr, "rows->row_counts is NULL");
+    require(rows.chunk_offsets[0] == 0, "rows->chunk_offsets[0]=", rows.chunk_offsets[0],
+            " is not 0");
+    require(rows.chunks != nullptr || rows.chunk_offsets[pairs] == 0, "rows->chunks is NULL");
+    for (uint32_t pair = 0; pair < pairs; ++pair) {
+      const uint32_t begin = rows.chunk_offsets[pair], end = rows.chunk_offsets[pair + 1];
+      require(begin <= end && end - begin == geometry_.pages_for(rows.row_counts[pair]),
+              "rows: pair ", pair, " has ", rows.row_counts[pair], " rows in ",
+              end >= begin ? end - begin : 0, " chunks of ", g.page_tokens);
+    }
+  }
   if (call.pages == nullptr) return;
   const PageLists& lists = *call.pages;
   require(lists.offsets != nullptr, "pages->offsets is NULL");
   require(lists.offsets[0] == 0, "pages->offsets[0]=", lists.offsets[0], " is not 0");
-  const uint32_t pairs = call.n_seqs * g.n_kv_heads;
   require(lists.page_ids != nullptr || lists.offsets[pairs] == 0, "pages->page_ids is NULL");
   for (uint32_t pair = 0; pair < pairs; ++pair) {
     const uint32_t begin = lists.offsets[pair], end = lists.offsets[pair + 1];
@@ -90,22 +105,30 @@ uint32_t DecodeAttention::plan(const KvCache& cache, const AttendCall& call) noe
     if (call.pages) return call.pages->offsets[pair + 1] - call.pages->offsets[pair];
     return geometry_.pages_for(cache.length_unchecked(call.seq_ids[pair / H], call.layer));
   };
+  auto pair_chunks = [&](uint32_t pair) -> uint64_t {
+    if (!call.rows) return 0;
+    return call.rows->chunk_offsets[pair + 1] - call.rows->chunk_offsets[pair];
+  };
   uint64_t total = 0;
-  for (uint32_t pair = 0; pair < pairs; ++pair) total += pair_pages(pair);
+  for (uint32_t pair = 0; pair < pairs; ++pair) total += pair_pages(pair) + pair_chunks(pair);
   const uint64_t target = std::uint64_t{kTasksPerThread} * n_threads_;
   const uint64_t chunk = std::max<uint64_t>(kMinPagesPerTask, (total + target - 1) / target);
 
   stats_ = AttendStats{};
   uint32_t n_tasks = 0;
-  for (uint32_t pair = 0; pair < pairs; ++pair) {
-    pair_tasks_[pair] = n_tasks;
-    const uint64_t n = pair_pages(pair);
+  auto split = [&](uint32_t pair, uint64_t n, bool rows) {
     const uint64_t splits = (n + chunk - 1) / chunk;
     for (uint64_t s = 0; s < splits; ++s) {
       const uint64_t first = n * s / splits, last = n * (s + 1) / splits;
       tasks_[n_tasks++] =
-          Task{pair, static_cast<uint32_t>(first), static_cast<uint32_t>(last - first)};
+          Task{pair, static_cast<uint32_t>(first), static_cast<uint32_t>(last - first), rows};
     }
+  };
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    pair_tasks_[pair] = n_tasks;
+    const uint64_t n = pair_pages(pair);
+    split(pair, n, false);
+    split(pair, pair_chunks(pair), true);
     const uint64_t length = cache.length_unchecked(call.seq_ids[pair / H], call.layer);
     uint64_t tokens = length;
     if (call.pages) {
@@ -116,7 +139,7 @@ uint32_t DecodeAttention::plan(const KvCache& cache, const AttendCall& call) noe
       tokens = n * B - (has_open ? geometry_.pages_for(length) * B - length : 0);
     }
     stats_.pages_read += n;
-    stats_.tokens_read += tokens;
+    stats_.tokens_read += tokens + (call.rows ? call.rows->row_counts[pair] : 0);
   }
   pair_tasks_[pairs] = n_tasks;
   stats_.bytes_read = stats_.tokens_read * geometry_.token_bytes();
@@ -151,13 +174,22 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
       job.head_dim = d;
       job.page_tokens = B;
       job.dtype = geometry_.dtype;
-      job.pool = cache.pool().base();
-      job.slot_bytes = cache.pool().slot_bytes();
-      job.table = cache.page_table(seq, call.layer, head);
-      job.logical = call.pages ? call.pages->page_ids + call.pages->offsets[task.pair] : nullptr;
+      if (task.rows) {
+        job.pool = call.rows->chunks +
+                   std::size_t{call.rows->chunk_offsets[task.pair]} * geometry_.slot_bytes();
+        job.slot_bytes = geometry_.slot_bytes();
+        job.table = nullptr;
+        job.logical = nullptr;
+        job.seq_tokens = call.rows->row_counts[task.pair];
+      } else {
+        job.pool = cache.pool().base();
+        job.slot_bytes = cache.pool().slot_bytes();
+        job.table = cache.page_table(seq, call.layer, head);
+        job.logical = call.pages ? call.pages->page_ids + call.pages->offsets[task.pair] : nullptr;
+        job.seq_tokens = cache.length_unchecked(seq, call.layer);
+      }
       job.first = task.first;
       job.count = task.count;
-      job.seq_tokens = cache.length_unchecked(seq, call.layer);
       job.m = partial;
       job.l = partial + G;
       job.acc = partial + acc_offset_;

@@ -22,6 +22,15 @@ struct PageLists {
   const uint32_t* page_ids = nullptr;  // ascending logical page ids per pair
 };
 
+// Token rows attended besides the pages, per (sequence, KV head) pair: rows a selector gathered
+// from the cache or reconstructed, packed as the cache packs pages (chunks of page_tokens rows, K
+// then V, in the storage dtype, geometry.slot_bytes() each), so one kernel reads both.
+struct RowChunks {
+  const std::byte* chunks = nullptr;
+  const uint32_t* chunk_offsets = nullptr;  // [pairs + 1] the first chunk of each pair
+  const uint32_t* row_counts = nullptr;     // [pairs]; a pair's last chunk may be partial
+};
+
 struct AttendCall {
   uint32_t layer = 0;
   uint32_t n_seqs = 0;
@@ -29,6 +38,7 @@ struct AttendCall {
   const float* q = nullptr;          // [n_seqs, n_query_heads, head_dim]
   float* out = nullptr;              // [n_seqs, n_query_heads, head_dim]
   const PageLists* pages = nullptr;  // nullptr: every stored page
+  const RowChunks* rows = nullptr;   // nullptr: no rows besides the pages
 };
 
 struct AttendStats {
@@ -54,8 +64,9 @@ class DecodeAttention {
  private:
   struct Task {
     uint32_t pair;   // seq_index * n_kv_heads + kv_head
-    uint32_t first;  // offset into the pair's page range or list
+    uint32_t first;  // offset into the pair's page range or list, or into its row chunks
     uint32_t count;
+    bool rows;  // over the pair's row chunks, not its pages
   };
   uint32_t plan(const KvCache& cache, const AttendCall& call) noexcept;
 
