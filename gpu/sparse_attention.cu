@@ -1,0 +1,633 @@
+// Sparse paged decode attention on sm_90 (gpu/sparse_attention.hpp has the contract and layout).
+//
+// One CTA of 4 warps serves one (pair, head block, split). A K/V row of head_dim elements is read
+// by head_dim / 8 lanes with one 16-byte load each (a "row group"), so a warp reads 32 / (d / 8)
+// rows at once and the CTA kTokens rows per iteration, each row once for all the block's query
+// heads. Every row group keeps its own online-softmax state (m, l, acc) in registers and the CTA
+// combines them once at the end, so the token loop has no barrier. Logits are kept in base 2
+// (q pre-multiplied by log2(e) / sqrt(d)) so that each exponential is one exp2.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <sstream>
+#include <utility>
+
+#include "gpu/sparse_attention.hpp"
+
+namespace kvsift::gpu {
+namespace {
+
+constexpr uint32_t kWarps = 4;
+constexpr uint32_t kThreads = kWarps * 32;
+constexpr uint32_t kMaxBlockHeads = 8;  // partials are laid out with this many heads per block
+constexpr uint32_t kMergeThreads = 128;
+// A split covers at least this many CTA tiles: its partial (m, l, acc for the block's heads) is
+// about 2 KiB at d = 128, G = 4, against 16 KiB of K/V per tile, so two tiles keep the merge's
+// traffic near 6% while short selections still spread over many CTAs.
+constexpr uint32_t kMinTilesPerSplit = 2;
+// Tokens of one pair stay below 2^31 so that split offsets fit 32-bit arithmetic in the kernel.
+constexpr uint64_t kMaxPairTokens = uint64_t{1} << 31;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
+struct Tile {
+  static constexpr uint32_t kLanesPerRow = kHeadDim / 8;  // 8 elements per 16-byte load
+  static constexpr uint32_t kRowsPerWarp = 32 / kLanesPerRow;
+  static constexpr uint32_t kRowsPerStep = kWarps * kRowsPerWarp;
+  // Rows in flight per thread: 4 keeps 128 bytes of K/V loads outstanding per thread; with 8
+  // heads the q and acc registers (2 x 64) leave room for 2.
+  static constexpr uint32_t kRowsPerThread = kBlockHeads <= 4 ? 4 : 2;
+  static constexpr uint32_t kTokens = kRowsPerStep * kRowsPerThread;
+};
+
+uint32_t tile_tokens(uint32_t head_dim, uint32_t block_heads) {
+  const uint32_t rows_per_step = kWarps * (32 / (head_dim / 8));
+  return rows_per_step * (block_heads <= 4 ? 4 : 2);
+}
+
+// The smallest kernel head block that holds the group (groups above 8 take several blocks).
+uint32_t block_heads_for(uint32_t group_size) {
+  return group_size <= 1 ? 1 : group_size <= 2 ? 2 : group_size <= 4 ? 4 : kMaxBlockHeads;
+}
+
+struct AttendParams {
+  const uint16_t* pool;
+  const float* q;
+  float* out;
+  float* partial_m;    // [slots, kMaxBlockHeads]
+  float* partial_l;    // [slots, kMaxBlockHeads]
+  float* partial_acc;  // [slots, kMaxBlockHeads, head_dim]
+  uint32_t group_size;
+  uint32_t page_tokens;
+  uint32_t splits;
+  uint32_t tokens_per_split;
+  uint32_t head_blocks;
+  float q_scale;
+};
+
+// Page form: token i of a pair is row i % page_tokens of its (i / page_tokens)-th listed slot.
+struct PageForm {
+  const uint32_t* offsets;
+  const uint32_t* slots;
+  const uint32_t* last_page_tokens;
+  uint32_t page_shift;  // log2(page_tokens)
+
+  __device__ uint32_t begin(uint32_t pair) const { return __ldg(offsets + pair); }
+  __device__ uint32_t count(uint32_t pair, uint32_t begin) const {
+    const uint32_t pages = __ldg(offsets + pair + 1) - begin;
+    return pages == 0 ? 0 : ((pages - 1) << page_shift) + __ldg(last_page_tokens + pair);
+  }
+  __device__ TokenAddress address(uint32_t begin, uint32_t i) const {
+    return TokenAddress{__ldg(slots + begin + (i >> page_shift)), i & ((1u << page_shift) - 1)};
+  }
+};
+
+// Token form: token i of a pair is its i-th listed (slot, row).
+struct TokenForm {
+  const uint32_t* offsets;
+  const TokenAddress* tokens;
+
+  __device__ uint32_t begin(uint32_t pair) const { return __ldg(offsets + pair); }
+  __device__ uint32_t count(uint32_t pair, uint32_t begin) const {
+    return __ldg(offsets + pair + 1) - begin;
+  }
+  __device__ TokenAddress address(uint32_t begin, uint32_t i) const {
+    const uint2 a = __ldg(reinterpret_cast<const uint2*>(tokens + begin + i));
+    return TokenAddress{a.x, a.y};
+  }
+};
+
+template <simd::Dtype D>
+__device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
+  const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (D == simd::Dtype::f16) {
+      __half2 h;
+      static_assert(sizeof(h) == sizeof(uint32_t));
+      memcpy(&h, &words[i], sizeof(h));
+      const float2 pair = __half22float2(h);
+      f[2 * i] = pair.x;
+      f[2 * i + 1] = pair.y;
+    } else {
+      f[2 * i] = __uint_as_float(words[i] << 16);
+      f[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
+    }
+  }
+}
+
+// Weight of a state with max m_part once the common max is m_all (-inf: both empty).
+__device__ __forceinline__ float rescale(float m_part, float m_all) {
+  return m_all == kNegInf ? 0.0f : exp2f(m_part - m_all);
+}
+
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
+__global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
+  using T = Tile<kHeadDim, kBlockHeads>;
+  constexpr uint32_t R = T::kRowsPerThread;
+  const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
+  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t chunk = lane % T::kLanesPerRow;
+  const uint32_t row_group = warp * T::kRowsPerWarp + lane / T::kLanesPerRow;
+  const uint32_t head0 = block * kBlockHeads;
+  const uint32_t heads = min(kBlockHeads, p.group_size - head0);
+
+  // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
+  float q[kBlockHeads][8];
+  const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim + chunk * 8;
+#pragma unroll
+  for (uint32_t g = 0; g < kBlockHeads; ++g) {
+    float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+    if (g < heads) {
+      lo = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim));
+      hi = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + 4));
+    }
+    q[g][0] = lo.x * p.q_scale, q[g][1] = lo.y * p.q_scale, q[g][2] = lo.z * p.q_scale;
+    q[g][3] = lo.w * p.q_scale, q[g][4] = hi.x * p.q_scale, q[g][5] = hi.y * p.q_scale;
+    q[g][6] = hi.z * p.q_scale, q[g][7] = hi.w * p.q_scale;
+  }
+
+  const uint32_t list_begin = form.begin(pair);
+  const uint32_t n_tokens = form.count(pair, list_begin);
+  const uint32_t first = split * p.tokens_per_split;
+  const uint32_t last = min(n_tokens, first + p.tokens_per_split);
+  const std::size_t slot_elems = std::size_t{2} * p.page_tokens * kHeadDim;
+  const uint32_t v_offset = p.page_tokens * kHeadDim;
+
+  float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][8];
+#pragma unroll
+  for (uint32_t g = 0; g < kBlockHeads; ++g) {
+    m[g] = kNegInf;
+    l[g] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) acc[g][c] = 0.0f;
+  }
+
+  // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
+  for (uint32_t base = first; base < last; base += T::kTokens) {
+    // All K and V loads of the tile first: 2R independent 16-byte loads in flight per thread.
+    uint4 k_raw[R], v_raw[R];
+    bool valid[R];
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      const uint32_t i = base + r * T::kRowsPerStep + row_group;
+      valid[r] = i < last;
+      k_raw[r] = v_raw[r] = make_uint4(0, 0, 0, 0);
+      if (valid[r]) {
+        const TokenAddress a = form.address(list_begin, i);
+        const uint16_t* k =
+            p.pool + a.slot * slot_elems + std::size_t{a.row} * kHeadDim + chunk * 8;
+        k_raw[r] = __ldg(reinterpret_cast<const uint4*>(k));
+        v_raw[r] = __ldg(reinterpret_cast<const uint4*>(k + v_offset));
+      }
+    }
+    float s[R][kBlockHeads];
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      float k[8];
+      to_float8<D>(k_raw[r], k);
+#pragma unroll
+      for (uint32_t g = 0; g < kBlockHeads; ++g) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) dot = fmaf(q[g][c], k[c], dot);
+        s[r][g] = dot;
+      }
+    }
+    // Sum the row group's lanes; xor offsets below kLanesPerRow stay inside the group.
+#pragma unroll
+    for (uint32_t offset = T::kLanesPerRow / 2; offset > 0; offset /= 2)
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r)
+#pragma unroll
+        for (uint32_t g = 0; g < kBlockHeads; ++g)
+          s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], offset);
+
+          // One rescale per tile and head, not one per token.
+#pragma unroll
+    for (uint32_t g = 0; g < kBlockHeads; ++g) {
+      float tile_max = kNegInf;
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        if (!valid[r]) s[r][g] = kNegInf;
+        tile_max = fmaxf(tile_max, s[r][g]);
+      }
+      const float m_new = fmaxf(m[g], tile_max);
+      const float alpha = rescale(m[g], m_new);
+      m[g] = m_new;
+      l[g] *= alpha;
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        s[r][g] = rescale(s[r][g], m_new);  // the probability; 0 for rows past the list
+        l[g] += s[r][g];
+      }
+    }
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      float v[8];
+      to_float8<D>(v_raw[r], v);
+#pragma unroll
+      for (uint32_t g = 0; g < kBlockHeads; ++g)
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[g][c] = fmaf(s[r][g], v[c], acc[g][c]);
+    }
+  }
+
+  // Combine the row groups of the warp (lanes of one chunk in other row groups)...
+#pragma unroll
+  for (uint32_t offset = T::kLanesPerRow; offset < 32; offset *= 2) {
+#pragma unroll
+    for (uint32_t g = 0; g < kBlockHeads; ++g) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[g], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[g], offset);
+      const float m_new = fmaxf(m[g], m_other);
+      const float a = rescale(m[g], m_new), b = rescale(m_other, m_new);
+      l[g] = l[g] * a + l_other * b;
+#pragma unroll
+      for (int c = 0; c < 8; ++c)
+        acc[g][c] = acc[g][c] * a + __shfl_xor_sync(0xffffffffu, acc[g][c], offset) * b;
+      m[g] = m_new;
+    }
+  }
+  // ... then the warps, through shared memory.
+  __shared__ float s_m[kWarps][kBlockHeads], s_l[kWarps][kBlockHeads];
+  __shared__ float s_acc[kWarps][kBlockHeads][kHeadDim];
+  if (lane < T::kLanesPerRow) {
+#pragma unroll
+    for (uint32_t g = 0; g < kBlockHeads; ++g) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) s_acc[warp][g][chunk * 8 + c] = acc[g][c];
+      if (chunk == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
+    }
+  }
+  __syncthreads();
+  const std::size_t partial = (std::size_t{pair} * p.head_blocks + block) * p.splits + split;
+  for (uint32_t e = threadIdx.x; e < kBlockHeads * kHeadDim; e += kThreads) {
+    const uint32_t g = e / kHeadDim, c = e % kHeadDim;
+    if (g >= heads) break;  // e grows with g
+    float m_all = kNegInf;
+#pragma unroll
+    for (uint32_t w = 0; w < kWarps; ++w) m_all = fmaxf(m_all, s_m[w][g]);
+    float l_all = 0.0f, a_all = 0.0f;
+#pragma unroll
+    for (uint32_t w = 0; w < kWarps; ++w) {
+      const float weight = rescale(s_m[w][g], m_all);
+      l_all += s_l[w][g] * weight;
+      a_all += s_acc[w][g][c] * weight;
+    }
+    if (p.splits == 1) {
+      // Nothing listed: zeros, as the CPU kernel writes.
+      p.out[(std::size_t{pair} * p.group_size + head0 + g) * kHeadDim + c] =
+          m_all == kNegInf ? 0.0f : a_all / l_all;
+    } else {
+      const std::size_t at = partial * kMaxBlockHeads + g;
+      if (c == 0) p.partial_m[at] = m_all, p.partial_l[at] = l_all;
+      p.partial_acc[at * kHeadDim + c] = a_all;
+    }
+  }
+}
+
+struct MergeParams {
+  const float* partial_m;
+  const float* partial_l;
+  const float* partial_acc;
+  float* out;
+  uint32_t group_size;
+  uint32_t head_dim;
+  uint32_t block_heads;
+  uint32_t head_blocks;
+  uint32_t splits;
+};
+
+// Split-K merge: rescale each split's partial sums to the common max, then normalise. One CTA
+// per (pair, head block); the threads run over (head, channel) so the accumulator reads coalesce.
+__global__ void __launch_bounds__(kMergeThreads) merge_splits(MergeParams p) {
+  const uint32_t pair = blockIdx.x, block = blockIdx.y;
+  const uint32_t head0 = block * p.block_heads;
+  const uint32_t heads = min(p.block_heads, p.group_size - head0);
+  const std::size_t first = (std::size_t{pair} * p.head_blocks + block) * p.splits;
+  for (uint32_t e = threadIdx.x; e < heads * p.head_dim; e += kMergeThreads) {
+    const uint32_t g = e / p.head_dim, c = e % p.head_dim;
+    float m_all = kNegInf;
+    for (uint32_t s = 0; s < p.splits; ++s)
+      m_all = fmaxf(m_all, p.partial_m[(first + s) * kMaxBlockHeads + g]);
+    float l_all = 0.0f, a_all = 0.0f;
+    for (uint32_t s = 0; s < p.splits; ++s) {
+      const std::size_t at = (first + s) * kMaxBlockHeads + g;
+      const float weight = rescale(p.partial_m[at], m_all);
+      l_all += p.partial_l[at] * weight;
+      a_all += p.partial_acc[at * p.head_dim + c] * weight;
+    }
+    p.out[(std::size_t{pair} * p.group_size + head0 + g) * p.head_dim + c] =
+        m_all == kNegInf ? 0.0f : a_all / l_all;
+  }
+}
+
+template <class Form>
+using AttendKernel = void (*)(AttendParams, Form);
+
+template <simd::Dtype D, uint32_t kHeadDim, class Form>
+AttendKernel<Form> kernel_for_heads(uint32_t block_heads) {
+  switch (block_heads) {
+    case 1: return sparse_attend<D, kHeadDim, 1, Form>;
+    case 2: return sparse_attend<D, kHeadDim, 2, Form>;
+    case 4: return sparse_attend<D, kHeadDim, 4, Form>;
+    default: return sparse_attend<D, kHeadDim, kMaxBlockHeads, Form>;
+  }
+}
+
+template <simd::Dtype D, class Form>
+AttendKernel<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
+  switch (head_dim) {
+    case 64: return kernel_for_heads<D, 64, Form>(block_heads);
+    case 128: return kernel_for_heads<D, 128, Form>(block_heads);
+    default: return kernel_for_heads<D, 256, Form>(block_heads);
+  }
+}
+
+// The instantiation for a shape that init() accepted.
+template <class Form>
+AttendKernel<Form> kernel_for(const AttentionShape& shape) {
+  const uint32_t block_heads = block_heads_for(shape.group_size);
+  return shape.dtype == simd::Dtype::f16
+             ? kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads)
+             : kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads);
+}
+
+template <class... Parts>
+Result invalid(const Parts&... parts) {
+  std::ostringstream message;
+  (message << ... << parts);
+  return Result{false, false, message.str()};
+}
+
+Result from_cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Result{};
+  // No driver or no device (the dev box and CI): "unsupported", as gpu/runtime.cu reports it.
+  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                      err == cudaErrorInitializationError ||
+                      err == cudaErrorCompatNotSupportedOnDevice;
+  cudaGetLastError();  // clear a sticky launch error so later calls start clean
+  return Result{false, absent, std::string(what) + ": " + cudaGetErrorString(err)};
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
+}
+
+Result validate_target(const AttendTarget& t, const AttentionShape& shape, uint32_t max_batch) {
+  if (max_batch == 0) return invalid("SparseDecodeAttention is not initialised (call init first)");
+  if (t.n_seqs < 1 || t.n_seqs > max_batch)
+    return invalid("n_seqs=", t.n_seqs, " is not in 1..", max_batch, " (max_batch)");
+  if (t.pool == nullptr) return invalid("pool is NULL");
+  if (!aligned16(t.pool)) return invalid("pool is not 16-byte aligned");
+  if (t.q == nullptr) return invalid("q is NULL");
+  if (t.out == nullptr) return invalid("out is NULL");
+  if (!aligned16(t.q)) return invalid("q is not 16-byte aligned");
+  const std::size_t bytes =
+      std::size_t{t.n_seqs} * shape.n_query_heads() * shape.head_dim * sizeof(float);
+  const auto q_begin = reinterpret_cast<std::uintptr_t>(t.q);
+  const auto out_begin = reinterpret_cast<std::uintptr_t>(t.out);
+  if (!(q_begin + bytes <= out_begin || out_begin + bytes <= q_begin))
+    return invalid("out overlaps q");
+  return Result{};
+}
+
+// offsets must be present in both views, start at 0 and never decrease; tokens_per_entry turns
+// entries into tokens for the per-pair bound.
+Result validate_offsets(const uint32_t* host, const uint32_t* device, uint32_t pairs,
+                        uint64_t tokens_per_entry) {
+  if (host == nullptr) return invalid("host.offsets is NULL");
+  if (device == nullptr) return invalid("device.offsets is NULL");
+  if (host[0] != 0) return invalid("host.offsets[0]=", host[0], " is not 0");
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    if (host[pair + 1] < host[pair])
+      return invalid("host.offsets decreases at ", pair + 1, " (", host[pair], " then ",
+                     host[pair + 1], ")");
+    if (uint64_t{host[pair + 1] - host[pair]} * tokens_per_entry >= kMaxPairTokens)
+      return invalid("pair ", pair, " lists ", host[pair + 1] - host[pair],
+                     " entries: over 2^31 tokens");
+  }
+  return Result{};
+}
+
+// Splits per pair from the longest list: enough CTAs for the device's resident capacity, each
+// at least kMinTilesPerSplit tiles, then the split rounded up to whole tiles.
+SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_per_entry,
+                      const AttentionShape& shape, uint32_t target_ctas) {
+  SplitPlan plan;
+  const uint32_t block_heads = block_heads_for(shape.group_size);
+  plan.head_blocks = (shape.group_size + block_heads - 1) / block_heads;
+  uint64_t longest = 0;
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    const uint64_t tokens = uint64_t{offsets[pair + 1] - offsets[pair]} * tokens_per_entry;
+    longest = std::max(longest, tokens);
+    plan.tokens += tokens;
+  }
+  plan.kv_bytes = plan.tokens * 2 * shape.head_dim * sizeof(uint16_t) * plan.head_blocks;
+  const uint64_t tile = tile_tokens(shape.head_dim, block_heads);
+  const uint64_t units = uint64_t{pairs} * plan.head_blocks;
+  const uint64_t wanted = (target_ctas + units - 1) / units;
+  const uint64_t most =
+      std::max<uint64_t>(1, (longest + kMinTilesPerSplit * tile - 1) / (kMinTilesPerSplit * tile));
+  uint64_t splits = std::clamp<uint64_t>(wanted, 1, most);
+  uint64_t per_split = (longest + splits - 1) / splits;
+  per_split = std::max<uint64_t>(tile, (per_split + tile - 1) / tile * tile);
+  splits = std::max<uint64_t>(1, (longest + per_split - 1) / per_split);
+  plan.splits_per_pair = static_cast<uint32_t>(splits);
+  plan.tokens_per_split = static_cast<uint32_t>(per_split);
+  plan.ctas = units * splits;
+  return plan;
+}
+
+template <class Form>
+Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t tokens_per_entry,
+              const Form& form, const AttentionShape& shape, uint32_t target_ctas,
+              std::size_t partial_slots, float* partials, SplitPlan& plan) {
+  const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
+  plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, target_ctas);
+  if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
+    return Result{false, false, "split plan exceeds the workspace (internal error)"};
+  const uint32_t block_heads = block_heads_for(shape.group_size);
+  AttendParams params{};
+  params.pool = static_cast<const uint16_t*>(t.pool);
+  params.q = t.q;
+  params.out = t.out;
+  params.partial_m = partials;
+  params.partial_l = partials + partial_slots * kMaxBlockHeads;
+  params.partial_acc = partials + 2 * partial_slots * kMaxBlockHeads;
+  params.group_size = shape.group_size;
+  params.page_tokens = shape.page_tokens;
+  params.splits = plan.splits_per_pair;
+  params.tokens_per_split = plan.tokens_per_split;
+  params.head_blocks = plan.head_blocks;
+  params.q_scale = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
+  const auto stream = static_cast<cudaStream_t>(t.stream);
+  const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
+  kernel_for<Form>(shape)<<<grid, kThreads, 0, stream>>>(params, form);
+  if (Result r = from_cuda(cudaGetLastError(), "sparse attention launch"); !r.ok) return r;
+  if (plan.splits_per_pair == 1) return Result{};
+  MergeParams merge{params.partial_m,    params.partial_l, params.partial_acc, t.out,
+                    shape.group_size,    shape.head_dim,   block_heads,        plan.head_blocks,
+                    plan.splits_per_pair};
+  merge_splits<<<dim3(pairs, plan.head_blocks), kMergeThreads, 0, stream>>>(merge);
+  return from_cuda(cudaGetLastError(), "split merge launch");
+}
+
+uint32_t log2_exact(uint32_t power_of_two) {
+  uint32_t shift = 0;
+  while ((1u << shift) < power_of_two) ++shift;
+  return shift;
+}
+
+}  // namespace
+
+SparseDecodeAttention::~SparseDecodeAttention() {
+  release();
+}
+
+SparseDecodeAttention::SparseDecodeAttention(SparseDecodeAttention&& other) noexcept {
+  *this = std::move(other);
+}
+
+SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& other) noexcept {
+  if (this == &other) return *this;
+  release();
+  shape_ = other.shape_;
+  max_batch_ = std::exchange(other.max_batch_, 0);
+  target_ctas_ = std::exchange(other.target_ctas_, 0);
+  partial_slots_ = std::exchange(other.partial_slots_, 0);
+  partials_ = std::exchange(other.partials_, nullptr);
+  plan_ = other.plan_;
+  return *this;
+}
+
+void SparseDecodeAttention::release() noexcept {
+  if (partials_ != nullptr) cudaFree(partials_);
+  partials_ = nullptr;
+  max_batch_ = 0;
+  partial_slots_ = 0;
+}
+
+Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch) {
+  if (shape.n_kv_heads < 1 || shape.n_kv_heads > 1024)
+    return invalid("n_kv_heads=", shape.n_kv_heads, " is not in 1..1024");
+  if (shape.group_size < 1 || shape.group_size > 64)
+    return invalid("group_size=", shape.group_size, " is not in 1..64");
+  if (shape.head_dim != 64 && shape.head_dim != 128 && shape.head_dim != 256)
+    return invalid("head_dim=", shape.head_dim, " is not 64, 128 or 256");
+  if (shape.page_tokens != 16 && shape.page_tokens != 32 && shape.page_tokens != 64)
+    return invalid("page_tokens=", shape.page_tokens, " is not 16, 32 or 64");
+  if (shape.dtype != simd::Dtype::f16 && shape.dtype != simd::Dtype::bf16)
+    return invalid("dtype=", static_cast<int>(shape.dtype), " is not f16 (0) or bf16 (1)");
+  if (max_batch < 1 || max_batch > 65536)
+    return invalid("max_batch=", max_batch, " is not in 1..65536");
+
+  release();
+  int device = 0, multiprocessors = 0, resident = 0;
+  if (Result r = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !r.ok) return r;
+  if (Result r = from_cuda(
+          cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
+          "multiprocessor count");
+      !r.ok)
+    return r;
+  // The page and token kernels of a shape use the same registers within a few; one bound serves.
+  if (Result r = from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                               &resident, kernel_for<PageForm>(shape), kThreads, 0),
+                           "occupancy query");
+      !r.ok)
+    return r;
+  const uint32_t target = static_cast<uint32_t>(multiprocessors) * std::max(resident, 1);
+  const uint32_t block_heads = block_heads_for(shape.group_size);
+  const uint64_t head_blocks = (shape.group_size + block_heads - 1) / block_heads;
+  const std::size_t slots = target + uint64_t{max_batch} * shape.n_kv_heads * head_blocks;
+  const std::size_t floats = slots * kMaxBlockHeads * (2 + std::size_t{shape.head_dim});
+  void* memory = nullptr;
+  if (Result r = from_cuda(cudaMalloc(&memory, floats * sizeof(float)), "split workspace"); !r.ok)
+    return r;
+  shape_ = shape;
+  max_batch_ = max_batch;
+  target_ctas_ = target;
+  partial_slots_ = slots;
+  partials_ = static_cast<float*>(memory);
+  plan_ = SplitPlan{};
+  return Result{};
+}
+
+Result SparseDecodeAttention::validate(const PageAttendCall& call) const {
+  if (Result r = validate_target(call.target, shape_, max_batch_); !r.ok) return r;
+  const uint32_t pairs = call.target.n_seqs * shape_.n_kv_heads;
+  if (Result r =
+          validate_offsets(call.host.offsets, call.device.offsets, pairs, shape_.page_tokens);
+      !r.ok)
+    return r;
+  if (call.host.offsets[pairs] == 0) return Result{};
+  if (call.host.slots == nullptr) return invalid("host.slots is NULL");
+  if (call.device.slots == nullptr) return invalid("device.slots is NULL");
+  if (call.host.last_page_tokens == nullptr) return invalid("host.last_page_tokens is NULL");
+  if (call.device.last_page_tokens == nullptr) return invalid("device.last_page_tokens is NULL");
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    const uint32_t begin = call.host.offsets[pair], end = call.host.offsets[pair + 1];
+    for (uint32_t i = begin; i < end; ++i)
+      if (call.host.slots[i] >= call.target.n_slots)
+        return invalid("host.slots[", i, "]=", call.host.slots[i],
+                       " is out of range (n_slots=", call.target.n_slots, ")");
+    const uint32_t last = call.host.last_page_tokens[pair];
+    if (end > begin && (last < 1 || last > shape_.page_tokens))
+      return invalid("host.last_page_tokens[", pair, "]=", last, " is not in 1..",
+                     shape_.page_tokens, " (page_tokens)");
+  }
+  return Result{};
+}
+
+Result SparseDecodeAttention::validate(const TokenAttendCall& call) const {
+  if (Result r = validate_target(call.target, shape_, max_batch_); !r.ok) return r;
+  const uint32_t pairs = call.target.n_seqs * shape_.n_kv_heads;
+  if (Result r = validate_offsets(call.host.offsets, call.device.offsets, pairs, 1); !r.ok)
+    return r;
+  const uint32_t total = call.host.offsets[pairs];
+  if (total == 0) return Result{};
+  if (call.host.tokens == nullptr) return invalid("host.tokens is NULL");
+  if (call.device.tokens == nullptr) return invalid("device.tokens is NULL");
+  if (reinterpret_cast<std::uintptr_t>(call.device.tokens) % alignof(uint64_t) != 0)
+    return invalid("device.tokens is not 8-byte aligned");
+  for (uint32_t i = 0; i < total; ++i) {
+    const TokenAddress a = call.host.tokens[i];
+    if (a.slot >= call.target.n_slots)
+      return invalid("host.tokens[", i, "].slot=", a.slot,
+                     " is out of range (n_slots=", call.target.n_slots, ")");
+    if (a.row >= shape_.page_tokens)
+      return invalid("host.tokens[", i, "].row=", a.row,
+                     " is not below page_tokens=", shape_.page_tokens);
+  }
+  return Result{};
+}
+
+Result SparseDecodeAttention::run(const PageAttendCall& call) noexcept {
+  if (max_batch_ == 0) return invalid("SparseDecodeAttention is not initialised (call init first)");
+  if (call.target.n_seqs < 1 || call.target.n_seqs > max_batch_ || call.host.offsets == nullptr)
+    return invalid("run() needs a call that validate() accepted (n_seqs=", call.target.n_seqs,
+                   ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
+  const PageForm form{call.device.offsets, call.device.slots, call.device.last_page_tokens,
+                      log2_exact(shape_.page_tokens)};
+  return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, target_ctas_,
+                partial_slots_, partials_, plan_);
+}
+
+Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
+  if (max_batch_ == 0) return invalid("SparseDecodeAttention is not initialised (call init first)");
+  if (call.target.n_seqs < 1 || call.target.n_seqs > max_batch_ || call.host.offsets == nullptr)
+    return invalid("run() needs a call that validate() accepted (n_seqs=", call.target.n_seqs,
+                   ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
+  const TokenForm form{call.device.offsets, call.device.tokens};
+  return launch(call.target, call.host.offsets, 1, form, shape_, target_ctas_, partial_slots_,
+                partials_, plan_);
+}
+
+}  // namespace kvsift::gpu

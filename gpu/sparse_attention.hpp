@@ -1,0 +1,148 @@
+// Sparse paged decode attention on the GPU: a batch of sequences, one query token each, all query
+// heads of one layer, over the pages (or tokens) a selector chose, with the pages already in a
+// device page pool. Plain C++: lib/ includes this without CUDA headers; a build without CUDA
+// defines every function to return Result{unsupported}.
+//
+// Data layout (stated once, here; every pointer named "device" is device memory):
+// - Pool: slots of slot_bytes = 2 * page_tokens * head_dim * 2 bytes, each K [page_tokens,
+//   head_dim] then V [page_tokens, head_dim] in the storage dtype: the host pool's slot layout
+//   (lib/cache/geometry.hpp), so a host page moves to the device as one unit. 16-byte aligned.
+// - q, out: [n_seqs, n_kv_heads * group_size, head_dim] fp32, query head kv_head * group_size + g
+//   (the CPU kernel's layout, lib/attend/decode_attention.hpp). q is unscaled; 1/sqrt(head_dim) is
+//   applied here.
+// - Lists: compressed rows over the pairs = n_seqs * n_kv_heads (sequence, KV head) pairs,
+//   sequence-major (pair = seq_index * n_kv_heads + kv_head), as lib/attend's PageLists.
+//   Page form: each pair lists device slots, one per page; every listed page is full except the
+//   pair's last, which holds last_page_tokens[pair] tokens (the sequence's open page, or a full
+//   page when the selection left the open page out). Token form: each pair lists token addresses
+//   (slot, row), for selectors that return tokens (Louver).
+// A pair with nothing listed gets zeros, as on the CPU.
+//
+// The kernel is flash-decoding: each (pair, split) is one CTA that reads its share of the pair's
+// K/V rows once for all G query heads (GQA), keeps an fp32 online softmax, and leaves an
+// unnormalised partial (max, sum, accumulator); a merge kernel combines the splits. Split sizes
+// are picked per call from the longest list so that the grid fills the device; a call whose lists
+// fit one split per pair writes the output directly and skips the merge.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "gpu/host_memory.hpp"
+#include "simd/kernels.hpp"
+
+namespace kvsift::gpu {
+
+// What the kernels are instantiated for: head_dim 64, 128 or 256; page_tokens 16, 32 or 64;
+// group_size 1..64 (groups above 8 are served in blocks of 8 heads, each block reading the pages
+// again); fp16 or bf16.
+struct AttentionShape {
+  uint32_t n_kv_heads = 1;
+  uint32_t group_size = 1;
+  uint32_t head_dim = 128;
+  uint32_t page_tokens = 16;
+  simd::Dtype dtype = simd::Dtype::f16;
+
+  std::size_t slot_bytes() const noexcept {
+    return std::size_t{2} * page_tokens * head_dim * sizeof(uint16_t);
+  }
+  uint32_t n_query_heads() const noexcept { return n_kv_heads * group_size; }
+};
+
+// One token of a pool slot: K at pool + slot * slot_bytes + row * head_dim * 2 bytes.
+struct TokenAddress {
+  uint32_t slot;
+  uint32_t row;  // < page_tokens
+};
+
+// Page-form lists, one view in host memory and one in device memory with the same contents.
+struct PageLists {
+  const uint32_t* offsets = nullptr;           // [pairs + 1], offsets[0] == 0, non-decreasing
+  const uint32_t* slots = nullptr;             // [offsets[pairs]] pool slots
+  const uint32_t* last_page_tokens = nullptr;  // [pairs] 1..page_tokens (read where listed)
+};
+
+// Token-form lists, likewise.
+struct TokenLists {
+  const uint32_t* offsets = nullptr;     // [pairs + 1], offsets[0] == 0, non-decreasing
+  const TokenAddress* tokens = nullptr;  // [offsets[pairs]]
+};
+
+// The arguments both forms share.
+struct AttendTarget {
+  uint32_t n_seqs = 0;
+  const void* pool = nullptr;  // device, 16-byte aligned
+  uint64_t n_slots = 0;        // slots in the pool: every listed slot is below this
+  const float* q = nullptr;    // device [n_seqs, n_query_heads, head_dim]
+  float* out = nullptr;        // device [n_seqs, n_query_heads, head_dim]
+  void* stream = nullptr;      // a cudaStream_t; nullptr is the legacy default stream
+};
+
+struct PageAttendCall {
+  AttendTarget target;
+  PageLists host;    // validate() reads all of it; run() reads offsets only (split planning)
+  PageLists device;  // what the kernel reads
+};
+
+struct TokenAttendCall {
+  AttendTarget target;
+  TokenLists host;  // as in PageAttendCall
+  TokenLists device;
+};
+
+// How the last call was split, and what it read.
+struct SplitPlan {
+  uint32_t splits_per_pair = 0;   // CTAs per (pair, head block); 1: no merge kernel
+  uint32_t tokens_per_split = 0;  // a multiple of the CTA's token tile
+  uint32_t head_blocks = 0;       // ceil(group_size / 8) rounded up to the kernel's block
+  uint64_t ctas = 0;              // attention CTAs launched
+  uint64_t tokens = 0;            // listed tokens summed over pairs (page form: an upper bound,
+                                  // full pages; the open page's missing rows are not read)
+  uint64_t kv_bytes = 0;          // K + V bytes those tokens occupy, times head_blocks
+};
+
+// Owns the split workspace on one device (the current device when init() ran). Use from one
+// host thread at a time; calls are asynchronous on the call's stream, and a call may reuse the
+// workspace of the previous one, so two calls on different streams must be ordered by the
+// caller. Movable, not copyable.
+class SparseDecodeAttention {
+ public:
+  SparseDecodeAttention() = default;
+  ~SparseDecodeAttention();
+  SparseDecodeAttention(SparseDecodeAttention&& other) noexcept;
+  SparseDecodeAttention& operator=(SparseDecodeAttention&& other) noexcept;
+  SparseDecodeAttention(const SparseDecodeAttention&) = delete;
+  SparseDecodeAttention& operator=(const SparseDecodeAttention&) = delete;
+
+  // Checks the shape and max_batch (1..65536) before touching the device, so bad arguments are
+  // reported as such even where no device is present; then reads the device's multiprocessor
+  // count and occupancy, and allocates the split workspace for max_batch sequences.
+  Result init(const AttentionShape& shape, uint32_t max_batch);
+
+  // Host-side checks of a call against the shape: n_seqs, pointers, alignment, offsets, and every
+  // listed slot, row and last-page count in the host view. Reads no device memory.
+  Result validate(const PageAttendCall& call) const;
+  Result validate(const TokenAttendCall& call) const;
+
+  // Enqueues the attention (and the merge where the call splits) on the call's stream; does not
+  // synchronise. Requires a call that validate() accepted: only init, n_seqs and the launch are
+  // checked here. The returned Result reports launch errors; errors of the kernel's execution
+  // surface at the caller's next synchronisation.
+  Result run(const PageAttendCall& call) noexcept;
+  Result run(const TokenAttendCall& call) noexcept;
+
+  const SplitPlan& last_plan() const noexcept { return plan_; }
+  const AttentionShape& shape() const noexcept { return shape_; }
+
+ private:
+  void release() noexcept;
+
+  AttentionShape shape_{};
+  uint32_t max_batch_ = 0;
+  uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
+  std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
+  float* partials_ = nullptr;      // device: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
+  SplitPlan plan_{};
+};
+
+}  // namespace kvsift::gpu

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# The GPU attention check: build, test against the float64 reference, benchmark, in one call.
+#
+#   scripts/gpu_check.sh stage   Here, where the project's dependencies are installed: configure
+#                                build-gpu with CUDA, build the GPU test and benchmark (-j2), and
+#                                stage them with the libraries the GPU machine lacks in
+#                                build-gpu/stage.
+#   scripts/gpu_check.sh [run]   On the GPU machine (device tool: carry build-gpu/stage): build
+#                                there when the project's dependencies are installed, else use the
+#                                staged binaries; then the tests (label gpu), compute-sanitizer
+#                                memcheck and racecheck on a few small cases, and the benchmark.
+#                                Logs go to $OUT (or build-gpu/out); a short table comes last.
+#
+# The H200 machine's image has CUDA, CMake and ninja but not the Debian packages the project's
+# configure requires (xsimd, ICU, oneDNN, GoogleTest, Google Benchmark), hence the staging. The
+# two binaries link only the gpu objects, the float64 reference, GoogleTest (static) and Google
+# Benchmark, so they need nothing from the CPU library at run time.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-run}
+build=build-gpu
+stage=$build/stage
+targets=(kvsift_gpu_tests kvsift-bench-gpu-attend)
+
+configure_and_build() {
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" >/dev/null
+  cmake --build "$build" -j2 --target "${targets[@]}"
+}
+
+if [[ $mode == stage ]]; then
+  configure_and_build
+  rm -rf "$stage" && mkdir -p "$stage"
+  cp "$build/tests/kvsift_gpu_tests" "$build/bench/kvsift-bench-gpu-attend" "$stage/"
+  # Shared libraries the binaries need beyond glibc: the GPU machine has no Google Benchmark, and
+  # its own libcudart and libstdc++ may differ from the ones linked here.
+  for lib in libbenchmark.so.1debian libcudart.so.13 libstdc++.so.6 libgcc_s.so.1; do
+    path=$(ldd "$stage/kvsift-bench-gpu-attend" | awk -v l="$lib" '$1 == l { print $3 }')
+    [[ -n $path ]] && cp -L "$path" "$stage/"
+  done
+  ls -l "$stage"
+  exit 0
+fi
+
+out=${OUT:-$build/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv |
+  tee "$out/gpu.txt"
+
+if [[ -f /usr/include/gtest/gtest.h && -f /usr/include/benchmark/benchmark.h &&
+  -d /usr/include/xsimd ]] && configure_and_build >"$out/build.log" 2>&1; then
+  bin_test=$build/tests/kvsift_gpu_tests
+  bin_bench=$build/bench/kvsift-bench-gpu-attend
+  echo "built here"
+elif [[ -x $stage/kvsift_gpu_tests ]]; then
+  export LD_LIBRARY_PATH=$PWD/$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  bin_test=$stage/kvsift_gpu_tests
+  bin_bench=$stage/kvsift-bench-gpu-attend
+  echo "project dependencies missing here: running the staged binaries"
+else
+  echo "cannot build here and no staged binaries in $stage (run 'scripts/gpu_check.sh stage')" >&2
+  exit 1
+fi
+
+status=0
+"$bin_test" --gtest_brief=1 2>&1 | tee "$out/test.log" || status=1
+
+small='*b1_g4_d128_p16_bf16_pages:*b4_g4_d64_p16_f16_tokens:*g12*:*short_selection*:*nothing_listed*'
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin_test" --gtest_filter="$small" \
+      --gtest_brief=1 >"$out/sanitizer_$tool.log" 2>&1 || status=1
+    echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+      "$out/sanitizer_$tool.log" | tail -1)"
+  done
+fi
+
+"$bin_bench" --benchmark_repetitions=5 --benchmark_min_time=0.1 \
+  --benchmark_report_aggregates_only=true --benchmark_out="$out/bench.json" \
+  --benchmark_out_format=json >"$out/bench.txt" 2>&1 || status=1
+
+echo
+grep -E '^\[  (PASSED|FAILED)|tests? ran' "$out/test.log" || true
+# Median and spread per case: time per call, TB/s of K+V, and the share of copy bandwidth.
+python3 - "$out/bench.json" <<'PY' || cat "$out/bench.txt"
+import json, sys
+runs = json.load(open(sys.argv[1]))["benchmarks"]
+by = {}
+for r in runs:
+    by.setdefault(r["run_name"], {})[r.get("aggregate_name", "")] = r
+print(f"{'case':58} {'us/call':>8} {'min':>8} {'max':>8} {'TB/s':>6} {'of_copy':>7} {'splits':>6}")
+for name, agg in by.items():
+    med, lo, hi = agg.get("median"), agg.get("min"), agg.get("max")
+    if med is None:
+        continue
+    print(f"{name:58} {med['real_time']:8.1f} {lo['real_time']:8.1f} {hi['real_time']:8.1f} "
+          f"{med.get('TBps', 0):6.2f} {med.get('of_copy', 0):7.2f} {med.get('splits', 0):6.0f}")
+PY
+exit $status

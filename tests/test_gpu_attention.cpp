@@ -1,0 +1,463 @@
+// GPU sparse paged decode attention (gpu/sparse_attention.hpp) against the float64 CPU reference
+// on the same stored fp16/bf16 values: batches, GQA groups, head sizes, page sizes, both list
+// forms, partial and empty lists, split and unsplit plans, and the argument checks. Every output
+// buffer is poisoned with NaN first, and pool memory no list may read (the open page's rows past
+// the sequence, spare slots) holds NaN too, so a missed write or a stray read shows.
+//
+// The tests skip where the build has no CUDA or no usable device is present (the dev box and CI);
+// scripts/gpu_check.sh runs them on the H200.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "gpu/host_memory.hpp"
+#include "gpu/sparse_attention.hpp"
+#include "lib/attend/reference_attention.hpp"
+#include "simd/half.hpp"
+#include "test_util.hpp"
+
+#if KVSIFT_TEST_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+using namespace kvsift;
+
+#if KVSIFT_TEST_WITH_CUDA
+
+namespace {
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// Device allocations of one test, freed at its end. The tests run only where init() found a
+// device, so a failing CUDA call here is a test failure, not a skip.
+class DeviceMemory {
+ public:
+  ~DeviceMemory() {
+    for (void* p : blocks_) cudaFree(p);
+  }
+  template <class T>
+  T* upload(const std::vector<T>& host) {
+    T* p = allocate<T>(std::max<std::size_t>(host.size(), 1));
+    if (!host.empty())
+      check(cudaMemcpy(p, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return p;
+  }
+  // n floats, every one NaN (all-ones bytes are a NaN pattern).
+  float* poisoned(std::size_t n) {
+    float* p = allocate<float>(n);
+    check(cudaMemset(p, 0xff, n * sizeof(float)));
+    return p;
+  }
+  template <class T>
+  T* allocate(std::size_t n) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, n * sizeof(T)));
+    blocks_.push_back(p);
+    return static_cast<T*>(p);
+  }
+  static std::vector<float> download(const float* p, std::size_t n) {
+    std::vector<float> host(n);
+    check(cudaDeviceSynchronize());
+    check(cudaMemcpy(host.data(), p, n * sizeof(float), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  static void check(cudaError_t err) { ASSERT_EQ(err, cudaSuccess) << cudaGetErrorString(err); }
+
+ private:
+  std::vector<void*> blocks_;
+};
+
+enum class Form { pages, tokens };
+
+struct Case {
+  uint32_t n_seqs;
+  uint32_t group_size;
+  uint32_t head_dim;
+  uint32_t page_tokens;
+  simd::Dtype dtype;
+  Form form;
+  uint32_t n_kv_heads = 2;
+  uint32_t max_context_pages = 40;  // each sequence holds 1..this many pages per KV head
+  double keep = 0.5;                // share of pages (or tokens) a pair lists
+};
+
+std::string case_name(const Case& c) {
+  std::ostringstream name;
+  name << "b" << c.n_seqs << "_g" << c.group_size << "_d" << c.head_dim << "_p" << c.page_tokens
+       << (c.dtype == simd::Dtype::f16 ? "_f16" : "_bf16")
+       << (c.form == Form::pages ? "_pages" : "_tokens");
+  return name.str();
+}
+
+// A pool of random K/V pages, per (sequence, KV head) a context in randomly placed slots, a
+// selection over it in both list forms, and the queries.
+struct Problem {
+  gpu::AttentionShape shape;
+  uint32_t n_seqs = 0;
+  uint64_t n_slots = 0;
+  std::vector<uint16_t> pool;
+  std::vector<float> q;
+  // Page form.
+  std::vector<uint32_t> page_offsets{0}, slots, last_page_tokens;
+  // Token form.
+  std::vector<uint32_t> token_offsets{0};
+  std::vector<gpu::TokenAddress> tokens;
+  // What each pair attends to in the form under test, for the reference.
+  std::vector<std::vector<gpu::TokenAddress>> attended;
+
+  uint32_t pairs() const { return n_seqs * shape.n_kv_heads; }
+  std::size_t out_elems() const {
+    return std::size_t{n_seqs} * shape.n_query_heads() * shape.head_dim;
+  }
+  uint16_t encode(float x) const {
+    return shape.dtype == simd::Dtype::f16 ? simd::f32_to_f16(x) : simd::f32_to_bf16(x);
+  }
+  float decode(uint16_t h) const {
+    return shape.dtype == simd::Dtype::f16 ? simd::f16_to_f32(h) : simd::bf16_to_f32(h);
+  }
+  const uint16_t* row(gpu::TokenAddress a, bool value) const {
+    const std::size_t page = std::size_t{shape.page_tokens} * shape.head_dim;
+    return pool.data() + a.slot * 2 * page + (value ? page : 0) +
+           std::size_t{a.row} * shape.head_dim;
+  }
+};
+
+// context_pages[pair] pages of which the last holds last_tokens[pair] rows; a pair with
+// context_pages 0 lists nothing.
+Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& context_pages,
+                     const std::vector<uint32_t>& last_tokens) {
+  Problem p;
+  p.shape = gpu::AttentionShape{c.n_kv_heads, c.group_size, c.head_dim, c.page_tokens, c.dtype};
+  p.n_seqs = c.n_seqs;
+  const uint32_t B = c.page_tokens, d = c.head_dim;
+  std::mt19937 rng(seed);
+  const uint32_t total_pages = std::accumulate(context_pages.begin(), context_pages.end(), 0u);
+  p.n_slots = total_pages + 7;  // spare slots, never listed, all NaN
+  std::vector<uint32_t> placement(p.n_slots);
+  std::iota(placement.begin(), placement.end(), 0u);
+  std::shuffle(placement.begin(), placement.end(), rng);
+
+  const std::size_t slot_elems = 2 * std::size_t{B} * d;
+  p.pool.assign(p.n_slots * slot_elems, p.encode(kNaN));
+  const std::vector<float> k_values = test::random_floats(total_pages * B * d, seed + 1, 2.0f);
+  const std::vector<float> v_values = test::random_floats(total_pages * B * d, seed + 2);
+  p.q = test::random_floats(p.out_elems(), seed + 3);
+
+  std::bernoulli_distribution keep(c.keep);
+  uint32_t next_page = 0;
+  p.attended.resize(p.pairs());
+  for (uint32_t pair = 0; pair < p.pairs(); ++pair) {
+    std::vector<gpu::TokenAddress> pair_tokens;
+    for (uint32_t page = 0; page < context_pages[pair]; ++page, ++next_page) {
+      const uint32_t slot = placement[next_page];
+      const bool open = page + 1 == context_pages[pair];
+      const uint32_t rows = open ? last_tokens[pair] : B;
+      for (uint32_t r = 0; r < rows; ++r)
+        for (uint32_t ch = 0; ch < d; ++ch) {
+          const std::size_t from = (std::size_t{next_page} * B + r) * d + ch;
+          p.pool[slot * slot_elems + std::size_t{r} * d + ch] = p.encode(k_values[from]);
+          p.pool[slot * slot_elems + std::size_t{B + r} * d + ch] = p.encode(v_values[from]);
+        }
+      // A selector always keeps the open page (DESIGN.md section 3); others at random.
+      if (open || keep(rng)) {
+        p.slots.push_back(slot);
+        if (c.form == Form::pages)
+          for (uint32_t r = 0; r < rows; ++r) p.attended[pair].push_back({slot, r});
+      }
+      for (uint32_t r = 0; r < rows; ++r) pair_tokens.push_back({slot, r});
+    }
+    p.page_offsets.push_back(static_cast<uint32_t>(p.slots.size()));
+    p.last_page_tokens.push_back(context_pages[pair] ? last_tokens[pair] : 0);
+    // Token form: a random subset of the context's tokens in random order (Louver's tokens are
+    // not sorted by position).
+    std::shuffle(pair_tokens.begin(), pair_tokens.end(), rng);
+    for (const gpu::TokenAddress& a : pair_tokens)
+      if (keep(rng)) {
+        p.tokens.push_back(a);
+        if (c.form == Form::tokens) p.attended[pair].push_back(a);
+      }
+    p.token_offsets.push_back(static_cast<uint32_t>(p.tokens.size()));
+  }
+  return p;
+}
+
+Problem make_random_problem(const Case& c, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<uint32_t> pages(1, c.max_context_pages);
+  std::uniform_int_distribution<uint32_t> rows(1, c.page_tokens);
+  std::vector<uint32_t> context_pages, last_tokens;
+  for (uint32_t pair = 0; pair < c.n_seqs * c.n_kv_heads; ++pair) {
+    context_pages.push_back(pages(rng));
+    last_tokens.push_back(rows(rng));
+  }
+  return make_problem(c, seed, context_pages, last_tokens);
+}
+
+std::vector<double> reference(const Problem& p) {
+  const uint32_t G = p.shape.group_size, d = p.shape.head_dim;
+  std::vector<double> out(p.out_elems());
+  for (uint32_t pair = 0; pair < p.pairs(); ++pair) {
+    std::vector<float> k, v;
+    for (const gpu::TokenAddress& a : p.attended[pair])
+      for (uint32_t ch = 0; ch < d; ++ch) {
+        k.push_back(p.decode(p.row(a, false)[ch]));
+        v.push_back(p.decode(p.row(a, true)[ch]));
+      }
+    reference_attention(p.q.data() + std::size_t{pair} * G * d, k.data(), v.data(),
+                        p.attended[pair].size(), G, d, out.data() + std::size_t{pair} * G * d);
+  }
+  return out;
+}
+
+// The device copies of a problem and the calls over them.
+struct DeviceProblem {
+  DeviceMemory memory;
+  gpu::PageAttendCall pages;
+  gpu::TokenAttendCall tokens;
+  float* out = nullptr;
+
+  explicit DeviceProblem(const Problem& p) {
+    gpu::AttendTarget target;
+    target.n_seqs = p.n_seqs;
+    target.pool = memory.upload(p.pool);
+    target.n_slots = p.n_slots;
+    target.q = memory.upload(p.q);
+    target.out = out = memory.poisoned(p.out_elems());
+    pages.target = tokens.target = target;
+    pages.host = {p.page_offsets.data(), p.slots.data(), p.last_page_tokens.data()};
+    pages.device = {memory.upload(p.page_offsets), memory.upload(p.slots),
+                    memory.upload(p.last_page_tokens)};
+    tokens.host = {p.token_offsets.data(), p.tokens.data()};
+    tokens.device = {memory.upload(p.token_offsets), memory.upload(p.tokens)};
+  }
+};
+
+#define ASSERT_OK(expr)                             \
+  do {                                              \
+    const gpu::Result r_ = (expr);                  \
+    ASSERT_TRUE(r_.ok) << #expr ": " << r_.message; \
+  } while (0)
+
+// Runs the case's form and checks it against the reference; returns the output.
+std::vector<float> run_and_check(const Problem& p, Form form, gpu::SplitPlan* plan = nullptr) {
+  DeviceProblem dev(p);
+  gpu::SparseDecodeAttention attention;
+  std::vector<float> out;
+  [&] {
+    ASSERT_OK(attention.init(p.shape, p.n_seqs));
+    if (form == Form::pages) {
+      ASSERT_OK(attention.validate(dev.pages));
+      ASSERT_OK(attention.run(dev.pages));
+    } else {
+      ASSERT_OK(attention.validate(dev.tokens));
+      ASSERT_OK(attention.run(dev.tokens));
+    }
+    out = DeviceMemory::download(dev.out, p.out_elems());
+  }();
+  if (out.empty()) return out;
+  if (plan) *plan = attention.last_plan();
+  const std::size_t not_finite =
+      std::count_if(out.begin(), out.end(), [](float x) { return !std::isfinite(x); });
+  EXPECT_EQ(not_finite, 0u) << "outputs left unwritten (NaN poison) or read from NaN rows";
+  const std::vector<double> ref = reference(p);
+  const double error = test::relative_error(out.data(), ref.data(), out.size());
+  EXPECT_LE(error, 1e-3) << "splits_per_pair=" << attention.last_plan().splits_per_pair;
+  // Pairs with nothing listed get exact zeros, as on the CPU.
+  const std::size_t pair_elems = std::size_t{p.shape.group_size} * p.shape.head_dim;
+  for (uint32_t pair = 0; pair < p.pairs(); ++pair) {
+    if (!p.attended[pair].empty()) continue;
+    for (std::size_t i = 0; i < pair_elems; ++i) {
+      EXPECT_EQ(out[pair * pair_elems + i], 0.0f) << "pair " << pair << " lists nothing";
+    }
+  }
+  return out;
+}
+
+// Skips where no device can run the kernels.
+class GpuTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    int n_devices = 0;
+    const gpu::Result r = gpu::device_count(&n_devices);
+    if (!r.ok) GTEST_SKIP() << "no usable CUDA device: " << r.message;
+  }
+};
+
+class GpuAttentionCase : public ::testing::WithParamInterface<Case>, public GpuTest {};
+
+TEST_P(GpuAttentionCase, matches_the_float64_reference) {
+  const Case c = GetParam();
+  const Problem p = make_random_problem(c, 1000 + c.head_dim + c.page_tokens + c.group_size);
+  run_and_check(p, c.form);
+}
+
+std::vector<Case> all_cases() {
+  std::vector<Case> cases;
+  for (uint32_t n_seqs : {1u, 4u})
+    for (uint32_t G : {1u, 4u})
+      for (uint32_t d : {64u, 128u})
+        for (uint32_t B : {16u, 64u})
+          for (simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::bf16})
+            for (Form form : {Form::pages, Form::tokens})
+              cases.push_back(Case{n_seqs, G, d, B, dtype, form});
+  // Group blocks: 3 in a block of 4 (one head masked), 8 in one block, 12 in two blocks of 8 that
+  // each read the pages; head_dim 256; page_tokens 32.
+  cases.push_back(Case{2, 3, 128, 16, simd::Dtype::bf16, Form::pages});
+  cases.push_back(Case{2, 8, 128, 32, simd::Dtype::f16, Form::pages});
+  cases.push_back(Case{2, 12, 64, 16, simd::Dtype::f16, Form::tokens});
+  cases.push_back(Case{3, 4, 256, 16, simd::Dtype::bf16, Form::pages});
+  cases.push_back(Case{1, 8, 256, 32, simd::Dtype::f16, Form::tokens});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionCase, ::testing::ValuesIn(all_cases()),
+                         [](const auto& info) { return case_name(info.param); });
+
+TEST_F(GpuTest, a_long_context_splits_and_merges) {
+  // The benchmark's layer shape: 8 KV heads of 1024 pages (16K tokens) each, half of the pages
+  // listed, then all of them: many splits per pair either way.
+  Case c{1, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
+  const std::vector<uint32_t> pages(8, 1024);
+  gpu::SplitPlan plan;
+  run_and_check(make_problem(c, 7, pages, std::vector<uint32_t>(8, 9)), Form::pages, &plan);
+  EXPECT_GT(plan.splits_per_pair, 1u);
+  c.keep = 1.0;
+  run_and_check(make_problem(c, 8, pages, std::vector<uint32_t>(8, 16)), Form::pages, &plan);
+  EXPECT_GT(plan.splits_per_pair, 1u);
+}
+
+TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
+  // Two pages of which the last holds one token: below two CTA tiles, so one split per pair.
+  const Case c{2, 4, 128, 16, simd::Dtype::f16, Form::pages};
+  const Problem p = make_problem(c, 11, {2, 1, 2, 2}, {1, 1, 16, 5});
+  gpu::SplitPlan plan;
+  run_and_check(p, Form::pages, &plan);
+  EXPECT_EQ(plan.splits_per_pair, 1u);
+}
+
+TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
+  for (Form form : {Form::pages, Form::tokens}) {
+    const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
+    run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form);  // some empty
+    run_and_check(make_problem(c, 22, {0, 0, 0, 0}, {0, 0, 0, 0}), form);    // all empty
+  }
+}
+
+TEST_F(GpuTest, repeated_runs_give_identical_bits) {
+  const Case c{4, 4, 128, 16, simd::Dtype::bf16, Form::tokens, 8, 200};
+  const Problem p = make_random_problem(c, 31);
+  const std::vector<float> first = run_and_check(p, Form::tokens);
+  const std::vector<float> second = run_and_check(p, Form::tokens);
+  ASSERT_EQ(first.size(), second.size());
+  EXPECT_EQ(std::memcmp(first.data(), second.data(), first.size() * sizeof(float)), 0);
+}
+
+void expect_invalid(const gpu::Result& r, const std::string& needle) {
+  EXPECT_FALSE(r.ok) << "accepted; expected an error mentioning \"" << needle << "\"";
+  EXPECT_FALSE(r.unsupported) << r.message;
+  EXPECT_NE(r.message.find(needle), std::string::npos) << r.message;
+}
+
+// init() checks its arguments before it touches a device, so this runs on CUDA builds anywhere.
+TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
+  gpu::SparseDecodeAttention attention;
+  const gpu::AttentionShape good{8, 4, 128, 16, simd::Dtype::bf16};
+  auto with = [&](auto change) {
+    gpu::AttentionShape s = good;
+    change(s);
+    return attention.init(s, 1);
+  };
+  expect_invalid(with([](auto& s) { s.head_dim = 96; }), "head_dim=96 is not 64, 128 or 256");
+  expect_invalid(with([](auto& s) { s.page_tokens = 8; }), "page_tokens=8 is not 16, 32 or 64");
+  expect_invalid(with([](auto& s) { s.group_size = 0; }), "group_size=0 is not in 1..64");
+  expect_invalid(with([](auto& s) { s.group_size = 65; }), "group_size=65");
+  expect_invalid(with([](auto& s) { s.n_kv_heads = 0; }), "n_kv_heads=0");
+  expect_invalid(with([](auto& s) { s.dtype = static_cast<simd::Dtype>(7); }), "dtype=7");
+  expect_invalid(attention.init(good, 0), "max_batch=0 is not in 1..65536");
+  gpu::PageAttendCall call;
+  expect_invalid(attention.validate(call), "not initialised");
+  expect_invalid(attention.run(call), "not initialised");
+}
+
+TEST_F(GpuTest, validate_names_the_first_bad_argument) {
+  const Case c{2, 4, 64, 16, simd::Dtype::f16, Form::pages};
+  Problem p = make_problem(c, 41, {3, 2, 1, 4}, {16, 5, 1, 2});
+  DeviceProblem dev(p);
+  gpu::SparseDecodeAttention attention;
+  ASSERT_OK(attention.init(p.shape, 2));
+  ASSERT_OK(attention.validate(dev.pages));
+  ASSERT_OK(attention.validate(dev.tokens));
+
+  auto pages_with = [&](auto change) {
+    gpu::PageAttendCall call = dev.pages;
+    change(call);
+    return attention.validate(call);
+  };
+  expect_invalid(pages_with([](auto& k) { k.target.n_seqs = 0; }), "n_seqs=0 is not in 1..2");
+  expect_invalid(pages_with([](auto& k) { k.target.n_seqs = 3; }), "n_seqs=3 is not in 1..2");
+  expect_invalid(pages_with([](auto& k) { k.target.q = nullptr; }), "q is NULL");
+  expect_invalid(pages_with([](auto& k) { k.target.out = nullptr; }), "out is NULL");
+  expect_invalid(pages_with([](auto& k) { k.target.pool = nullptr; }), "pool is NULL");
+  expect_invalid(
+      pages_with([](auto& k) { k.target.pool = static_cast<const char*>(k.target.pool) + 2; }),
+      "pool is not 16-byte aligned");
+  expect_invalid(pages_with([](auto& k) { k.target.out = const_cast<float*>(k.target.q) + 4; }),
+                 "out overlaps q");
+  expect_invalid(pages_with([](auto& k) { k.host.offsets = nullptr; }), "host.offsets is NULL");
+  expect_invalid(pages_with([](auto& k) { k.device.slots = nullptr; }), "device.slots is NULL");
+
+  std::vector<uint32_t> offsets = p.page_offsets;
+  offsets[0] = 1;
+  expect_invalid(pages_with([&](auto& k) { k.host.offsets = offsets.data(); }),
+                 "host.offsets[0]=1 is not 0");
+  offsets = p.page_offsets;
+  std::swap(offsets[1], offsets[2]);
+  expect_invalid(pages_with([&](auto& k) { k.host.offsets = offsets.data(); }),
+                 "host.offsets decreases at 2");
+  std::vector<uint32_t> slots = p.slots;
+  slots[2] = static_cast<uint32_t>(p.n_slots);
+  expect_invalid(pages_with([&](auto& k) { k.host.slots = slots.data(); }),
+                 "host.slots[2]=" + std::to_string(p.n_slots) + " is out of range");
+  std::vector<uint32_t> last = p.last_page_tokens;
+  last[1] = 0;
+  expect_invalid(pages_with([&](auto& k) { k.host.last_page_tokens = last.data(); }),
+                 "host.last_page_tokens[1]=0 is not in 1..16");
+  last[1] = 17;
+  expect_invalid(pages_with([&](auto& k) { k.host.last_page_tokens = last.data(); }),
+                 "host.last_page_tokens[1]=17");
+
+  ASSERT_GT(p.tokens.size(), 3u);
+  std::vector<gpu::TokenAddress> tokens = p.tokens;
+  tokens[3].row = 16;
+  gpu::TokenAttendCall bad_row = dev.tokens;
+  bad_row.host.tokens = tokens.data();
+  expect_invalid(attention.validate(bad_row), "host.tokens[3].row=16 is not below page_tokens=16");
+  tokens = p.tokens;
+  tokens[0].slot = 1u << 30;
+  gpu::TokenAttendCall bad_slot = dev.tokens;
+  bad_slot.host.tokens = tokens.data();
+  expect_invalid(attention.validate(bad_slot), "host.tokens[0].slot=1073741824 is out of range");
+}
+
+}  // namespace
+
+#else  // a build without CUDA
+
+TEST(GpuSparseAttention, needs_a_cuda_build) {
+  ASSERT_FALSE(gpu::built_with_cuda());
+  gpu::SparseDecodeAttention attention;
+  const gpu::Result r = attention.init(gpu::AttentionShape{}, 1);
+  EXPECT_TRUE(r.unsupported) << r.message;
+  GTEST_SKIP() << "kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF): " << r.message;
+}
+
+#endif
