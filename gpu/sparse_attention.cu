@@ -22,8 +22,10 @@ namespace {
 
 constexpr uint32_t kWarps = 4;
 constexpr uint32_t kThreads = kWarps * 32;
-constexpr uint32_t kMaxBlockHeads = 8;  // partials are laid out with this many heads per block
-constexpr uint32_t kMergeThreads = 128;
+constexpr uint32_t kMaxBlockHeads = 8;
+// Copy stages in flight: with 4 rows per thread a stage is 16 KiB, so two stages ahead keep
+// 32 KiB per CTA loading, several times what a multiprocessor needs to cover HBM latency.
+constexpr uint32_t kStages = 3;  // partials are laid out with this many heads per block
 // A split covers at least this many CTA tiles: its partial (m, l, acc for the block's heads) is
 // about 2 KiB at d = 128, G = 4, against 16 KiB of K/V per tile, so two tiles keep the merge's
 // traffic near 6% while short selections still spread over many CTAs.
@@ -42,12 +44,11 @@ struct Tile {
   // heads the q and acc registers (2 x 64) leave room for 2.
   static constexpr uint32_t kRowsPerThread = kBlockHeads <= 4 ? 4 : 2;
   static constexpr uint32_t kTokens = kRowsPerStep * kRowsPerThread;
+  // Dynamic shared memory: the copy stages, reused after the loop for the warps' accumulators.
+  static constexpr uint32_t kStageBytes = kRowsPerThread * 2 * kThreads * 16;
+  static constexpr uint32_t kSharedBytes =
+      std::max(kStages * kStageBytes, kWarps* kBlockHeads* kHeadDim* uint32_t{sizeof(float)});
 };
-
-uint32_t tile_tokens(uint32_t head_dim, uint32_t block_heads) {
-  const uint32_t rows_per_step = kWarps * (32 / (head_dim / 8));
-  return rows_per_step * (block_heads <= 4 ? 4 : 2);
-}
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
 uint32_t block_heads_for(uint32_t group_size) {
@@ -61,6 +62,7 @@ struct AttendParams {
   float* partial_m;    // [slots, kMaxBlockHeads]
   float* partial_l;    // [slots, kMaxBlockHeads]
   float* partial_acc;  // [slots, kMaxBlockHeads, head_dim]
+  uint32_t* arrivals;  // [units] CTAs of the unit done; zero between calls
   uint32_t group_size;
   uint32_t page_tokens;
   uint32_t splits;
@@ -120,9 +122,58 @@ __device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
   }
 }
 
+// 2^x with one MUFU.EX2 (exp2f adds range handling this kernel does not need: its arguments are
+// <= 0 or -inf, and ex2.approx's relative error, 2^-22, is far inside the 1e-3 budget).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Weight of a state with max m_part once the common max is m_all (-inf: both empty).
 __device__ __forceinline__ float rescale(float m_part, float m_all) {
-  return m_all == kNegInf ? 0.0f : exp2f(m_part - m_all);
+  return m_all == kNegInf ? 0.0f : fast_exp2(m_part - m_all);
+}
+
+// 16 bytes global -> shared, asynchronously, through L2 only (the rows are read once); with
+// fill false it writes zeros and reads nothing.
+__device__ __forceinline__ void copy16(uint4* shared, const void* global, bool fill) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+               "r"(fill ? 16 : 0));
+}
+__device__ __forceinline__ void commit_copies() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,
+// then normalise. The threads run over (head, channel) so the accumulator reads coalesce; the
+// split loops are unrolled so that several splits' loads are in flight at once. Partials written
+// by other CTAs are read through L2 (__ldcg): L1 is not coherent across multiprocessors.
+template <uint32_t kHeadDim>
+__device__ void merge_splits(const AttendParams& p, std::size_t first_partial, uint32_t pair,
+                             uint32_t head0, uint32_t heads) {
+  for (uint32_t e = threadIdx.x; e < heads * kHeadDim; e += kThreads) {
+    const uint32_t g = e / kHeadDim, c = e % kHeadDim;
+    float m_all = kNegInf;
+#pragma unroll 8
+    for (uint32_t s = 0; s < p.splits; ++s)
+      m_all = fmaxf(m_all, __ldcg(p.partial_m + (first_partial + s) * kMaxBlockHeads + g));
+    float l_all = 0.0f, a_all = 0.0f;
+#pragma unroll 8
+    for (uint32_t s = 0; s < p.splits; ++s) {
+      const std::size_t at = (first_partial + s) * kMaxBlockHeads + g;
+      const float weight = rescale(__ldcg(p.partial_m + at), m_all);
+      l_all += __ldcg(p.partial_l + at) * weight;
+      a_all += __ldcg(p.partial_acc + at * kHeadDim + c) * weight;
+    }
+    p.out[(std::size_t{pair} * p.group_size + head0 + g) * kHeadDim + c] =
+        m_all == kNegInf ? 0.0f : a_all / l_all;
+  }
 }
 
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
@@ -167,24 +218,60 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     for (int c = 0; c < 8; ++c) acc[g][c] = 0.0f;
   }
 
+  // Software pipeline through shared memory: cp.async copies (no registers held while in flight)
+  // of tiles t + 1 .. t + kStages - 1 are outstanding while tile t is computed, and the addresses
+  // (slot ids, token entries) that the next copies depend on are loaded one tile earlier still.
+  // Every thread reads back only the 16-byte pieces it copied itself, so waiting on its own copy
+  // groups is enough: the loop needs no barrier.
+  extern __shared__ uint4 stages[];  // [kStages][R][K, V][kThreads]
+  auto piece = [&](uint32_t stage, uint32_t r, uint32_t kv) {
+    return stages + ((stage * R + r) * 2 + kv) * kThreads + threadIdx.x;
+  };
+  TokenAddress address[R];
+  bool listed[R];
+  auto fetch_addresses = [&](uint32_t base) {
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      const uint32_t i = base + r * T::kRowsPerStep + row_group;
+      listed[r] = i < last;
+      address[r] = listed[r] ? form.address(list_begin, i) : TokenAddress{0, 0};
+    }
+  };
+  auto issue_copies = [&](uint32_t stage) {
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      const uint16_t* k = p.pool + address[r].slot * slot_elems +
+                          std::size_t{address[r].row} * kHeadDim + chunk * 8;
+      copy16(piece(stage, r, 0), k, listed[r]);  // rows past the list: zeros, nothing read
+      copy16(piece(stage, r, 1), k + v_offset, listed[r]);
+    }
+    commit_copies();
+  };
+  uint32_t issue_base = first;
+#pragma unroll
+  for (uint32_t stage = 0; stage + 1 < kStages; ++stage, issue_base += T::kTokens) {
+    fetch_addresses(issue_base);
+    issue_copies(stage);
+  }
+  fetch_addresses(issue_base);
+
   // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
+  uint32_t stage = 0;
   for (uint32_t base = first; base < last; base += T::kTokens) {
-    // All K and V loads of the tile first: 2R independent 16-byte loads in flight per thread.
+    issue_copies((stage + kStages - 1) % kStages);  // the stage computed last iteration
+    issue_base += T::kTokens;
+    fetch_addresses(issue_base);
+    wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
     uint4 k_raw[R], v_raw[R];
     bool valid[R];
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
-      const uint32_t i = base + r * T::kRowsPerStep + row_group;
-      valid[r] = i < last;
-      k_raw[r] = v_raw[r] = make_uint4(0, 0, 0, 0);
-      if (valid[r]) {
-        const TokenAddress a = form.address(list_begin, i);
-        const uint16_t* k =
-            p.pool + a.slot * slot_elems + std::size_t{a.row} * kHeadDim + chunk * 8;
-        k_raw[r] = __ldg(reinterpret_cast<const uint4*>(k));
-        v_raw[r] = __ldg(reinterpret_cast<const uint4*>(k + v_offset));
-      }
+      k_raw[r] = *piece(stage, r, 0);
+      v_raw[r] = *piece(stage, r, 1);
+      valid[r] = base + r * T::kRowsPerStep + row_group < last;
     }
+    stage = (stage + 1) % kStages;
+
     float s[R][kBlockHeads];
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
@@ -238,6 +325,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         for (int c = 0; c < 8; ++c) acc[g][c] = fmaf(s[r][g], v[c], acc[g][c]);
     }
   }
+  wait_copies<0>();  // the zero-fill groups issued past the end
 
   // Combine the row groups of the warp (lanes of one chunk in other row groups)...
 #pragma unroll
@@ -257,7 +345,8 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   }
   // ... then the warps, through shared memory.
   __shared__ float s_m[kWarps][kBlockHeads], s_l[kWarps][kBlockHeads];
-  __shared__ float s_acc[kWarps][kBlockHeads][kHeadDim];
+  __syncthreads();  // the stages become the warps' accumulators: every thread is done reading
+  auto s_acc = reinterpret_cast<float(*)[kBlockHeads][kHeadDim]>(stages);
   if (lane < T::kLanesPerRow) {
 #pragma unroll
     for (uint32_t g = 0; g < kBlockHeads; ++g) {
@@ -267,7 +356,8 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     }
   }
   __syncthreads();
-  const std::size_t partial = (std::size_t{pair} * p.head_blocks + block) * p.splits + split;
+  const uint32_t unit = pair * p.head_blocks + block;
+  const std::size_t first_partial = std::size_t{unit} * p.splits;
   for (uint32_t e = threadIdx.x; e < kBlockHeads * kHeadDim; e += kThreads) {
     const uint32_t g = e / kHeadDim, c = e % kHeadDim;
     if (g >= heads) break;  // e grows with g
@@ -286,64 +376,53 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       p.out[(std::size_t{pair} * p.group_size + head0 + g) * kHeadDim + c] =
           m_all == kNegInf ? 0.0f : a_all / l_all;
     } else {
-      const std::size_t at = partial * kMaxBlockHeads + g;
+      const std::size_t at = (first_partial + split) * kMaxBlockHeads + g;
       if (c == 0) p.partial_m[at] = m_all, p.partial_l[at] = l_all;
       p.partial_acc[at * kHeadDim + c] = a_all;
     }
   }
+  if (p.splits == 1) return;
+
+  // The unit's last CTA to finish merges its splits, which saves a second launch: the
+  // threadFenceReduction pattern of the CUDA samples. Each CTA makes its partial visible
+  // device-wide before taking a ticket.
+  __shared__ bool s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(p.arrivals + unit, 1u) == p.splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  merge_splits<kHeadDim>(p, first_partial, pair, head0, heads);
+  if (threadIdx.x == 0) p.arrivals[unit] = 0;  // ready for the next call on the stream
 }
 
-struct MergeParams {
-  const float* partial_m;
-  const float* partial_l;
-  const float* partial_acc;
-  float* out;
-  uint32_t group_size;
-  uint32_t head_dim;
-  uint32_t block_heads;
-  uint32_t head_blocks;
-  uint32_t splits;
+// One instantiation and what launching it needs.
+template <class Form>
+struct KernelInfo {
+  void (*kernel)(AttendParams, Form);
+  uint32_t tile_tokens;
+  uint32_t shared_bytes;
 };
 
-// Split-K merge: rescale each split's partial sums to the common max, then normalise. One CTA
-// per (pair, head block); the threads run over (head, channel) so the accumulator reads coalesce.
-__global__ void __launch_bounds__(kMergeThreads) merge_splits(MergeParams p) {
-  const uint32_t pair = blockIdx.x, block = blockIdx.y;
-  const uint32_t head0 = block * p.block_heads;
-  const uint32_t heads = min(p.block_heads, p.group_size - head0);
-  const std::size_t first = (std::size_t{pair} * p.head_blocks + block) * p.splits;
-  for (uint32_t e = threadIdx.x; e < heads * p.head_dim; e += kMergeThreads) {
-    const uint32_t g = e / p.head_dim, c = e % p.head_dim;
-    float m_all = kNegInf;
-    for (uint32_t s = 0; s < p.splits; ++s)
-      m_all = fmaxf(m_all, p.partial_m[(first + s) * kMaxBlockHeads + g]);
-    float l_all = 0.0f, a_all = 0.0f;
-    for (uint32_t s = 0; s < p.splits; ++s) {
-      const std::size_t at = (first + s) * kMaxBlockHeads + g;
-      const float weight = rescale(p.partial_m[at], m_all);
-      l_all += p.partial_l[at] * weight;
-      a_all += p.partial_acc[at * p.head_dim + c] * weight;
-    }
-    p.out[(std::size_t{pair} * p.group_size + head0 + g) * p.head_dim + c] =
-        m_all == kNegInf ? 0.0f : a_all / l_all;
-  }
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
+KernelInfo<Form> info() {
+  using T = Tile<kHeadDim, kBlockHeads>;
+  return {sparse_attend<D, kHeadDim, kBlockHeads, Form>, T::kTokens, T::kSharedBytes};
 }
 
-template <class Form>
-using AttendKernel = void (*)(AttendParams, Form);
-
 template <simd::Dtype D, uint32_t kHeadDim, class Form>
-AttendKernel<Form> kernel_for_heads(uint32_t block_heads) {
+KernelInfo<Form> kernel_for_heads(uint32_t block_heads) {
   switch (block_heads) {
-    case 1: return sparse_attend<D, kHeadDim, 1, Form>;
-    case 2: return sparse_attend<D, kHeadDim, 2, Form>;
-    case 4: return sparse_attend<D, kHeadDim, 4, Form>;
-    default: return sparse_attend<D, kHeadDim, kMaxBlockHeads, Form>;
+    case 1: return info<D, kHeadDim, 1, Form>();
+    case 2: return info<D, kHeadDim, 2, Form>();
+    case 4: return info<D, kHeadDim, 4, Form>();
+    default: return info<D, kHeadDim, kMaxBlockHeads, Form>();
   }
 }
 
 template <simd::Dtype D, class Form>
-AttendKernel<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
+KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
   switch (head_dim) {
     case 64: return kernel_for_heads<D, 64, Form>(block_heads);
     case 128: return kernel_for_heads<D, 128, Form>(block_heads);
@@ -353,7 +432,7 @@ AttendKernel<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
 
 // The instantiation for a shape that init() accepted.
 template <class Form>
-AttendKernel<Form> kernel_for(const AttentionShape& shape) {
+KernelInfo<Form> kernel_for(const AttentionShape& shape) {
   const uint32_t block_heads = block_heads_for(shape.group_size);
   return shape.dtype == simd::Dtype::f16
              ? kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads)
@@ -431,9 +510,10 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
     plan.tokens += tokens;
   }
   plan.kv_bytes = plan.tokens * 2 * shape.head_dim * sizeof(uint16_t) * plan.head_blocks;
-  const uint64_t tile = tile_tokens(shape.head_dim, block_heads);
+  const uint64_t tile = kernel_for<PageForm>(shape).tile_tokens;  // the same in both forms
   const uint64_t units = uint64_t{pairs} * plan.head_blocks;
-  const uint64_t wanted = (target_ctas + units - 1) / units;
+  // Rounded down: one CTA past the resident capacity would start a second wave on its own.
+  const uint64_t wanted = std::max<uint64_t>(1, target_ctas / units);
   const uint64_t most =
       std::max<uint64_t>(1, (longest + kMinTilesPerSplit * tile - 1) / (kMinTilesPerSplit * tile));
   uint64_t splits = std::clamp<uint64_t>(wanted, 1, most);
@@ -449,12 +529,11 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
 template <class Form>
 Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t tokens_per_entry,
               const Form& form, const AttentionShape& shape, uint32_t target_ctas,
-              std::size_t partial_slots, float* partials, SplitPlan& plan) {
+              std::size_t partial_slots, float* partials, uint32_t* arrivals, SplitPlan& plan) {
   const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
   plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, target_ctas);
   if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
     return Result{false, false, "split plan exceeds the workspace (internal error)"};
-  const uint32_t block_heads = block_heads_for(shape.group_size);
   AttendParams params{};
   params.pool = static_cast<const uint16_t*>(t.pool);
   params.q = t.q;
@@ -462,6 +541,7 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   params.partial_m = partials;
   params.partial_l = partials + partial_slots * kMaxBlockHeads;
   params.partial_acc = partials + 2 * partial_slots * kMaxBlockHeads;
+  params.arrivals = arrivals;
   params.group_size = shape.group_size;
   params.page_tokens = shape.page_tokens;
   params.splits = plan.splits_per_pair;
@@ -470,14 +550,9 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   params.q_scale = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
   const auto stream = static_cast<cudaStream_t>(t.stream);
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
-  kernel_for<Form>(shape)<<<grid, kThreads, 0, stream>>>(params, form);
-  if (Result r = from_cuda(cudaGetLastError(), "sparse attention launch"); !r.ok) return r;
-  if (plan.splits_per_pair == 1) return Result{};
-  MergeParams merge{params.partial_m,    params.partial_l, params.partial_acc, t.out,
-                    shape.group_size,    shape.head_dim,   block_heads,        plan.head_blocks,
-                    plan.splits_per_pair};
-  merge_splits<<<dim3(pairs, plan.head_blocks), kMergeThreads, 0, stream>>>(merge);
-  return from_cuda(cudaGetLastError(), "split merge launch");
+  const KernelInfo<Form> k = kernel_for<Form>(shape);
+  k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
+  return from_cuda(cudaGetLastError(), "sparse attention launch");
 }
 
 uint32_t log2_exact(uint32_t power_of_two) {
@@ -504,13 +579,15 @@ SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& 
   target_ctas_ = std::exchange(other.target_ctas_, 0);
   partial_slots_ = std::exchange(other.partial_slots_, 0);
   partials_ = std::exchange(other.partials_, nullptr);
+  arrivals_ = std::exchange(other.arrivals_, nullptr);
   plan_ = other.plan_;
   return *this;
 }
 
 void SparseDecodeAttention::release() noexcept {
-  if (partials_ != nullptr) cudaFree(partials_);
+  if (partials_ != nullptr) cudaFree(partials_);  // arrivals_ lives in the same allocation
   partials_ = nullptr;
+  arrivals_ = nullptr;
   max_batch_ = 0;
   partial_slots_ = 0;
 }
@@ -537,25 +614,44 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
           "multiprocessor count");
       !r.ok)
     return r;
+  // Both forms' kernels may take more than the default 48 KiB of dynamic shared memory.
+  const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape);
+  const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape);
+  for (cudaError_t err :
+       {cudaFuncSetAttribute(page_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             page_kernel.shared_bytes),
+        cudaFuncSetAttribute(token_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             token_kernel.shared_bytes)})
+    if (Result r = from_cuda(err, "shared memory limit"); !r.ok) return r;
   // The page and token kernels of a shape use the same registers within a few; one bound serves.
   if (Result r = from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                               &resident, kernel_for<PageForm>(shape), kThreads, 0),
+                               &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
                            "occupancy query");
       !r.ok)
     return r;
   const uint32_t target = static_cast<uint32_t>(multiprocessors) * std::max(resident, 1);
   const uint32_t block_heads = block_heads_for(shape.group_size);
   const uint64_t head_blocks = (shape.group_size + block_heads - 1) / block_heads;
-  const std::size_t slots = target + uint64_t{max_batch} * shape.n_kv_heads * head_blocks;
+  const std::size_t units = uint64_t{max_batch} * shape.n_kv_heads * head_blocks;
+  const std::size_t slots = target + units;
   const std::size_t floats = slots * kMaxBlockHeads * (2 + std::size_t{shape.head_dim});
   void* memory = nullptr;
-  if (Result r = from_cuda(cudaMalloc(&memory, floats * sizeof(float)), "split workspace"); !r.ok)
+  if (Result r = from_cuda(cudaMalloc(&memory, floats * sizeof(float) + units * sizeof(uint32_t)),
+                           "split workspace");
+      !r.ok)
     return r;
+  uint32_t* arrivals = reinterpret_cast<uint32_t*>(static_cast<float*>(memory) + floats);
+  if (Result r = from_cuda(cudaMemset(arrivals, 0, units * sizeof(uint32_t)), "split counters");
+      !r.ok) {
+    cudaFree(memory);
+    return r;
+  }
   shape_ = shape;
   max_batch_ = max_batch;
   target_ctas_ = target;
   partial_slots_ = slots;
   partials_ = static_cast<float*>(memory);
+  arrivals_ = arrivals;
   plan_ = SplitPlan{};
   return Result{};
 }
@@ -617,7 +713,7 @@ Result SparseDecodeAttention::run(const PageAttendCall& call) noexcept {
   const PageForm form{call.device.offsets, call.device.slots, call.device.last_page_tokens,
                       log2_exact(shape_.page_tokens)};
   return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, target_ctas_,
-                partial_slots_, partials_, plan_);
+                partial_slots_, partials_, arrivals_, plan_);
 }
 
 Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
@@ -627,7 +723,7 @@ Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const TokenForm form{call.device.offsets, call.device.tokens};
   return launch(call.target, call.host.offsets, 1, form, shape_, target_ctas_, partial_slots_,
-                partials_, plan_);
+                partials_, arrivals_, plan_);
 }
 
 }  // namespace kvsift::gpu

@@ -20,9 +20,10 @@
 //
 // The kernel is flash-decoding: each (pair, split) is one CTA that reads its share of the pair's
 // K/V rows once for all G query heads (GQA), keeps an fp32 online softmax, and leaves an
-// unnormalised partial (max, sum, accumulator); a merge kernel combines the splits. Split sizes
-// are picked per call from the longest list so that the grid fills the device; a call whose lists
-// fit one split per pair writes the output directly and skips the merge.
+// unnormalised partial (max, sum, accumulator); the last CTA of a pair to finish merges its
+// splits (no second launch). Split sizes are picked per call from the longest list so that the
+// grid fills the device in one wave; a call whose lists fit one split per pair writes the output
+// directly.
 #pragma once
 
 #include <cstddef>
@@ -92,7 +93,7 @@ struct TokenAttendCall {
 
 // How the last call was split, and what it read.
 struct SplitPlan {
-  uint32_t splits_per_pair = 0;   // CTAs per (pair, head block); 1: no merge kernel
+  uint32_t splits_per_pair = 0;   // CTAs per (pair, head block); 1: no merge
   uint32_t tokens_per_split = 0;  // a multiple of the CTA's token tile
   uint32_t head_blocks = 0;       // ceil(group_size / 8) rounded up to the kernel's block
   uint64_t ctas = 0;              // attention CTAs launched
@@ -124,8 +125,8 @@ class SparseDecodeAttention {
   Result validate(const PageAttendCall& call) const;
   Result validate(const TokenAttendCall& call) const;
 
-  // Enqueues the attention (and the merge where the call splits) on the call's stream; does not
-  // synchronise. Requires a call that validate() accepted: only init, n_seqs and the launch are
+  // Enqueues the attention (one kernel; it merges its splits itself) on the call's stream; does
+  // not synchronise. Requires a call that validate() accepted: only init, n_seqs and the launch are
   // checked here. The returned Result reports launch errors; errors of the kernel's execution
   // surface at the caller's next synchronisation.
   Result run(const PageAttendCall& call) noexcept;
@@ -142,6 +143,8 @@ class SparseDecodeAttention {
   uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
   std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
   float* partials_ = nullptr;      // device: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
+  uint32_t* arrivals_ = nullptr;   // device, after the partials: finished splits per (pair, head
+                                   // block), back to zero at the end of every call
   SplitPlan plan_{};
 };
 

@@ -64,6 +64,8 @@ else
 fi
 
 status=0
+# The kernels' machine code, for reading without device time (this machine has no cuobjdump).
+if command -v cuobjdump >/dev/null; then cuobjdump -sass "$bin_bench" | gzip >"$out/kernels.sass.gz" || true; fi
 "$bin_test" --gtest_brief=1 2>&1 | tee "$out/test.log" || status=1
 
 small='*b1_g4_d128_p16_bf16_pages:*b4_g4_d64_p16_f16_tokens:*g12*:*short_selection*:*nothing_listed*'

@@ -1,0 +1,88 @@
+// S4R (papers.md section 3) as a selector: it changes what the cache stores.
+//
+// The first time a (sequence, layer) is selected for (prepare()), its prompt is compressed: the
+// tokens of the full pages between the sink pages and the last full page, [first, end), are read
+// back before RoPE, low-rank bases of a hybrid sample of them are fitted (s4r_core.hpp), every
+// one of them is projected to coefficients, and their exact pages are released to the pool. The
+// sink pages (policy.sink_pages: 16 tokens at the defaults, the paper's s = 4 sinks and the rest
+// of their page) and every token from `end` on (the prompt's partial last page and all generated
+// tokens) stay exact in the cache and are always attended.
+//
+// Each step then ranks the compressed tokens by latent relevance (the projected queries of the
+// last policy.s4r_window steps against the key coefficients), keeps the last s4r_window of them
+// plus the best of the rest, m in all, reconstructs only those (K then RoPE at each token's
+// position, V), and hands them to attention as row chunks beside the exact pages. Budget: as for
+// the page selectors, tokens attended per (layer, KV head) counting the exact ones, so m = budget
+// - exact tokens, at least min(s4r_window, compressed tokens).
+//
+// Bases: one per layer over the concatenated KV heads (D' = n_kv_heads * head_dim, the paper's
+// default: one token selection per layer) or one per KV head (policy.s4r_per_head_bases). The
+// rank comes from policy.compression through the paper's memory model at compression time.
+//
+// Needs a cache that takes pre-RoPE keys (it rotates keys and can rotate them back). A forked
+// sequence is compressed on its own; a compressed one cannot be forked (the cache refuses).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "lib/core/matmul.hpp"
+#include "lib/select/s4r_core.hpp"
+#include "lib/select/selector.hpp"
+
+namespace kvsift::select {
+
+class S4rSelector final : public Selector {
+ public:
+  // Throws Error(invalid_argument) for a post-RoPE cache, out_of_memory.
+  S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
+              int n_threads);
+
+  void on_page_sealed(const SealedPage&) noexcept override {}
+  void on_sequence_freed(int32_t seq_id) noexcept override;
+  void prepare(const SelectCall& call) override;
+  void select(const SelectCall& call, Selection& out) noexcept override;
+  uint64_t held_bytes() const noexcept override;
+
+  // The compressed token range and rank of one (sequence, layer); rank 0 while not compressed.
+  struct Compressed {
+    uint64_t first = 0, end = 0;
+    uint32_t rank = 0;
+  };
+  Compressed compressed(int32_t seq_id, uint32_t layer) const noexcept;
+
+ protected:
+  uint64_t max_rows_per_pair() const noexcept override;
+
+ private:
+  // One basis and its coefficients: all KV heads of a layer, or one KV head.
+  struct Unit {
+    s4r::Basis keys, values;
+    std::vector<uint16_t> key_coeffs, value_coeffs;  // [end - first, rank], storage dtype
+    std::vector<float> queries;                      // [s4r_window, G, rank], oldest first
+    uint32_t n_queries = 0;
+  };
+  enum class State : uint8_t { fresh, exact, compressed };
+  struct LayerState {
+    State state = State::fresh;
+    uint64_t first = 0, end = 0;  // compressed tokens
+    std::vector<Unit> units;
+  };
+
+  uint32_t heads_per_unit() const noexcept;
+  void compress(int32_t seq_id, uint32_t layer, LayerState& st);
+  // Chooses and reconstructs one unit's rows for one sequence into `out`; returns the index bytes
+  // read and the kept estimate.
+  uint64_t select_unit(const SelectCall& call, uint32_t seq_index, uint32_t unit,
+                       LayerState& st, Selection& out, uint64_t exact_tokens, float& kept) noexcept;
+
+  std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
+  Matmul matmul_;
+  // Per-step workspaces, sized at construction for the largest unit and context.
+  std::vector<float> query_rows_;  // [G, D'] the unit's pre-RoPE queries
+  std::vector<float> relevance_ws_, relevance_;
+  std::vector<uint32_t> top_ws_, chosen_;
+  std::vector<float> rows_;  // [max rows, D'] reconstructed K or V
+};
+
+}  // namespace kvsift::select
