@@ -95,6 +95,7 @@ struct Options {
   float temperature = 0.0f;
   float top_p = 1.0f;
   double epsilon = 1e-3;
+  double compression = 2.5;
 };
 
 int run(const Options& o) {
@@ -103,6 +104,7 @@ int run(const Options& o) {
   check(kvsift_selector_from_name(o.selector.c_str(), &policy.selector), "--selector");
   policy.budget = o.budget;
   policy.epsilon = o.epsilon;
+  policy.compression = o.compression;
   if (o.device != "cpu")
     throw Failure{"--device " + o.device + " is not available in this build (available: cpu)"};
 
@@ -197,20 +199,29 @@ int run(const Options& o) {
     std::printf("attention share:        %.1f%% of decode time\n",
                 100.0 * stats.decode_attention_seconds / stats.decode_seconds);
   }
-  std::printf("KV held in host memory: %.1f MiB\n", stats.kv_bytes_held / 1048576.0);
-  // What a dense step over the same context reads: every stored K and V of every layer.
+  // What a dense step over the same context reads (and a dense cache holds): every K and V of
+  // every layer.
   const double dense_bytes = static_cast<double>(n_prompt + answer.size()) * info.n_layers *
                              info.n_kv_heads * info.head_dim * 2 /* K, V */ * 2 /* fp16 */;
-  const double read = static_cast<double>(stats.last_step_kv_bytes_read +
-                                          stats.last_step_index_bytes_read);
+  std::printf("KV held in host memory: %.1f MiB", stats.kv_bytes_held / 1048576.0);
+  if (stats.selector_bytes_held > 0)
+    std::printf(
+        " in pages + %.1f MiB of selector data = %.1f%% of a dense cache's %.1f MiB",
+        stats.selector_bytes_held / 1048576.0,
+        100.0 * static_cast<double>(stats.kv_bytes_held + stats.selector_bytes_held) / dense_bytes,
+        dense_bytes / 1048576.0);
+  std::printf("\n");
+  const double read =
+      static_cast<double>(stats.last_step_kv_bytes_read + stats.last_step_index_bytes_read);
   std::printf("selector:               %s", o.selector.c_str());
   if (policy.selector != KVSIFT_SELECTOR_DENSE) std::printf(", budget %g", policy.budget);
   if (policy.selector == KVSIFT_SELECTOR_LOCKS_CERTIFIED) std::printf(", epsilon %g", o.epsilon);
+  if (policy.selector == KVSIFT_SELECTOR_S4R) std::printf(", compression %g", o.compression);
   std::printf("\n");
-  std::printf("KV read per step:       %.2f MiB K/V + %.2f MiB index = %.1f%% of dense (%.2f MiB)\n",
-              stats.last_step_kv_bytes_read / 1048576.0,
-              stats.last_step_index_bytes_read / 1048576.0, 100.0 * read / dense_bytes,
-              dense_bytes / 1048576.0);
+  std::printf(
+      "KV read per step:       %.2f MiB K/V + %.2f MiB index = %.1f%% of dense (%.2f MiB)\n",
+      stats.last_step_kv_bytes_read / 1048576.0, stats.last_step_index_bytes_read / 1048576.0,
+      100.0 * read / dense_bytes, dense_bytes / 1048576.0);
   if (stats.summary_bytes_per_page > 0)
     std::printf("summary per page:       %llu bytes per (page, KV head)\n",
                 static_cast<unsigned long long>(stats.summary_bytes_per_page));
@@ -236,13 +247,17 @@ int main(int argc, char** argv) {
   app.add_option("--max-new", o.max_new, "most tokens to generate")
       ->capture_default_str()
       ->check(CLI::Range(1, 8192));
-  app.add_option("--selector", o.selector,
-                 "dense, oracle, quest, locks or locks_certified")->capture_default_str();
+  app.add_option("--selector", o.selector, "dense, oracle, quest, locks, locks_certified or s4r")
+      ->capture_default_str();
   app.add_option("--budget", o.budget,
                  "tokens per layer and KV head per step: a fraction of the context (<= 1) or a "
                  "count (sinks and window inside)");
   app.add_option("--epsilon", o.epsilon, "locks_certified: target bound on the dropped mass")
       ->capture_default_str();
+  app.add_option("--compression", o.compression,
+                 "s4r: target compression of the prompt's K/V (sets the rank; 1: full rank)")
+      ->capture_default_str()
+      ->check(CLI::Range(1.0, 1000.0));
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
   app.add_option("--device", o.device, "cpu")->capture_default_str();
   app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();

@@ -252,6 +252,10 @@ typedef enum kvsift_selector {
   KVSIFT_SELECTOR_QUEST = 2,           /* per-page channel min/max, q.k upper bound, top-b */
   KVSIFT_SELECTOR_LOCKS = 3,           /* page-local rank-8 summaries, estimated page mass, top-b */
   KVSIFT_SELECTOR_LOCKS_CERTIFIED = 4, /* LOCKS grown until the proven dropped mass < epsilon */
+  /* S4R: compresses each prompt's K/V to low-rank coefficients on its first selected step (its
+   * exact pages go back to the pool), then reconstructs only the tokens whose latent relevance is
+   * highest. Needs a cache with KVSIFT_KEYS_PRE_ROPE. */
+  KVSIFT_SELECTOR_S4R = 5,
   KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
 } kvsift_selector;
 
@@ -280,10 +284,19 @@ typedef struct kvsift_selector_policy {
   int32_t int8_query;
   /* LOCKS_CERTIFIED: target bound on the dropped share of softmax mass, in (0, 1). Default 1e-3. */
   double epsilon;
+  /* S4R: target compression of the prompt's K/V (dense bytes over S4R bytes), >= 1; it sets the
+   * rank. 1 keeps full rank (no saving: a check). Default 2.5. */
+  double compression;
+  /* S4R: queries that rank the compressed tokens, and compressed tokens always reconstructed (the
+   * most recent ones). Default 32. */
+  uint32_t s4r_window;
+  /* S4R: nonzero for one basis per KV head; 0 for one per layer over all KV heads (the paper's
+   * default). Default 0. */
+  int32_t s4r_per_head_bases;
 } kvsift_selector_policy;
 
 KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
-/* "dense", "oracle", "quest", "locks", "locks_certified"; "unknown" for other values. Static
+/* "dense", "oracle", "quest", "locks", "locks_certified", "s4r"; "unknown" for other values. Static
  * storage. */
 KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
 /* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message
@@ -291,7 +304,8 @@ KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
 KVSIFT_API kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector);
 
 /* Makes kvsift_attend_selected use the policy. Summarises the pages already sealed (in parallel),
- * then every page as it seals. Errors: INVALID_ARGUMENT (a field out of range, naming it). */
+ * then every page as it seals. Errors: INVALID_ARGUMENT (a field out of range, naming it; S4R on
+ * a post-RoPE cache; a cache holding sequences S4R compressed, which must be freed first). */
 KVSIFT_API kvsift_status kvsift_cache_set_selector(kvsift_cache* cache,
                                                    const kvsift_selector_policy* policy);
 
@@ -445,13 +459,17 @@ typedef struct kvsift_model_stats {
   double last_step_kept_estimate;
   double last_step_dropped_bound;
   uint64_t summary_bytes_per_page; /* the selector's per-(page, KV head) data; 0 for dense */
+  /* Host bytes the selector holds for tokens whose pages it released (S4R: coefficients, bases
+   * and query windows); kv_bytes_held + selector_bytes_held is the whole KV footprint. */
+  uint64_t selector_bytes_held;
 } kvsift_model_stats;
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,
                                                 kvsift_model_stats* stats);
 
 /* Makes every later decode step of the model use the policy. Errors: INVALID_ARGUMENT (unknown
- * selector, a negative budget, a budget given to the dense selector). */
+ * selector, a negative budget, a budget given to the dense selector, sequences S4R compressed
+ * still live). */
 KVSIFT_API kvsift_status kvsift_model_set_selector(kvsift_model* model,
                                                    const kvsift_selector_policy* policy);
 

@@ -54,6 +54,9 @@ class DecodeAttention {
 
   // Throws Error naming the first bad argument; writes nothing.
   void validate(const KvCache& cache, const AttendCall& call) const;
+  // The part of validate() a selector needs before it chooses the lists: layer, sizes, pointers
+  // and sequence ids.
+  void validate_sequences(const KvCache& cache, const AttendCall& call) const;
   // Requires a call that validate() accepted against the same cache state.
   void run(const KvCache& cache, const AttendCall& call) noexcept;
 

@@ -30,6 +30,7 @@ int32_t KvCache::create_sequence() {
   Sequence fresh;
   fresh.tokens.assign(geometry_.n_layers, 0);
   fresh.tables.resize(std::size_t{geometry_.n_layers} * geometry_.n_kv_heads);
+  fresh.released.assign(geometry_.n_layers, {0, 0});
   auto hole = std::find_if(sequences_.begin(), sequences_.end(),
                            [](const std::optional<Sequence>& s) { return !s.has_value(); });
   int32_t id;
@@ -64,7 +65,8 @@ void KvCache::check_layer(uint32_t layer) const {
 void KvCache::free_sequence(int32_t seq_id) {
   const Sequence& seq = sequence(seq_id);
   for (const auto& table : seq.tables)
-    for (uint32_t slot : table) pool_.release(slot);
+    for (uint32_t slot : table)
+      if (slot != kReleasedSlot) pool_.release(slot);
   sequences_[static_cast<std::size_t>(seq_id)].reset();
   --n_live_;
   for (SealListener* listener : listeners_) listener->on_sequence_freed(seq_id);
@@ -155,6 +157,10 @@ void KvCache::notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page,
 int32_t KvCache::fork_sequence(int32_t src) {
   uint64_t pages = 0;
   for (const auto& table : sequence(src).tables) pages += table.size();
+  for (const auto& [first, end] : sequence(src).released)
+    if (end > first)
+      fail(Status::unsupported, "sequence ", src,
+           " has released (compressed) pages: fork it before it is compressed");
   pool_.reserve(pages, "fork_sequence");
   const int32_t id = create_sequence();  // may move sequences_: look src up again below
   const Sequence& from = *sequences_[static_cast<std::size_t>(src)];
@@ -182,6 +188,11 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
   const uint64_t stored = seq.tokens[layer];
   require(first <= stored && n <= stored - first, "first=", first, ", n_tokens=", n,
           ": the range is beyond the ", stored, " tokens stored");
+  const auto [released_first, released_end] = seq.released[layer];
+  require(n == 0 || first + n <= released_first * geometry_.page_tokens ||
+              first >= released_end * geometry_.page_tokens,
+          "tokens [", first, ", ", first + n, ") overlap the released pages [", released_first,
+          ", ", released_end, ") of sequence ", seq_id, " layer ", layer);
   require(form == KeyForm::post_rope || rope_,
           "pre-RoPE keys can be read back only from a cache that takes pre-RoPE keys");
   const uint32_t B = geometry_.page_tokens, d = geometry_.head_dim;
@@ -197,6 +208,40 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
     if (v_out)
       kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
   }
+}
+
+void KvCache::release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page,
+                            uint64_t end_page) {
+  sequence(seq_id);
+  check_layer(layer);
+  Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
+  const uint64_t sealed = seq.tokens[layer] / geometry_.page_tokens;
+  require(first_page < end_page && end_page <= sealed, "release_pages [", first_page, ", ",
+          end_page, ") is not a non-empty range of the ", sealed, " sealed pages");
+  require(seq.released[layer].second == seq.released[layer].first, "sequence ", seq_id, " layer ",
+          layer, " already released pages");
+  const uint32_t H = geometry_.n_kv_heads;
+  for (uint32_t h = 0; h < H; ++h) {
+    auto& table = seq.tables[std::size_t{layer} * H + h];
+    for (uint64_t p = first_page; p < end_page; ++p) {
+      pool_.release(table[p]);
+      table[p] = kReleasedSlot;
+    }
+  }
+  seq.released[layer] = {first_page, end_page};
+}
+
+std::pair<uint64_t, uint64_t> KvCache::released_unchecked(int32_t seq_id,
+                                                          uint32_t layer) const noexcept {
+  return sequences_[static_cast<std::size_t>(seq_id)]->released[layer];
+}
+
+bool KvCache::has_released_pages() const noexcept {
+  for (const auto& seq : sequences_)
+    if (seq)
+      for (const auto& [first, end] : seq->released)
+        if (end > first) return true;
+  return false;
 }
 
 void KvCache::add_seal_listener(SealListener* listener) {

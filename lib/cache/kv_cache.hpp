@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "lib/cache/geometry.hpp"
@@ -73,11 +74,23 @@ class KvCache {
   void read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint64_t first, uint64_t n,
                    float* k_out, float* v_out, KeyForm form = KeyForm::post_rope) const;
 
+  // Returns the full pages [first_page, end_page) of every KV head of one layer of a sequence to
+  // the pool: a compressing selector (S4R) holds their tokens in another form. The sequence keeps
+  // its length; the released pages can no longer be read, attended or forked. One range per
+  // (sequence, layer), released once. Throws not_found, invalid_argument.
+  void release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page, uint64_t end_page);
+  // The released page range [first, end) of one layer of a sequence (empty when none); callers
+  // validated seq_id and layer.
+  std::pair<uint64_t, uint64_t> released_unchecked(int32_t seq_id, uint32_t layer) const noexcept;
+  // Whether any live sequence has released pages (selectors that read pages refuse such caches).
+  bool has_released_pages() const noexcept;
+
   // The listener must outlive the cache or be removed first.
   void add_seal_listener(SealListener* listener);
   void remove_seal_listener(SealListener* listener) noexcept;
 
-  // Decode-path access; callers validated seq_id and layer.
+  // Decode-path access; callers validated seq_id and layer. Entries of released pages are not
+  // slots.
   const uint32_t* page_table(int32_t seq_id, uint32_t layer, uint32_t kv_head) const noexcept;
   uint64_t length_unchecked(int32_t seq_id, uint32_t layer) const noexcept;
 
@@ -92,7 +105,9 @@ class KvCache {
   struct Sequence {
     std::vector<uint64_t> tokens;               // [n_layers]
     std::vector<std::vector<uint32_t>> tables;  // [n_layers * n_kv_heads] slot ids per page
+    std::vector<std::pair<uint64_t, uint64_t>> released;  // [n_layers] page range given back
   };
+  static constexpr uint32_t kReleasedSlot = UINT32_MAX;  // a table entry whose page was released
   const Sequence& sequence(int32_t seq_id) const;
   void check_layer(uint32_t layer) const;
   void notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page, uint64_t end_page) const;

@@ -267,13 +267,16 @@ void kvsift_selector_policy_init(kvsift_selector_policy* policy) {
   policy->combine = static_cast<kvsift_gqa_combine>(defaults.combine);
   policy->int8_query = defaults.int8_query ? 1 : 0;
   policy->epsilon = defaults.epsilon;
+  policy->compression = defaults.compression;
+  policy->s4r_window = defaults.s4r_window;
+  policy->s4r_per_head_bases = defaults.s4r_per_head_bases ? 1 : 0;
 }
 
 namespace {
 
 constexpr kvsift::select::Kind kKinds[] = {
-    kvsift::select::Kind::dense, kvsift::select::Kind::oracle, kvsift::select::Kind::quest,
-    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified};
+    kvsift::select::Kind::dense, kvsift::select::Kind::oracle,          kvsift::select::Kind::quest,
+    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified, kvsift::select::Kind::s4r};
 
 }  // namespace
 
@@ -327,12 +330,17 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
     require_pointer(cache, "cache");
     if (!cache->selector) set_selector(*cache, kvsift::select::Policy{});
     kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
-    // Validated as dense first: the selector trusts its call (ids, layer, sizes).
-    cache->attention.validate(cache->cache, call);
+    // Validated first: the selector trusts its call (ids, layer, sizes).
+    cache->attention.validate_sequences(cache->cache, call);
     kvsift::select::Selection& sel = cache->selection;
-    cache->selector->select(kvsift::select::SelectCall{layer, n_seqs, seq_ids, q}, sel);
+    const kvsift::select::SelectCall select_call{layer, n_seqs, seq_ids, q};
+    cache->selector->prepare(select_call);
+    cache->selector->select(select_call, sel);
     const kvsift::PageLists lists = sel.lists();
+    const kvsift::RowChunks rows = sel.rows();
     call.pages = &lists;
+    call.rows = sel.has_rows ? &rows : nullptr;
+    cache->attention.validate(cache->cache, call);
     cache->attention.run(cache->cache, call);
     if (stats == nullptr) return;
     *stats = kvsift_selection_stats{};

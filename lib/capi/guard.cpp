@@ -62,7 +62,7 @@ simd::Dtype to_dtype(kvsift_dtype dtype, const char* name) {
 }
 
 select::Policy to_policy(const kvsift_selector_policy& in) {
-  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_LOCKS_CERTIFIED,
+  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_S4R,
           "policy->selector=", static_cast<int>(in.selector), " is not a kvsift_selector");
   require(in.combine >= KVSIFT_GQA_SHARE_AVG && in.combine <= KVSIFT_GQA_MAX,
           "policy->combine=", static_cast<int>(in.combine), " is not a kvsift_gqa_combine");
@@ -74,6 +74,9 @@ select::Policy to_policy(const kvsift_selector_policy& in) {
   out.combine = static_cast<select::GqaCombine>(in.combine);
   out.int8_query = in.int8_query != 0;
   out.epsilon = in.epsilon;
+  out.compression = in.compression;
+  out.s4r_window = in.s4r_window;
+  out.s4r_per_head_bases = in.s4r_per_head_bases != 0;
   out.validate();
   return out;
 }

@@ -189,14 +189,18 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
     require_pointer(stats, "stats");
     const auto& s = model->model->stats();
     const auto& pool = model->model->cache().pool();
-    *stats = kvsift_model_stats{
-        s.prefill_tokens,         s.prefill_seconds,          s.decode_tokens,
-        s.decode_seconds,         s.decode_attention_seconds, pool.in_use() * pool.slot_bytes(),
-        s.last_step_kv_bytes_read,
-        s.last_step_index_bytes_read,
-        s.last_step_kept_estimate,
-        s.last_step_dropped_bound,
-        model->model->selector_summary_bytes_per_page()};
+    *stats = kvsift_model_stats{s.prefill_tokens,
+                                s.prefill_seconds,
+                                s.decode_tokens,
+                                s.decode_seconds,
+                                s.decode_attention_seconds,
+                                pool.in_use() * pool.slot_bytes(),
+                                s.last_step_kv_bytes_read,
+                                s.last_step_index_bytes_read,
+                                s.last_step_kept_estimate,
+                                s.last_step_dropped_bound,
+                                model->model->selector().summary_bytes_per_page(),
+                                model->model->selector().held_bytes()};
   });
 }
 

@@ -412,7 +412,9 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   call.q = q_.data();
   call.out = attn_.data();
   const PageLists lists = selection_.lists();
+  const RowChunks rows = selection_.rows();
   call.pages = &lists;
+  call.rows = selection_.has_rows ? &rows : nullptr;
   uint64_t bytes_read = 0, index_bytes = 0, pairs = 0;
   double kept_sum = 0.0, worst_bound = 0.0;
   blocks(n, positions.data(), [&](uint32_t l) {
@@ -420,7 +422,9 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     for (uint32_t r = 0; r < n; ++r)
       cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
                     v_.data() + std::size_t{r} * kvdim);
-    selector_->select(select::SelectCall{l, n, seq_ids.data(), q_.data()}, selection_);
+    const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
+    selector_->prepare(select_call);
+    selector_->select(select_call, selection_);
     call.layer = l;
     decode_attention_.validate(cache_, call);
     decode_attention_.run(cache_, call);

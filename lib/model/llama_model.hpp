@@ -98,10 +98,7 @@ class LlamaModel {
   // The selector every later decode step uses (dense at load). Summarises the pages already
   // stored. Throws invalid_argument for a bad policy.
   void set_selector(const select::Policy& policy);
-  const select::Policy& selector_policy() const noexcept { return selector_->policy(); }
-  std::size_t selector_summary_bytes_per_page() const noexcept {
-    return selector_->summary_bytes_per_page();
-  }
+  const select::Selector& selector() const noexcept { return *selector_; }
   // nullptr removes it; the observer must outlive its registration.
   void set_observer(DecodeObserver* observer) noexcept { observer_ = observer; }
   uint64_t position(int32_t seq_id) const;  // tokens processed so far

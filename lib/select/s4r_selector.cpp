@@ -108,7 +108,8 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
   const uint32_t dim = hpu * d;
   std::vector<Unit> units(g.n_kv_heads / hpu);
   try {
-    std::vector<float> rows(static_cast<std::size_t>(n) * dim), head(static_cast<std::size_t>(n) * d);
+    std::vector<float> rows(static_cast<std::size_t>(n) * dim),
+        head(static_cast<std::size_t>(n) * d);
     // Compression 1 keeps full rank: nothing is saved, and attention over everything reconstructed
     // equals dense attention (the check of this whole path).
     const uint32_t rank =
@@ -130,17 +131,16 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         }
         s4r::Basis& basis = keys ? unit.keys : unit.values;
         std::vector<uint16_t>& coeffs = keys ? unit.key_coeffs : unit.value_coeffs;
-        basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank,
-                               matmul_);
+        basis =
+            s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank, matmul_);
         coeffs.resize(static_cast<std::size_t>(n) * rank);
-        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_,
-                     cache_.kernels());
+        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_, cache_.kernels());
       }
       unit.queries.assign(std::size_t{W} * G * rank, 0.0f);
     }
   } catch (const std::bad_alloc&) {
-    fail(Status::out_of_memory, "s4r compression of ", n, " tokens of sequence ", seq_id,
-         " layer ", layer);
+    fail(Status::out_of_memory, "s4r compression of ", n, " tokens of sequence ", seq_id, " layer ",
+         layer);
   }
   cache_.release_pages(seq_id, layer, first / B, end / B);
   st.units = std::move(units);
@@ -200,6 +200,12 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   // Reconstruct K (then RoPE at each token's position) and V of the chosen tokens into the row
   // chunks of each KV head of the unit.
   const auto rows = static_cast<uint32_t>(m);
+  for (uint32_t h = 0; h < hpu; ++h) {
+    const uint32_t pair = seq_index * H + h0 + h;
+    out.row_counts[pair] = rows;
+    out.chunk_offsets[pair + 1] =
+        out.chunk_offsets[pair] + static_cast<uint32_t>(g.pages_for(rows));
+  }
   const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
   for (const bool keys : {true, false}) {
     s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype,
@@ -215,12 +221,6 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
         kernels.encode(row + std::size_t{h} * d, reinterpret_cast<uint16_t*>(chunk), d, g.dtype);
       }
     }
-  }
-  for (uint32_t h = 0; h < hpu; ++h) {
-    const uint32_t pair = seq_index * H + h0 + h;
-    out.row_counts[pair] = rows;
-    out.chunk_offsets[pair + 1] =
-        out.chunk_offsets[pair] + static_cast<uint32_t>(g.pages_for(rows));
   }
   return (n * rank + 2 * m * rank) * sizeof(uint16_t);
 }

@@ -73,8 +73,8 @@ class S4rSelector final : public Selector {
   void compress(int32_t seq_id, uint32_t layer, LayerState& st);
   // Chooses and reconstructs one unit's rows for one sequence into `out`; returns the index bytes
   // read and the kept estimate.
-  uint64_t select_unit(const SelectCall& call, uint32_t seq_index, uint32_t unit,
-                       LayerState& st, Selection& out, uint64_t exact_tokens, float& kept) noexcept;
+  uint64_t select_unit(const SelectCall& call, uint32_t seq_index, uint32_t unit, LayerState& st,
+                       Selection& out, uint64_t exact_tokens, float& kept) noexcept;
 
   std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
   Matmul matmul_;

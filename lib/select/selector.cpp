@@ -8,6 +8,7 @@
 
 #include "lib/core/error.hpp"
 #include "lib/select/page_selector.hpp"
+#include "lib/select/s4r_selector.hpp"
 
 namespace kvsift::select {
 
@@ -18,6 +19,7 @@ std::string_view kind_name(Kind kind) noexcept {
     case Kind::quest: return "quest";
     case Kind::locks: return "locks";
     case Kind::locks_certified: return "locks_certified";
+    case Kind::s4r: return "s4r";
   }
   return "?";
 }
@@ -32,8 +34,7 @@ std::string_view combine_name(GqaCombine combine) noexcept {
 }
 
 void Policy::validate() const {
-  require(kind <= Kind::locks_certified, "policy.kind=", static_cast<int>(kind),
-          " is not a selector");
+  require(kind <= Kind::s4r, "policy.kind=", static_cast<int>(kind), " is not a selector");
   require(combine <= GqaCombine::max, "policy.combine=", static_cast<int>(combine),
           " is not a GQA combine mode");
   require(std::isfinite(budget) && budget >= 0.0, "policy.budget=", budget,
@@ -45,10 +46,21 @@ void Policy::validate() const {
     require(budget > 0.0, "policy.budget must be > 0 for the ", kind_name(kind), " selector");
   require(std::isfinite(epsilon) && epsilon > 0.0 && epsilon < 1.0, "policy.epsilon=", epsilon,
           " must be in (0, 1)");
+  require(std::isfinite(compression) && compression >= 1.0, "policy.compression=", compression,
+          " must be a finite number >= 1");
+  require(s4r_window >= 1 && s4r_window <= 4096, "policy.s4r_window=", s4r_window,
+          " is not in 1..4096");
 }
 
-void Selection::reserve(uint32_t max_pairs, uint64_t max_pages) {
+void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, uint64_t max_rows_per_pair,
+                        uint32_t page_tokens, std::size_t chunk_bytes) {
   offsets.assign(std::size_t{max_pairs} + 1, 0);
+  has_rows = max_rows_per_pair > 0;
+  const uint64_t chunks_per_pair = (max_rows_per_pair + page_tokens - 1) / page_tokens;
+  row_chunks.resize(has_rows ? static_cast<std::size_t>(max_pairs * chunks_per_pair) * chunk_bytes
+                             : 0);
+  chunk_offsets.assign(std::size_t{max_pairs} + 1, 0);
+  row_counts.assign(max_pairs, 0);
   const auto pages = static_cast<std::size_t>(max_pages);
   page_ids.resize(pages);
   scores.resize(pages);
@@ -87,13 +99,24 @@ Selector::~Selector() {
 void Selector::reserve_selection(Selection& selection) const {
   const uint32_t pairs = max_batch_ * cache_.geometry().n_kv_heads;
   // The pairs of one call hold distinct slots, so the pool's capacity bounds their pages too.
+  const CacheGeometry& g = cache_.geometry();
   selection.reserve(pairs,
-                    std::min<uint64_t>(uint64_t{pairs} * max_pages_, cache_.pool().capacity()));
+                    std::min<uint64_t>(uint64_t{pairs} * max_pages_, cache_.pool().capacity()),
+                    max_rows_per_pair(), g.page_tokens, g.slot_bytes());
 }
 
 std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache, uint32_t max_batch,
                                            uint64_t max_pages, int n_threads) {
   policy.validate();
+  // Compressed sequences live on only in the selector that compressed them.
+  require(!cache.has_released_pages(),
+          "the cache holds sequences whose pages S4R compressed; "
+          "free them before setting a new selector");
+  if (policy.kind == Kind::s4r) {
+    auto selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, n_threads);
+    cache.add_seal_listener(selector.get());
+    return selector;
+  }
   std::unique_ptr<PageSelector> selector =
       make_page_selector(policy, cache, max_batch, max_pages, n_threads);
   cache.add_seal_listener(selector.get());

@@ -27,7 +27,7 @@
 
 namespace kvsift::select {
 
-enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified };
+enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified, s4r };
 // How the G query heads of a group turn their page scores into one ranking (papers.md 2(e)1).
 enum class GqaCombine : uint8_t {
   share_avg,  // the paper: average over heads of each page's estimated mass share
@@ -55,6 +55,13 @@ struct Policy {
   // locks_certified: grow the selection until the proven bound on the dropped share of softmax
   // mass is below epsilon for every query head of the group, or the budget is reached.
   double epsilon = 1e-3;
+  // s4r: the target compression of the prompt's K/V (dense bytes / S4R bytes, >= 1), which sets
+  // the rank; the query window (the last s4r_window queries rank the compressed tokens, and the
+  // last s4r_window compressed tokens are always reconstructed); one basis per layer over all KV
+  // heads (the paper's default) or one per KV head.
+  double compression = 2.5;
+  uint32_t s4r_window = 32;
+  bool s4r_per_head_bases = false;
 
   // Throws Error(invalid_argument) naming the first bad field.
   void validate() const;
@@ -80,10 +87,21 @@ struct Selection {
   AlignedVector<float> kept_estimate;
   AlignedVector<float> dropped_bound;
   uint64_t index_bytes_read = 0;  // summaries / keys the selection itself read, all pairs
+  // Token-level selectors: per pair, token rows attended besides the pages (gathered from the
+  // cache or reconstructed), packed as pages are (decode_attention.hpp RowChunks).
+  bool has_rows = false;
+  AlignedVector<std::byte> row_chunks;
+  AlignedVector<uint32_t> chunk_offsets;  // [pairs + 1]
+  AlignedVector<uint32_t> row_counts;     // [pairs]
 
-  // max_pages: the most pages one call chooses over all its pairs.
-  void reserve(uint32_t max_pairs, uint64_t max_pages);
+  // max_pages: the most pages one call chooses over all its pairs; max_rows_per_pair: the most
+  // token rows one pair gets (0: a page selector); chunk_bytes: one chunk of page_tokens rows.
+  void reserve(uint32_t max_pairs, uint64_t max_pages, uint64_t max_rows_per_pair = 0,
+               uint32_t page_tokens = 16, std::size_t chunk_bytes = 0);
   PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
+  RowChunks rows() const noexcept {
+    return RowChunks{row_chunks.data(), chunk_offsets.data(), row_counts.data()};
+  }
   // Telemetry over the pairs: the sum of kept_estimate, and the largest dropped_bound (NaN when
   // some pair proves none).
   double kept_estimate_sum() const noexcept;
@@ -108,17 +126,27 @@ class Selector : public SealListener {
                                           uint64_t max_pages, int n_threads);
   ~Selector() override;
 
-  // Requires a Selection reserved by reserve_selection(). Builds pending summaries first.
+  // Work a step needs before select() that may fail: S4R compresses the prompt of each (sequence,
+  // layer) the first time it is selected for. Call it with the same call, before select().
+  // Throws Error (out_of_memory, invalid_argument).
+  virtual void prepare(const SelectCall& /*call*/) {}
+  // Requires a Selection reserved by reserve_selection() and a prepare() of the same call. Builds
+  // pending summaries first.
   virtual void select(const SelectCall& call, Selection& out) noexcept = 0;
 
   void reserve_selection(Selection& selection) const;
   const Policy& policy() const noexcept { return policy_; }
   // Bytes of per-page data kept per (page, KV head); 0 for dense and oracle.
   virtual std::size_t summary_bytes_per_page() const noexcept { return 0; }
+  // Host bytes the selector holds for the cache's tokens besides the pages (S4R: bases,
+  // coefficients and query windows); page summaries are counted by summary_bytes_per_page.
+  virtual uint64_t held_bytes() const noexcept { return 0; }
 
  protected:
   Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
            int n_threads);
+  // The most token rows one (sequence, KV head) pair gets per step.
+  virtual uint64_t max_rows_per_pair() const noexcept { return 0; }
   KvCache& cache_;
   Policy policy_;
   uint32_t max_batch_;
