@@ -3,9 +3,19 @@
 // One CTA of 4 warps serves one (pair, head block, split). A K/V row of head_dim elements is read
 // by head_dim / 8 lanes with one 16-byte load each (a "row group"), so a warp reads 32 / (d / 8)
 // rows at once and the CTA kTokens rows per iteration, each row once for all the block's query
-// heads. Every row group keeps its own online-softmax state (m, l, acc) in registers and the CTA
-// combines them once at the end, so the token loop has no barrier. Logits are kept in base 2
-// (q pre-multiplied by log2(e) / sqrt(d)) so that each exponential is one exp2.
+// heads. The rows arrive through a three-stage cp.async pipeline in shared memory. Every row group
+// keeps its own online-softmax state (m, l, acc) in registers and the CTA combines them once at
+// the end, so the token loop has no barrier; the last CTA of a pair merges the pair's splits.
+// Logits are kept in base 2 (q pre-multiplied by log2(e) / sqrt(d)) so that each exponential is
+// one ex2, and the running sums are rescaled lazily.
+//
+// Measured on the H200 (bench/bench_gpu_attend.cpp, Llama-3.1-8B layer, bf16, batch 8, every
+// page of 128K tokens): register-held loads 2.41 TB/s; loads pipelined through registers 2.71;
+// cp.async stages, fused merge, ex2.approx 3.36; lazy rescaling, fewer guards, a merge with its
+// reads in flight 3.62 (86% of the 4.19 TB/s device-to-device copy). The inner loop is then near
+// the issue limit (SASS of the bf16, d = 128, G = 4 kernel: about 720 instructions per warp per
+// 4 KiB of K/V on the common path, 256 of them the FMAs): the butterfly reduction of the logits
+// across a row group's lanes (64 shuffles and 64 adds per tile now) is the next saving.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -22,10 +32,10 @@ namespace {
 
 constexpr uint32_t kWarps = 4;
 constexpr uint32_t kThreads = kWarps * 32;
-constexpr uint32_t kMaxBlockHeads = 8;
-// Copy stages in flight: with 4 rows per thread a stage is 16 KiB, so two stages ahead keep
-// 32 KiB per CTA loading, several times what a multiprocessor needs to cover HBM latency.
-constexpr uint32_t kStages = 3;  // partials are laid out with this many heads per block
+constexpr uint32_t kMaxBlockHeads = 8;  // partials are laid out with this many heads per block
+// Copy stages: with 4 rows per thread a stage is 16 KiB, so two stages ahead keep 32 KiB per CTA
+// loading (128 KiB per multiprocessor at 4 CTAs), past what HBM latency needs covered.
+constexpr uint32_t kStages = 3;
 // A split covers at least this many CTA tiles: its partial (m, l, acc for the block's heads) is
 // about 2 KiB at d = 128, G = 4, against 16 KiB of K/V per tile, so two tiles keep the merge's
 // traffic near 6% while short selections still spread over many CTAs.
@@ -33,6 +43,8 @@ constexpr uint32_t kMinTilesPerSplit = 2;
 // Tokens of one pair stay below 2^31 so that split offsets fit 32-bit arithmetic in the kernel.
 constexpr uint64_t kMaxPairTokens = uint64_t{1} << 31;
 constexpr float kLog2e = 1.4426950408889634f;
+// Lazy rescaling threshold in base-2 logits: probabilities stay below 2^8 (see the token loop).
+constexpr float kLazyRescale = 8.0f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 template <uint32_t kHeadDim, uint32_t kBlockHeads>
@@ -40,14 +52,14 @@ struct Tile {
   static constexpr uint32_t kLanesPerRow = kHeadDim / 8;  // 8 elements per 16-byte load
   static constexpr uint32_t kRowsPerWarp = 32 / kLanesPerRow;
   static constexpr uint32_t kRowsPerStep = kWarps * kRowsPerWarp;
-  // Rows in flight per thread: 4 keeps 128 bytes of K/V loads outstanding per thread; with 8
-  // heads the q and acc registers (2 x 64) leave room for 2.
+  // Rows per thread per tile: 4 (a 16 KiB tile per CTA); with 8 heads the q and acc registers
+  // (2 x 64) leave room for 2.
   static constexpr uint32_t kRowsPerThread = kBlockHeads <= 4 ? 4 : 2;
   static constexpr uint32_t kTokens = kRowsPerStep * kRowsPerThread;
   // Dynamic shared memory: the copy stages, reused after the loop for the warps' accumulators.
   static constexpr uint32_t kStageBytes = kRowsPerThread * 2 * kThreads * 16;
-  static constexpr uint32_t kSharedBytes =
-      std::max(kStages * kStageBytes, kWarps* kBlockHeads* kHeadDim* uint32_t{sizeof(float)});
+  static constexpr uint32_t kAccumulatorBytes = kWarps * kBlockHeads * kHeadDim * 4;
+  static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, kAccumulatorBytes);
 };
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
@@ -151,28 +163,43 @@ __device__ __forceinline__ void wait_copies() {
 }
 
 // Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,
-// then normalise. The threads run over (head, channel) so the accumulator reads coalesce; the
-// split loops are unrolled so that several splits' loads are in flight at once. Partials written
-// by other CTAs are read through L2 (__ldcg): L1 is not coherent across multiprocessors.
-template <uint32_t kHeadDim>
+// then normalise. Each partial lives in L2, a round trip of a few hundred ns, so the merge keeps
+// many reads in flight: the splits' (m, l) are staged in shared memory by all threads at once,
+// then each thread reads four channels of every split's accumulator as float4, 16 splits per
+// unrolled step. Partials written by other CTAs are read through L2 (__ldcg): L1 is not coherent
+// across multiprocessors. scratch holds 2 * splits * kBlockHeads floats (plan_splits bounds it).
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
 __device__ void merge_splits(const AttendParams& p, std::size_t first_partial, uint32_t pair,
-                             uint32_t head0, uint32_t heads) {
-  for (uint32_t e = threadIdx.x; e < heads * kHeadDim; e += kThreads) {
-    const uint32_t g = e / kHeadDim, c = e % kHeadDim;
+                             uint32_t head0, uint32_t heads, float* scratch) {
+  const uint32_t n = p.splits * kBlockHeads;
+  float* s_m = scratch;
+  float* s_l = scratch + n;
+  for (uint32_t i = threadIdx.x; i < n; i += kThreads) {
+    const uint32_t s = i / kBlockHeads, g = i % kBlockHeads;
+    const std::size_t at = (first_partial + s) * kMaxBlockHeads + g;
+    s_m[i] = g < heads ? __ldcg(p.partial_m + at) : kNegInf;
+    s_l[i] = g < heads ? __ldcg(p.partial_l + at) : 0.0f;
+  }
+  __syncthreads();
+  constexpr uint32_t kQuads = kHeadDim / 4;
+  for (uint32_t e = threadIdx.x; e < heads * kQuads; e += kThreads) {
+    const uint32_t g = e / kQuads, c = e % kQuads * 4;
     float m_all = kNegInf;
-#pragma unroll 8
-    for (uint32_t s = 0; s < p.splits; ++s)
-      m_all = fmaxf(m_all, __ldcg(p.partial_m + (first_partial + s) * kMaxBlockHeads + g));
-    float l_all = 0.0f, a_all = 0.0f;
-#pragma unroll 8
+    for (uint32_t s = 0; s < p.splits; ++s) m_all = fmaxf(m_all, s_m[s * kBlockHeads + g]);
+    float l_all = 0.0f;
+    float4 a_all = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
     for (uint32_t s = 0; s < p.splits; ++s) {
-      const std::size_t at = (first_partial + s) * kMaxBlockHeads + g;
-      const float weight = rescale(__ldcg(p.partial_m + at), m_all);
-      l_all += __ldcg(p.partial_l + at) * weight;
-      a_all += __ldcg(p.partial_acc + at * kHeadDim + c) * weight;
+      const float weight = rescale(s_m[s * kBlockHeads + g], m_all);
+      l_all += s_l[s * kBlockHeads + g] * weight;
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(
+          p.partial_acc + ((first_partial + s) * kMaxBlockHeads + g) * kHeadDim + c));
+      a_all.x += a.x * weight, a_all.y += a.y * weight;
+      a_all.z += a.z * weight, a_all.w += a.w * weight;
     }
-    p.out[(std::size_t{pair} * p.group_size + head0 + g) * kHeadDim + c] =
-        m_all == kNegInf ? 0.0f : a_all / l_all;
+    const float inv = m_all == kNegInf ? 0.0f : 1.0f / l_all;  // nothing listed: zeros
+    float* out = p.out + (std::size_t{pair} * p.group_size + head0 + g) * kHeadDim + c;
+    out[0] = a_all.x * inv, out[1] = a_all.y * inv, out[2] = a_all.z * inv, out[3] = a_all.w * inv;
   }
 }
 
@@ -294,24 +321,44 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         for (uint32_t g = 0; g < kBlockHeads; ++g)
           s[r][g] += __shfl_xor_sync(0xffffffffu, s[r][g], offset);
 
-          // One rescale per tile and head, not one per token.
+    // Lazy rescaling (as in FlashAttention 4): m is a reference point, not the running max, and
+    // moves only when a logit exceeds it by more than kLazyRescale (base 2), so probabilities
+    // stay below 2^kLazyRescale, harmless in fp32, and the accumulators are rescaled a few times
+    // per split instead of every tile. The branch is taken for the whole warp or not at all.
+    if (base + T::kTokens > last) {  // the split's last tile: rows past the list weigh nothing
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r)
+#pragma unroll
+        for (uint32_t g = 0; g < kBlockHeads; ++g)
+          if (!valid[r]) s[r][g] = kNegInf;
+    }
+    float tile_max[kBlockHeads];
+    bool grows = false;
 #pragma unroll
     for (uint32_t g = 0; g < kBlockHeads; ++g) {
-      float tile_max = kNegInf;
+      tile_max[g] = s[0][g];
 #pragma unroll
-      for (uint32_t r = 0; r < R; ++r) {
-        if (!valid[r]) s[r][g] = kNegInf;
-        tile_max = fmaxf(tile_max, s[r][g]);
+      for (uint32_t r = 1; r < R; ++r) tile_max[g] = fmaxf(tile_max[g], s[r][g]);
+      grows |= tile_max[g] > m[g] + kLazyRescale;
+    }
+    if (__any_sync(0xffffffffu, grows)) {
+#pragma unroll
+      for (uint32_t g = 0; g < kBlockHeads; ++g) {
+        if (!(tile_max[g] > m[g] + kLazyRescale)) continue;
+        const float alpha = fast_exp2(m[g] - tile_max[g]);  // 0 when m was -inf
+        m[g] = tile_max[g];
+        l[g] *= alpha;
+#pragma unroll
+        for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
       }
-      const float m_new = fmaxf(m[g], tile_max);
-      const float alpha = rescale(m[g], m_new);
-      m[g] = m_new;
-      l[g] *= alpha;
+    }
 #pragma unroll
-      for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
+    for (uint32_t g = 0; g < kBlockHeads; ++g) {
+      // m is -inf only while every logit seen is -inf; any finite stand-in gives them weight 0.
+      const float m_safe = m[g] == kNegInf ? 0.0f : m[g];
 #pragma unroll
       for (uint32_t r = 0; r < R; ++r) {
-        s[r][g] = rescale(s[r][g], m_new);  // the probability; 0 for rows past the list
+        s[r][g] = fast_exp2(s[r][g] - m_safe);  // the probability; 0 for rows past the list
         l[g] += s[r][g];
       }
     }
@@ -393,7 +440,8 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   __syncthreads();
   if (!s_last) return;
   __threadfence();
-  merge_splits<kHeadDim>(p, first_partial, pair, head0, heads);
+  merge_splits<kHeadDim, kBlockHeads>(p, first_partial, pair, head0, heads,
+                                      reinterpret_cast<float*>(stages));
   if (threadIdx.x == 0) p.arrivals[unit] = 0;  // ready for the next call on the stream
 }
 
@@ -403,12 +451,14 @@ struct KernelInfo {
   void (*kernel)(AttendParams, Form);
   uint32_t tile_tokens;
   uint32_t shared_bytes;
+  uint32_t max_splits;  // the merge stages (m, l) of every split in shared_bytes
 };
 
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads>;
-  return {sparse_attend<D, kHeadDim, kBlockHeads, Form>, T::kTokens, T::kSharedBytes};
+  return {sparse_attend<D, kHeadDim, kBlockHeads, Form>, T::kTokens, T::kSharedBytes,
+          T::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
 
 template <simd::Dtype D, uint32_t kHeadDim, class Form>
@@ -510,13 +560,14 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
     plan.tokens += tokens;
   }
   plan.kv_bytes = plan.tokens * 2 * shape.head_dim * sizeof(uint16_t) * plan.head_blocks;
-  const uint64_t tile = kernel_for<PageForm>(shape).tile_tokens;  // the same in both forms
+  const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape);  // tiles alike in both forms
+  const uint64_t tile = kernel.tile_tokens;
   const uint64_t units = uint64_t{pairs} * plan.head_blocks;
   // Rounded down: one CTA past the resident capacity would start a second wave on its own.
   const uint64_t wanted = std::max<uint64_t>(1, target_ctas / units);
   const uint64_t most =
       std::max<uint64_t>(1, (longest + kMinTilesPerSplit * tile - 1) / (kMinTilesPerSplit * tile));
-  uint64_t splits = std::clamp<uint64_t>(wanted, 1, most);
+  uint64_t splits = std::clamp<uint64_t>(std::min<uint64_t>(wanted, kernel.max_splits), 1, most);
   uint64_t per_split = (longest + splits - 1) / splits;
   per_split = std::max<uint64_t>(tile, (per_split + tile - 1) / tile * tile);
   splits = std::max<uint64_t>(1, (longest + per_split - 1) / per_split);

@@ -89,6 +89,7 @@ struct Case {
   uint32_t n_kv_heads = 2;
   uint32_t max_context_pages = 40;  // each sequence holds 1..this many pages per KV head
   double keep = 0.5;                // share of pages (or tokens) a pair lists
+  float key_growth = 0.0f;          // K of a pair's page i is scaled by 1 + key_growth * i
 };
 
 std::string case_name(const Case& c) {
@@ -165,7 +166,8 @@ Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& 
       for (uint32_t r = 0; r < rows; ++r)
         for (uint32_t ch = 0; ch < d; ++ch) {
           const std::size_t from = (std::size_t{next_page} * B + r) * d + ch;
-          p.pool[slot * slot_elems + std::size_t{r} * d + ch] = p.encode(k_values[from]);
+          p.pool[slot * slot_elems + std::size_t{r} * d + ch] =
+              p.encode(k_values[from] * (1.0f + c.key_growth * page));
           p.pool[slot * slot_elems + std::size_t{B + r} * d + ch] = p.encode(v_values[from]);
         }
       // A selector always keeps the open page (DESIGN.md section 3); others at random.
@@ -358,6 +360,16 @@ TEST_F(GpuTest, a_long_context_splits_and_merges) {
   c.keep = 1.0;
   run_and_check(make_problem(c, 8, pages, std::vector<uint32_t>(8, 16)), Form::pages, &plan);
   EXPECT_GT(plan.splits_per_pair, 1u);
+}
+
+TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
+  // Keys that grow along the context push the logits' maximum up tile after tile, so the lazy
+  // rescaling (a reference max moved only when a logit exceeds it by 2^8) fires again and again.
+  for (Form form : {Form::pages, Form::tokens}) {
+    Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
+    c.key_growth = 0.08f;
+    run_and_check(make_random_problem(c, 51), form);
+  }
 }
 
 TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
