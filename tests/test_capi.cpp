@@ -1212,6 +1212,47 @@ TEST(CApi, attend_selected_within_a_budget_reads_fewer_kv_bytes) {
   EXPECT_TRUE(std::isnan(stats.dropped_bound));
 }
 
+// S4R through the C API: a pre-RoPE cache, compression on the first selected step, and at full
+// rank with every token reconstructed the output of a dense pre-RoPE cache; a post-RoPE cache
+// and a selector change over compressed sequences are refused.
+TEST(CApi, s4r_at_full_rank_attends_like_dense_and_its_refusals_name_the_cause) {
+  kvsift_cache_params params = small_params();
+  params.key_form = KVSIFT_KEYS_PRE_ROPE;
+  params.max_pages = 256;
+  Cache s4r = make_cache(params), dense = make_cache(params);
+  const int32_t seq = make_sequence(s4r.get()), ref_seq = make_sequence(dense.get());
+  append(s4r.get(), seq, 0, 16 * 40 + 3, 7);
+  append(dense.get(), ref_seq, 0, 16 * 40 + 3, 7);
+  kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_S4R, 1.0);
+  policy.compression = 1.0;
+  ASSERT_EQ(kvsift_cache_set_selector(s4r.get(), &policy), KVSIFT_STATUS_OK) << kvsift_last_error();
+  const std::vector<float> q = random_floats(q_elems(1), 8);
+  std::vector<float> out(q.size()), ref(q.size());
+  kvsift_selection_stats stats{};
+  ASSERT_EQ(kvsift_attend_selected(s4r.get(), 0, 1, &seq, q.data(), out.data(), &stats),
+            KVSIFT_STATUS_OK)
+      << kvsift_last_error();
+  ASSERT_EQ(kvsift_attend(dense.get(), 0, 1, &ref_seq, q.data(), ref.data(), nullptr),
+            KVSIFT_STATUS_OK);
+  double diff = 0.0, norm = 0.0;
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    diff += (out[i] - ref[i]) * (out[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  EXPECT_LT(std::sqrt(diff / norm), 2e-3);
+  EXPECT_EQ(stats.pages_chosen, 2u * kKvHeads);  // the sink page and the partial last one
+  // Compressed pages are gone: dense attention and a new selector are refused.
+  EXPECT_FAILS(kvsift_attend(s4r.get(), 0, 1, &seq, q.data(), out.data(), nullptr),
+               KVSIFT_STATUS_INVALID_ARGUMENT, "released");
+  EXPECT_FAILS(kvsift_cache_set_selector(s4r.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "free them");
+  ASSERT_EQ(kvsift_sequence_free(s4r.get(), seq), KVSIFT_STATUS_OK);
+  EXPECT_EQ(kvsift_cache_set_selector(s4r.get(), &policy), KVSIFT_STATUS_OK);
+  Cache post = make_cache();
+  EXPECT_FAILS(kvsift_cache_set_selector(post.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "pre-RoPE");
+}
+
 TEST(CApi, set_selector_refuses_bad_policies_naming_the_field) {
   Cache cache = make_cache();
   kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_QUEST, 0.0);

@@ -12,13 +12,13 @@ namespace kvsift::eval {
 namespace {
 
 // One query head against tokens [0, n) of its KV head: the float64 softmax (p: [n] scratch), the
-// share of its mass on the listed pages (all of it when all_pages) and the relative error of
-// `out` against the exact output. Cloned for x86-64-v3 (AVX2, FMA): it is most of the probe's
-// time, and the build's baseline is plain x86-64.
+// share of its mass on the listed pages and row tokens (all of it when all_pages) and the
+// relative error of `out` against the exact output. Cloned for x86-64-v3 (AVX2, FMA): it is most of
+// the probe's time, and the build's baseline is plain x86-64.
 __attribute__((target_clones("arch=x86-64-v3", "default"))) void exact_head(
     const float* q, const float* k, const float* v, std::size_t n, uint32_t d, uint32_t page_tokens,
-    const uint32_t* pages, uint32_t n_pages, bool all_pages, const float* out, double* p,
-    double& recall, double& rel_err) {
+    const uint32_t* pages, uint32_t n_pages, const uint32_t* row_tokens, uint32_t n_rows,
+    bool all_pages, const float* out, double* p, double& recall, double& rel_err) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
   double m = -std::numeric_limits<double>::infinity();
   for (std::size_t t = 0; t < n; ++t) {
@@ -46,6 +46,7 @@ __attribute__((target_clones("arch=x86-64-v3", "default"))) void exact_head(
       const std::size_t last = std::min(n, first + page_tokens);
       for (std::size_t t = first; t < last; ++t) kept += p[t];
     }
+    for (uint32_t r = 0; r < n_rows; ++r) kept += p[row_tokens[r]];
   }
   recall = kept / z;
   double diff = 0.0, norm = 0.0;
@@ -134,8 +135,14 @@ void AttentionProbe::on_layer(uint32_t layer, std::span<const int32_t> seq_ids, 
           all_pages ? nullptr : selection.page_ids.data() + selection.offsets[pair];
       const uint32_t n_pages =
           all_pages ? 0 : selection.offsets[pair + 1] - selection.offsets[pair];
+      const bool rows = !all_pages && selection.has_rows;
+      const uint32_t* row_tokens =
+          rows ? selection.row_tokens.data() +
+                     std::size_t{selection.chunk_offsets[pair]} * page_tokens_
+               : nullptr;
+      const uint32_t n_rows = rows ? selection.row_counts[pair] : 0;
       exact_head(q_seq + std::size_t{head} * d, k_[i].data(), v_[i].data(), n, d, page_tokens_,
-                 pages, n_pages, all_pages, out_seq + std::size_t{head} * d,
+                 pages, n_pages, row_tokens, n_rows, all_pages, out_seq + std::size_t{head} * d,
                  scratch_[static_cast<std::size_t>(omp_get_thread_num())].data(), recall_[head],
                  rel_err_[head]);
     }

@@ -70,6 +70,7 @@ struct Options {
   uint32_t page_tokens = 16;
   uint32_t sink_pages = 1, window_pages = 1;
   double epsilon = 1e-3;
+  std::vector<double> compressions = {2.5, 5.0};
   bool verbose = false;
 };
 
@@ -106,17 +107,28 @@ std::vector<Config> make_configs(const Options& o) {
   for (const std::string& name : o.selectors) {
     const select::Kind kind = parse_selector(name);
     if (kind == select::Kind::dense) continue;
-    for (const double budget : o.budgets) {
-      if (!(budget > 0)) throw std::invalid_argument("--budgets: budgets must be positive");
-      select::Policy p;
-      p.kind = kind;
-      p.budget = budget;
-      p.sink_pages = o.sink_pages;
-      p.window_pages = o.window_pages;
-      p.epsilon = o.epsilon;
-      p.validate();
-      configs.push_back({name, budget, p});
-    }
+    // S4R once per compression ratio, labelled with it ("s4r-2.5x"); the others once.
+    const std::vector<double> compressions =
+        kind == select::Kind::s4r ? o.compressions : std::vector<double>{0.0};
+    for (const double compression : compressions)
+      for (const double budget : o.budgets) {
+        if (!(budget > 0)) throw std::invalid_argument("--budgets: budgets must be positive");
+        select::Policy p;
+        p.kind = kind;
+        p.budget = budget;
+        p.sink_pages = o.sink_pages;
+        p.window_pages = o.window_pages;
+        p.epsilon = o.epsilon;
+        std::string label = name;
+        if (kind == select::Kind::s4r) {
+          p.compression = compression;
+          std::ostringstream l;
+          l << name << "-" << compression << "x";
+          label = l.str();
+        }
+        p.validate();
+        configs.push_back({label, budget, p});
+      }
   }
   return configs;
 }
@@ -351,7 +363,7 @@ int main(int argc, char** argv) {
   auto* samples = app.add_option("--samples", o.samples, "samples per (task, length)")
                       ->check(CLI::Range(1, 100000));
   auto* selectors =
-      app.add_option("--selectors", o.selectors, "dense,oracle,quest,locks,locks_certified")
+      app.add_option("--selectors", o.selectors, "dense,oracle,quest,locks,locks_certified,s4r")
           ->delimiter(',');
   auto* budgets = app.add_option("--budgets", o.budgets,
                                  "budgets: fractions of the context (<= 1) or token counts")
@@ -375,6 +387,10 @@ int main(int argc, char** argv) {
   app.add_option("--window-pages", o.window_pages, "last pages every selection keeps")
       ->capture_default_str();
   app.add_option("--epsilon", o.epsilon, "locks_certified: bound on the dropped mass")
+      ->capture_default_str();
+  app.add_option("--compressions", o.compressions,
+                 "s4r: target compressions of the prompt's K/V, each a configuration")
+      ->delimiter(',')
       ->capture_default_str();
   app.add_flag("--verbose", o.verbose, "print every output");
   // A single-valued option given twice takes the last: make eval's EVAL_ARGS can override it.

@@ -205,6 +205,8 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
     out.row_counts[pair] = rows;
     out.chunk_offsets[pair + 1] =
         out.chunk_offsets[pair] + static_cast<uint32_t>(g.pages_for(rows));
+    uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[pair]} * B;
+    for (uint32_t r = 0; r < rows; ++r) tokens[r] = static_cast<uint32_t>(st.first + chosen_[r]);
   }
   const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
   for (const bool keys : {true, false}) {

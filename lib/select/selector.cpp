@@ -61,6 +61,8 @@ void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, uint64_t max_row
                              : 0);
   chunk_offsets.assign(std::size_t{max_pairs} + 1, 0);
   row_counts.assign(max_pairs, 0);
+  row_tokens.resize(has_rows ? static_cast<std::size_t>(max_pairs * chunks_per_pair) * page_tokens
+                             : 0);
   const auto pages = static_cast<std::size_t>(max_pages);
   page_ids.resize(pages);
   scores.resize(pages);

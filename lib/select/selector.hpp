@@ -93,6 +93,8 @@ struct Selection {
   AlignedVector<std::byte> row_chunks;
   AlignedVector<uint32_t> chunk_offsets;  // [pairs + 1]
   AlignedVector<uint32_t> row_counts;     // [pairs]
+  // The token position of each row, row r of a pair at chunk_offsets[pair] * page_tokens + r.
+  AlignedVector<uint32_t> row_tokens;
 
   // max_pages: the most pages one call chooses over all its pairs; max_rows_per_pair: the most
   // token rows one pair gets (0: a page selector); chunk_bytes: one chunk of page_tokens rows.
