@@ -191,10 +191,10 @@ std::vector<uint32_t> hybrid_sample(uint64_t first, uint64_t end, uint64_t count
 
 // Why the Gram route: on the 2-core dev box (Zen 4, load average 3-5 from other builds) Eigen's
 // BDCSVD of the sample took 0.55 s at 6,000 x 192 and 13.4 s at 20,000 x 1024 in float64 (0.28 s
-// and 7.5 s in float32); this function takes 0.035 s and 2.9 s (Gram 1.9 s, eigen-decomposition
-// 1.0 s). A float32 Gram through oneDNN halved the Gram's time, but its rounding (a few 1e-9 of
-// lambda_1) moved the singular values near sigma_1 / 80 by over 1e-5 relative against LAPACK, so
-// the Gram is float64.
+// and 7.5 s in float32); this function takes 0.02-0.04 s and 2.0-2.9 s (the Gram about two
+// thirds, the eigen-decomposition 1.0 s). A float32 Gram through oneDNN halved the Gram's time, but
+// its rounding (a few 1e-9 of lambda_1) moved the singular values near sigma_1 / 80 by over 1e-5
+// relative against LAPACK, so the Gram is float64.
 Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
                 const uint32_t* sample, uint64_t n_sample, uint32_t rank) {
   check_dim_rank(dim, rank, "fit_basis");

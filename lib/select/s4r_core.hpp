@@ -153,9 +153,9 @@ uint64_t relevance_workspace_floats(uint32_t n_queries, uint32_t groups, uint64_
 //       query).
 //     true: the queries are those of the last n_queries scored tokens (papers.md 3(b), where every
 //       token is compressed), and query q sees tokens t <= n_tokens - n_queries + q.
-// Cost: n_tokens * n_queries * groups * rank multiply-adds, in baseline x86-64 SSE code: 7.8
-// GMAC/s on one Zen 4 core (L = 32K, W = 32, G = 4, r = 200: 104 ms). Throws on rank 0, groups 0,
-// n_queries 0 or an even pool_kernel.
+// Cost: n_tokens * n_queries * groups * rank multiply-adds, in baseline x86-64 SSE code: 8-11.5
+// GMAC/s on one Zen 4 core with other builds running (L = 32K, W = 32, G = 4, r = 200: 73-104
+// ms). Throws on rank 0, groups 0, n_queries 0 or an even pool_kernel.
 void relevance(const float* query_coeffs, uint32_t n_queries, uint32_t groups, uint32_t rank,
                const uint16_t* key_coeffs, simd::Dtype dtype, uint64_t n_tokens,
                uint32_t pool_kernel, Pooling pooling, GroupAggregation aggregation,
