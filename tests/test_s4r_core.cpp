@@ -125,7 +125,7 @@ double orthonormality_error(const s4r::Basis& b) {
     for (uint32_t j = 0; j < b.rank; ++j) {
       double dot = 0.0;
       for (uint32_t c = 0; c < b.dim; ++c)
-        dot += double(b.vectors[c * b.rank + i]) * b.vectors[c * b.rank + j];
+        dot += double(b.columns[i * b.dim + c]) * b.columns[j * b.dim + c];
       worst = std::max(worst, std::fabs(dot - (i == j ? 1.0 : 0.0)));
     }
   return worst;
@@ -139,7 +139,7 @@ double projector_difference(const s4r::Basis& b, const LapackSvd& svd) {
     for (uint32_t j = 0; j < d; ++j) {
       double ours = 0.0, theirs = 0.0;
       for (uint32_t k = 0; k < r; ++k) {
-        ours += double(b.vectors[i * r + k]) * b.vectors[j * r + k];
+        ours += double(b.columns[k * b.dim + i]) * b.columns[k * b.dim + j];
         theirs += svd.right[std::size_t{k} * d + i] * svd.right[std::size_t{k} * d + j];
       }
       diff += (ours - theirs) * (ours - theirs);
@@ -311,10 +311,10 @@ TEST(S4rBasis, sample_reconstruction_error_is_the_tail_energy) {
     for (uint64_t i = 0; i < x.size() / dim; ++i) {
       std::vector<double> coeff(rank, 0.0);
       for (uint32_t k = 0; k < rank; ++k)
-        for (uint32_t c = 0; c < dim; ++c) coeff[k] += x[i * dim + c] * b.vectors[c * rank + k];
+        for (uint32_t c = 0; c < dim; ++c) coeff[k] += x[i * dim + c] * b.columns[k * b.dim + c];
       for (uint32_t c = 0; c < dim; ++c) {
         double rec = 0.0;
-        for (uint32_t k = 0; k < rank; ++k) rec += coeff[k] * b.vectors[c * rank + k];
+        for (uint32_t k = 0; k < rank; ++k) rec += coeff[k] * b.columns[k * b.dim + c];
         residual += (x[i * dim + c] - rec) * (x[i * dim + c] - rec);
       }
     }
@@ -327,7 +327,7 @@ TEST(S4rBasis, sample_reconstruction_error_is_the_tail_energy) {
     for (uint32_t c = 0; c < dim; ++c) scaled[sample[5] * dim + c] *= 1000.0f;
     const s4r::Basis s =
         s4r::fit_basis(scaled.data(), n, dim, dim, sample.data(), sample.size(), rank);
-    EXPECT_LT(test::relative_error(s.vectors.data(), b.vectors.data(), b.vectors.size()), 1e-4)
+    EXPECT_LT(test::relative_error(s.columns.data(), b.columns.data(), b.columns.size()), 1e-4)
         << "a row's norm does not weigh in the basis";
   }
 }
@@ -360,8 +360,8 @@ TEST_P(S4rProjection, full_rank_round_trip_returns_the_rows) {
           for (uint32_t j = 0; j < rank; ++j) {
             double want = 0.0, scale = 0.0;
             for (uint32_t c = 0; c < dim; ++c) {
-              want += double(rows[i * stride + c]) * b.vectors[c * rank + j];
-              scale += std::fabs(double(rows[i * stride + c]) * b.vectors[c * rank + j]);
+              want += double(rows[i * stride + c]) * b.columns[j * b.dim + c];
+              scale += std::fabs(double(rows[i * stride + c]) * b.columns[j * b.dim + c]);
             }
             const double got = decode_value(coeffs[i * rank + j], dtype);
             worst = std::max(worst, std::fabs(got - want) / (ulp * std::fabs(want) + 1e-6 * scale));
@@ -416,7 +416,7 @@ TEST_P(S4rProjection, reconstruct_matches_the_float64_reference) {
         std::vector<double> want(dim, 0.0);
         for (uint32_t j = 0; j < rank; ++j) {
           const double cj = decode_value(coeffs[ids[i] * rank + j], dtype);
-          for (uint32_t c = 0; c < dim; ++c) want[c] += cj * b.vectors[c * rank + j];
+          for (uint32_t c = 0; c < dim; ++c) want[c] += cj * b.columns[j * b.dim + c];
         }
         EXPECT_LT(test::relative_error(out.data() + i * dim, want.data(), dim), 1e-6)
             << "token " << ids[i];

@@ -533,9 +533,10 @@ std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& 
     case Kind::locks:
     case Kind::locks_certified:
       return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, n_threads);
+    case Kind::s4r: break;  // token-level: Selector::create makes it
   }
   fail(Status::invalid_argument, "policy.kind=", static_cast<int>(policy.kind),
-       " is not a selector");
+       " is not a page selector");
 }
 
 }  // namespace kvsift::select

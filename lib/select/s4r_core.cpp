@@ -33,9 +33,8 @@ void check_dim_rank(uint32_t dim, uint32_t rank, const char* where) {
 
 void check_basis(const Basis& basis, const char* where) {
   check_dim_rank(basis.dim, basis.rank, where);
-  require(basis.vectors.size() == std::size_t{basis.dim} * basis.rank &&
-              basis.transposed.size() == basis.vectors.size(),
-          where, ": the basis is not [dim, rank] (not made by fit_basis?)");
+  require(basis.columns.size() == std::size_t{basis.dim} * basis.rank, where,
+          ": the basis is not [dim, rank] (not made by fit_basis?)");
 }
 
 // Transposes rows x cols (row-major, ld_in) into cols x rows (row-major, ld_out), in tiles so
@@ -231,8 +230,7 @@ Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_s
   basis.rank = rank;
   basis.rows_used = used;
   basis.singular_values.resize(dim);
-  basis.vectors.resize(std::size_t{dim} * rank);
-  basis.transposed.resize(std::size_t{dim} * rank);
+  basis.columns.resize(std::size_t{dim} * rank);
   // Eigen sorts ascending; the basis wants the largest first.
   for (uint32_t k = 0; k < dim; ++k)
     basis.singular_values[k] = std::sqrt(std::max(0.0, solver.eigenvalues()(dim - 1 - k)));
@@ -244,8 +242,7 @@ Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_s
     const double sign = v(largest) < 0.0 ? -1.0 : 1.0;
     for (uint32_t c = 0; c < dim; ++c) {
       const float x = static_cast<float>(sign * v(c));
-      basis.vectors[std::size_t{c} * rank + k] = x;
-      basis.transposed[std::size_t{k} * dim + c] = x;
+      basis.columns[std::size_t{k} * dim + c] = x;
     }
   }
   return basis;
@@ -271,8 +268,8 @@ void project(const float* rows, uint64_t n_rows, uint64_t row_stride, const Basi
         std::copy(src + i * row_stride, src + i * row_stride + dim, gathered.data() + i * dim);
       src = gathered.data();
     }
-    matmul.run(MatType::f32, src, static_cast<int64_t>(m), dim, basis.vectors.data(),
-               WeightLayout::rows_are_inputs, rank, product.data());
+    matmul.run(MatType::f32, src, static_cast<int64_t>(m), dim, basis.columns.data(),
+               WeightLayout::rows_are_outputs, rank, product.data());
     kernels.encode(product.data(), coeffs_out + r0 * rank, m * rank, dtype);
   }
 }
@@ -285,11 +282,11 @@ void project_to_float(const float* rows, uint32_t n, uint64_t row_stride, const 
   for (uint32_t i = 0; i < n; ++i) {
     const float* x = rows + i * row_stride;
     float* y = out + std::size_t{i} * rank;
-    std::fill(y, y + rank, 0.0f);
-    for (uint32_t c = 0; c < dim; ++c) {
-      const float xc = x[c];
-      const float* b = basis.vectors.data() + std::size_t{c} * rank;
-      for (uint32_t j = 0; j < rank; ++j) y[j] += xc * b[j];
+    for (uint32_t j = 0; j < rank; ++j) {
+      const float* b = basis.columns.data() + std::size_t{j} * dim;
+      float sum = 0.0f;
+      for (uint32_t c = 0; c < dim; ++c) sum += x[c] * b[c];
+      y[j] = sum;
     }
   }
 }
@@ -299,7 +296,7 @@ void reconstruct(const uint16_t* coeffs, simd::Dtype dtype, const Basis& basis,
                  const simd::Kernels& kernels) {
   check_basis(basis, "reconstruct");
   const uint32_t dim = basis.dim, rank = basis.rank;
-  const float* bt = basis.transposed.data();
+  const float* bt = basis.columns.data();
   const int64_t blocks = (int64_t{n} + kReconstructTokens - 1) / kReconstructTokens;
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; ++b) {

@@ -5,8 +5,8 @@
 // Layouts (all row-major, floats unless stated):
 // - rows (keys, values or queries of one layer, all KV heads concatenated, pre-RoPE): [n_rows, dim]
 //   with row r at rows + r * row_stride (row_stride >= dim, in floats); dim is D' of papers.md.
-// - Basis::vectors [dim, rank]: column j is the j-th right singular vector (B of papers.md 3(b)).
-//   Basis::transposed [rank, dim] holds the same numbers as B^T.
+// - Basis::columns [rank, dim]: row j is the j-th right singular vector, column j of B (papers.md
+//   3(b)); the array is B^T.
 // - coefficients [n_tokens, rank] in a storage dtype (fp16 or bf16), token t at t * rank: C = S B.
 // - query coefficients [n_queries, groups, rank] float32: C_Q = Q~ B_K, oldest query first.
 //
@@ -72,8 +72,9 @@ std::vector<uint32_t> hybrid_sample(uint64_t first, uint64_t end, uint64_t count
 struct Basis {
   uint32_t dim = 0;
   uint32_t rank = 0;
-  std::vector<float> vectors;     // [dim, rank]: B, columns orthonormal
-  std::vector<float> transposed;  // [rank, dim]: B^T, for reconstruction
+  // [rank, dim]: column j of B (orthonormal) as row j, i.e. B^T; one copy serves projection and
+  // reconstruction, so what a compressed cache holds is what the memory model counts.
+  std::vector<float> columns;
   // [dim], descending: the singular values of the normalised sample (zeros past its rank); the
   // first `rank` belong to the columns of B. Their squares past `rank` sum to the sample's
   // reconstruction error sum_i |x_i - x_i B B^T|^2 (x_i the normalised rows).
@@ -97,13 +98,6 @@ struct Basis {
 // dim.
 Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
                 const uint32_t* sample, uint64_t n_sample, uint32_t rank);
-
-// Transitional: the first draft's signature (a Matmul for a float32 Gram, now float64 in Eigen).
-// Remove once lib/select/s4r_selector.cpp calls the overload above.
-inline Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
-                       const uint32_t* sample, uint64_t n_sample, uint32_t rank, Matmul&) {
-  return fit_basis(rows, n_rows, dim, row_stride, sample, n_sample, rank);
-}
 
 // ---- Projection and reconstruction (papers.md 3(b) Prefill step 5, Decode step 4) -------------
 

@@ -73,8 +73,7 @@ uint64_t S4rSelector::held_bytes() const noexcept {
     for (const LayerState& st : layers)
       for (const Unit& u : st.units)
         for (const s4r::Basis* b : {&u.keys, &u.values})
-          bytes += (b->vectors.size() + b->transposed.size()) * sizeof(float) +
-                   b->singular_values.size() * sizeof(double);
+          bytes += b->columns.size() * sizeof(float) + b->singular_values.size() * sizeof(double);
   for (const auto& layers : states_)
     for (const LayerState& st : layers)
       for (const Unit& u : st.units)
@@ -131,8 +130,8 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         }
         s4r::Basis& basis = keys ? unit.keys : unit.values;
         std::vector<uint16_t>& coeffs = keys ? unit.key_coeffs : unit.value_coeffs;
-        basis =
-            s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank, matmul_);
+        basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
+        basis.singular_values = {};  // diagnostics of the fit; decode needs only the columns
         coeffs.resize(static_cast<std::size_t>(n) * rank);
         s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_, cache_.kernels());
       }
