@@ -343,6 +343,9 @@ typedef struct kvsift_cache_stats {
   uint64_t last_pages_read;  /* (page, KV head) units read, K and V */
   uint64_t last_tokens_read; /* tokens attended, summed over (sequence, KV head) */
   uint64_t last_bytes_read;  /* K and V bytes read from the cache */
+  /* Bytes the selector holds for tokens whose pages it released (S4R: coefficients, bases and
+   * query windows); bytes_in_use + selector_bytes_held is the cache's whole KV footprint. */
+  uint64_t selector_bytes_held;
 } kvsift_cache_stats;
 
 /* Fills *stats. Errors: INVALID_ARGUMENT (NULL). */

@@ -374,6 +374,7 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     stats->last_pages_read = last.pages_read;
     stats->last_tokens_read = last.tokens_read;
     stats->last_bytes_read = last.bytes_read;
+    stats->selector_bytes_held = cache->selector ? cache->selector->held_bytes() : 0;
   });
 }
 

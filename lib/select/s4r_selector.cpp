@@ -1,6 +1,7 @@
 #include "lib/select/s4r_selector.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -89,7 +90,12 @@ void S4rSelector::prepare(const SelectCall& call) {
     if (states_.size() <= seq) states_.resize(seq + 1);
     if (states_[seq].empty()) states_[seq].resize(n_layers);
     LayerState& st = states_[seq][call.layer];
-    if (st.state == State::fresh) compress(call.seq_ids[i], call.layer, st);
+    if (st.state == State::fresh) {
+      const auto start = std::chrono::steady_clock::now();
+      compress(call.seq_ids[i], call.layer, st);
+      compress_seconds_ +=
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    }
   }
 }
 

@@ -50,6 +50,8 @@ class S4rSelector final : public Selector {
     uint32_t rank = 0;
   };
   Compressed compressed(int32_t seq_id, uint32_t layer) const noexcept;
+  // Wall time spent compressing (read-back, bases, projection), summed since creation.
+  double compress_seconds() const noexcept { return compress_seconds_; }
 
  protected:
   uint64_t max_rows_per_pair() const noexcept override;
@@ -78,6 +80,7 @@ class S4rSelector final : public Selector {
 
   std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
   Matmul matmul_;
+  double compress_seconds_ = 0.0;
   // Per-step workspaces, sized at construction for the largest unit and context.
   std::vector<float> query_rows_;  // [G, D'] the unit's pre-RoPE queries
   std::vector<float> relevance_ws_, relevance_;

@@ -1,0 +1,219 @@
+// S4R against dense attention in the same run, and its prefill overhead on the real model.
+//
+// BM_s4r_decode/<compression>/ctx:<tokens>: one layer of the Llama-3.1-8B shape (8 KV heads, 4
+// query heads each, d = 128) holding `ctx` tokens of structured keys (bench/key_maker.hpp),
+// appended before RoPE to two caches that rotate them: one attended densely, one through the S4R
+// selector (budget 10%, query window 32: the paper's defaults besides the budget). The first S4R
+// step compresses (compress_s); then every iteration times one dense kvsift_attend and one S4R
+// kvsift_attend_selected back to back:
+//   dense_ms, s4r_ms   medians over the iterations (min and max beside); s4r_vs_dense = their ratio
+//   held_vs_dense      (pages in use + the selector's bytes) / the dense cache's bytes
+// BM_s4r_prefill_overhead: the real model (KVSIFT_MODEL; skipped without it) prefills an 8K-token
+// prompt, then one decode step under S4R at 2.5x compresses every layer:
+//   prefill_s, compress_s, share = compress_s / prefill_s
+//
+//   kvsift-bench-s4r --benchmark_repetitions=3
+#include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "bench/bench_util.hpp"
+#include "bench/key_maker.hpp"
+#include "kvsift/kvsift.h"
+#include "lib/model/llama_model.hpp"
+#include "lib/select/s4r_selector.hpp"
+
+namespace {
+
+using namespace kvsift::bench;
+using Clock = std::chrono::steady_clock;
+
+constexpr int kThreads = 2;
+constexpr double kBudget = 0.1;
+constexpr uint32_t kNeedles = 3;  // stored keys each query looks for
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+double median(std::vector<double> values) {
+  std::nth_element(values.begin(), values.begin() + values.size() / 2, values.end());
+  return values[values.size() / 2];
+}
+
+// Two caches with the same `context` tokens, one sequence each, and queries.
+struct Pair {
+  CachePtr dense, s4r;
+  int32_t dense_seq = -1, s4r_seq = -1;
+  std::vector<float> q, out;
+};
+
+std::string fill(uint64_t context, Pair& p) {
+  const Shape& shape = kLlama8b;
+  const uint32_t H = shape.n_kv_heads, G = shape.group_size, d = shape.head_dim;
+  kvsift_cache_params params = cache_params(shape, context + kPageTokens, 1, kThreads);
+  params.key_form = KVSIFT_KEYS_PRE_ROPE;
+  params.rope_theta = kRopeTheta;
+  for (CachePtr* cache : {&p.dense, &p.s4r}) {
+    kvsift_cache* raw = nullptr;
+    if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
+    cache->reset(raw);
+  }
+  if (kvsift_sequence_create(p.dense.get(), &p.dense_seq) != KVSIFT_STATUS_OK ||
+      kvsift_sequence_create(p.s4r.get(), &p.s4r_seq) != KVSIFT_STATUS_OK)
+    return kvsift_last_error();
+  KeyMaker maker(shape, kSeed, /*rotate=*/false);
+  std::vector<float> k, v;
+  for (uint64_t done = 0; done < context; done += kAppendTokens) {
+    const auto n = static_cast<uint32_t>(std::min<uint64_t>(kAppendTokens, context - done));
+    maker.make(done, n, k, v);
+    if (kvsift_append(p.dense.get(), p.dense_seq, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK ||
+        kvsift_append(p.s4r.get(), p.s4r_seq, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK)
+      return kvsift_last_error();
+  }
+  // Each query head looks for a few stored (rotated) keys of its KV head, plus noise.
+  Random random(kSeed + 1);
+  p.q.assign(std::size_t{H} * G * d, 0.0f);
+  std::vector<float> needle(d);
+  for (uint32_t h = 0; h < H; ++h)
+    for (uint32_t g = 0; g < G; ++g) {
+      float* q = p.q.data() + (std::size_t{h} * G + g) * d;
+      for (uint32_t j = 0; j < kNeedles; ++j) {
+        const auto at = std::min<uint64_t>(
+            static_cast<uint64_t>((random.uniform() + 1.0f) * 0.5f * context), context - 1);
+        kvsift_read_tokens(p.dense.get(), p.dense_seq, 0, h, at, 1, needle.data(), nullptr);
+        for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * needle[c];
+      }
+      for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * random.uniform();
+    }
+  p.out.resize(p.q.size());
+  return "";
+}
+
+void BM_s4r_decode(benchmark::State& state, double compression, uint64_t context) {
+  Pair p;
+  if (const std::string error = fill(context, p); !error.empty()) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  kvsift_selector_policy policy;
+  kvsift_selector_policy_init(&policy);
+  policy.selector = KVSIFT_SELECTOR_S4R;
+  policy.budget = kBudget;
+  policy.compression = compression;
+  kvsift_cache_stats before{}, after{};
+  kvsift_cache_get_stats(p.s4r.get(), &before);
+  auto dense = [&] {
+    return kvsift_attend(p.dense.get(), 0, 1, &p.dense_seq, p.q.data(), p.out.data(), nullptr);
+  };
+  auto s4r = [&] {
+    return kvsift_attend_selected(p.s4r.get(), 0, 1, &p.s4r_seq, p.q.data(), p.out.data(), nullptr);
+  };
+  // The first S4R step compresses: timed apart. Dense once untimed: its threads start.
+  const auto start = Clock::now();
+  if (kvsift_cache_set_selector(p.s4r.get(), &policy) != KVSIFT_STATUS_OK ||
+      s4r() != KVSIFT_STATUS_OK || dense() != KVSIFT_STATUS_OK) {
+    state.SkipWithError(kvsift_last_error());
+    return;
+  }
+  const double compress_s = seconds_since(start);
+  kvsift_cache_get_stats(p.s4r.get(), &after);
+  std::vector<double> dense_s, s4r_s;
+  for (auto _ : state) {
+    auto t0 = Clock::now();
+    dense();
+    auto t1 = Clock::now();
+    s4r();
+    auto t2 = Clock::now();
+    dense_s.push_back(std::chrono::duration<double>(t1 - t0).count());
+    s4r_s.push_back(std::chrono::duration<double>(t2 - t1).count());
+    state.SetIterationTime(s4r_s.back());
+  }
+  const double dense_median = median(dense_s), s4r_median = median(s4r_s);
+  state.counters["dense_ms"] = dense_median * 1e3;
+  state.counters["s4r_ms"] = s4r_median * 1e3;
+  state.counters["s4r_vs_dense"] = s4r_median / dense_median;
+  // The spread: the machine is shared.
+  state.counters["dense_min_ms"] = *std::min_element(dense_s.begin(), dense_s.end()) * 1e3;
+  state.counters["dense_max_ms"] = *std::max_element(dense_s.begin(), dense_s.end()) * 1e3;
+  state.counters["s4r_min_ms"] = *std::min_element(s4r_s.begin(), s4r_s.end()) * 1e3;
+  state.counters["s4r_max_ms"] = *std::max_element(s4r_s.begin(), s4r_s.end()) * 1e3;
+  state.counters["compress_s"] = compress_s;
+  state.counters["held_vs_dense"] =
+      static_cast<double>(after.bytes_in_use + after.selector_bytes_held) /
+      static_cast<double>(before.bytes_in_use);
+}
+
+void BM_s4r_prefill_overhead(benchmark::State& state) {
+  const char* path = std::getenv("KVSIFT_MODEL");
+  if (path == nullptr) {
+    state.SkipWithError("KVSIFT_MODEL is not set");
+    return;
+  }
+  const auto tokens = static_cast<uint32_t>(state.range(0));
+  kvsift::model::ModelOptions options;
+  options.n_ctx = tokens + 16;
+  options.n_threads = kThreads;
+  auto model = kvsift::model::LlamaModel::load(path, options);
+  // A long document of varied text: the model's own tokenizer over generated sentences.
+  std::string text;
+  Random random(kSeed);
+  for (uint32_t i = 0; text.size() < 6 * std::size_t{tokens}; ++i)
+    text += "Log " + std::to_string(i) + ": the keeper counted " +
+            std::to_string(static_cast<int>((random.uniform() + 1.0f) * 500.0f)) +
+            " gulls, the tide stood at " +
+            std::to_string(static_cast<int>((random.uniform() + 1.0f) * 40.0f)) +
+            " feet, and the lamp burned until dawn. ";
+  std::vector<int32_t> prompt = model->tokenizer().encode(text, false);
+  prompt.resize(std::min<std::size_t>(prompt.size(), tokens));
+  kvsift::select::Policy policy;
+  policy.kind = kvsift::select::Kind::s4r;
+  policy.budget = kBudget;
+  policy.compression = 2.5;
+  double prefill_s = 0.0, compress_s = 0.0;
+  for (auto _ : state) {
+    model->set_selector(kvsift::select::Policy{});
+    const int32_t seq = model->create_sequence();
+    const auto start = Clock::now();
+    model->prefill(seq, prompt, nullptr, nullptr, nullptr);
+    prefill_s = seconds_since(start);
+    model->set_selector(policy);
+    const int32_t next = 0;
+    model->decode({&seq, 1}, {&next, 1});
+    compress_s =
+        dynamic_cast<const kvsift::select::S4rSelector&>(model->selector()).compress_seconds();
+    model->free_sequence(seq);
+    state.SetIterationTime(prefill_s);
+  }
+  state.counters["prompt_tokens"] = static_cast<double>(prompt.size());
+  state.counters["prefill_s"] = prefill_s;
+  state.counters["compress_s"] = compress_s;
+  state.counters["share"] = compress_s / prefill_s;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (const double compression : {2.5, 5.0})
+    for (const uint64_t context : {uint64_t{32768}, uint64_t{131072}})
+      benchmark::RegisterBenchmark(("BM_s4r_decode/" + std::to_string(compression).substr(0, 3) +
+                                    "x/llama8b/ctx:" + std::to_string(context))
+                                       .c_str(),
+                                   BM_s4r_decode, compression, context)
+          ->UseManualTime()
+          ->Unit(benchmark::kMillisecond)
+          ->Iterations(10);
+  benchmark::RegisterBenchmark("BM_s4r_prefill_overhead/smollm2", BM_s4r_prefill_overhead)
+      ->Arg(8192)
+      ->UseManualTime()
+      ->Unit(benchmark::kSecond)
+      ->Iterations(1);
+  benchmark::Initialize(&argc, argv);
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

@@ -1,0 +1,72 @@
+// Keys with the structure real ones have, for the selector benchmarks: each page of each KV head
+// a rank-4 mixture of 64 topic directions plus noise, four outlier channels, and RoPE (Llama-3's
+// theta 500000, adjacent pairs) by position, or left before RoPE for a cache that rotates them.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "bench/bench_util.hpp"
+
+namespace kvsift::bench {
+
+inline constexpr float kRopeTheta = 500000.0f;
+
+class KeyMaker {
+ public:
+  static constexpr uint32_t kTopics = 64;                    // directions per KV head
+  static constexpr uint32_t kPageRank = 4;                   // topics mixed in one page
+  static constexpr uint32_t kOutliers[] = {5, 37, 70, 101};  // channels with a constant offset
+
+  KeyMaker(const Shape& shape, uint64_t seed, bool rotate = true)
+      : shape_(shape), random_(seed), rotate_(rotate) {
+    topics_.resize(std::size_t{shape.n_kv_heads} * kTopics * shape.head_dim);
+    for (float& x : topics_) x = 2.0f * random_.uniform();
+  }
+
+  // K/V of one layer, [n, H, d], for positions [first, first + n) of a sequence.
+  void make(uint64_t first, uint32_t n, std::vector<float>& k, std::vector<float>& v) {
+    const uint32_t H = shape_.n_kv_heads, d = shape_.head_dim;
+    k.assign(std::size_t{n} * H * d, 0.0f);
+    v.resize(k.size());
+    random_.fill(v);
+    uint32_t picks[kPageRank] = {};
+    for (uint32_t i = 0; i < n; ++i) {
+      const uint64_t pos = first + i;
+      for (uint32_t h = 0; h < H; ++h) {
+        if (pos % kPageTokens == 0 || i == 0)
+          for (uint32_t& p : picks)
+            p = static_cast<uint32_t>((random_.uniform() + 1.0f) * 0.5f * kTopics) % kTopics;
+        float* row = k.data() + (std::size_t{i} * H + h) * d;
+        for (uint32_t p : picks) {
+          const float weight = random_.uniform();
+          const float* topic = topics_.data() + (std::size_t{h} * kTopics + p) * d;
+          for (uint32_t c = 0; c < d; ++c) row[c] += weight * topic[c];
+        }
+        for (uint32_t c = 0; c < d; ++c) row[c] += 0.2f * random_.uniform();
+        for (uint32_t c : kOutliers) row[c] += 6.0f;
+        if (rotate_) rope(row, pos);
+      }
+    }
+  }
+
+ private:
+  void rope(float* x, uint64_t pos) const {
+    const uint32_t d = shape_.head_dim;
+    for (uint32_t i = 0; i < d / 2; ++i) {
+      const double angle = static_cast<double>(pos) * std::pow(double{kRopeTheta}, -2.0 * i / d);
+      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
+      const float a = x[2 * i], b = x[2 * i + 1];
+      x[2 * i] = a * c - b * s;
+      x[2 * i + 1] = a * s + b * c;
+    }
+  }
+
+  Shape shape_;
+  Random random_;
+  bool rotate_;
+  std::vector<float> topics_;  // [H, kTopics, d]
+};
+
+}  // namespace kvsift::bench
