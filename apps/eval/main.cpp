@@ -71,6 +71,7 @@ struct Options {
   uint32_t sink_pages = 1, window_pages = 1;
   double epsilon = 1e-3;
   std::vector<double> compressions = {2.5, 5.0};
+  std::string s4r_bases = "layer";
   bool verbose = false;
 };
 
@@ -122,8 +123,9 @@ std::vector<Config> make_configs(const Options& o) {
         std::string label = name;
         if (kind == select::Kind::s4r) {
           p.compression = compression;
+          p.s4r_per_head_bases = o.s4r_bases == "head";
           std::ostringstream l;
-          l << name << "-" << compression << "x";
+          l << name << "-" << compression << "x" << (p.s4r_per_head_bases ? "-head" : "");
           label = l.str();
         }
         p.validate();
@@ -391,6 +393,10 @@ int main(int argc, char** argv) {
   app.add_option("--compressions", o.compressions,
                  "s4r: target compressions of the prompt's K/V, each a configuration")
       ->delimiter(',')
+      ->capture_default_str();
+  app.add_option("--s4r-bases", o.s4r_bases,
+                 "s4r: one basis per layer over all KV heads (the paper's) or one per KV head")
+      ->check(CLI::IsMember({"layer", "head"}))
       ->capture_default_str();
   app.add_flag("--verbose", o.verbose, "print every output");
   // A single-valued option given twice takes the last: make eval's EVAL_ARGS can override it.
