@@ -1,0 +1,122 @@
+// Which host pages a device page cache holds, in which of its slots, and which to evict: the
+// bookkeeping of gpu/page_transfer.hpp's DevicePageCache, in plain C++ with no device, so that it
+// is tested and its hit rates measured anywhere.
+//
+// Ids: a host page is its host pool slot id (lib/cache/page_pool.hpp), < host_slots < 2^32 - 1; a
+// device page is a slot of the cache's device pool, < capacity. One step names the pages it needs;
+// plan() maps each to a device slot, keeping the resident ones (hits) and giving each missing one
+// (miss) a free slot or a victim's. Every page the step names is pinned for that step: a victim is
+// never one of them, so a step that needs more distinct pages than the capacity is refused whole.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "gpu/host_memory.hpp"
+
+namespace kvsift::gpu {
+
+enum class EvictionPolicy : uint8_t {
+  // Least recently used: exact recency, a doubly-linked list over the slots.
+  lru,
+  // CLOCK (second chance): a reference bit per slot and a sweeping hand, approximating LRU.
+  clock,
+};
+
+const char* eviction_policy_name(EvictionPolicy policy) noexcept;
+
+// The replacement policy behind one small interface: told of every use, asked for victims. One
+// virtual call per page per step (not per token); a step of thousands of pages spends a few
+// microseconds here against the hundreds its transfer takes.
+class ReplacementPolicy {
+ public:
+  virtual ~ReplacementPolicy() = default;
+  // The slot was used this step (a hit, or a fill after a miss).
+  virtual void on_use(uint32_t slot) noexcept = 0;
+  // A slot whose pinned_step differs from step (every slot holds a page when this is asked, and
+  // at least one is not pinned). Does not mark the slot used: on_use follows.
+  virtual uint32_t victim(const uint64_t* pinned_step, uint64_t step) noexcept = 0;
+};
+
+std::unique_ptr<ReplacementPolicy> make_replacement_policy(EvictionPolicy policy,
+                                                           uint32_t capacity);
+
+// One miss: the host page to copy into the device slot.
+struct PageMove {
+  uint32_t host_slot;
+  uint32_t device_slot;
+};
+
+// What one plan() did. Hits and misses count distinct pages; requested counts ids as passed.
+struct StepCounts {
+  uint64_t requested = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;  // misses that replaced a resident page (the rest took free slots)
+};
+
+// Not thread-safe: one owner. Movable.
+class PageResidency {
+ public:
+  static constexpr uint32_t kNone = 0xffffffffu;
+
+  PageResidency() = default;
+  PageResidency(PageResidency&&) noexcept = default;
+  PageResidency& operator=(PageResidency&&) noexcept = default;
+
+  // capacity: device slots, 1..2^31. host_slots: ids accepted, 1..2^32 - 1. Allocates every
+  // workspace plan() uses. Invalid arguments: Result{ok = false} naming the argument.
+  Result init(uint32_t capacity, uint64_t host_slots, EvictionPolicy policy);
+
+  // Maps host_slots[0..n) to device slots in device_slots[0..n) (duplicates get the same slot) and
+  // lists this step's misses, in first-request order, in moves(). Refuses, changing nothing: an
+  // id >= host_slots (message names its index), or more distinct ids than the capacity. Allocates
+  // nothing.
+  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots) noexcept;
+
+  // The misses of the last successful plan(); valid until the next call.
+  const std::vector<PageMove>& moves() const noexcept { return moves_; }
+  const StepCounts& last_counts() const noexcept { return counts_; }
+
+  // Forgets the last plan's misses (their transfer failed): their slots become free and the
+  // pages are misses again next time.
+  void forget_moves() noexcept;
+
+  // The device slot holding a host page, or kNone.
+  uint32_t find(uint32_t host_slot) const noexcept;
+  uint32_t capacity() const noexcept { return capacity_; }
+  uint32_t resident() const noexcept { return capacity_ - static_cast<uint32_t>(free_.size()); }
+
+ private:
+  // Open addressing with linear probing over a power-of-two table, at most half full; kNone keys
+  // are empty. Removal shifts the run back (no tombstones), so lookups stay short.
+  uint32_t probe_start(uint32_t key) const noexcept {
+    return static_cast<uint32_t>((key * 0x9e3779b97f4a7c15ull) >> 32) & mask_;
+  }
+  void map_insert(uint32_t key, uint32_t value) noexcept;
+  void map_erase(uint32_t key) noexcept;
+  // This step's distinct misses (generation-stamped, so no clearing between steps); returns
+  // whether the key was new.
+  bool seen_insert(uint32_t key) noexcept;
+  // A free slot, or the policy's victim with its page unmapped.
+  uint32_t take_slot() noexcept;
+
+  uint32_t capacity_ = 0;
+  uint64_t host_slots_ = 0;
+  uint32_t mask_ = 0;
+  std::vector<uint32_t> keys_, values_;  // host -> device map
+  std::vector<uint32_t> seen_keys_;      // this step's distinct misses
+  std::vector<uint64_t> seen_step_;      // the step that wrote each seen_keys_ entry
+  std::vector<uint32_t> host_of_;        // [capacity] the page a slot holds, or kNone
+  std::vector<uint64_t> pinned_step_;    // [capacity] the last step that used the slot
+  std::vector<uint32_t> free_;           // slots holding no page
+  std::vector<uint32_t> missed_;         // this step's distinct missing ids
+  std::vector<PageMove> moves_;
+  std::unique_ptr<ReplacementPolicy> policy_;
+  uint64_t step_ = 0;
+  StepCounts counts_{};
+};
+
+}  // namespace kvsift::gpu
