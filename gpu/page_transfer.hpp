@@ -46,8 +46,10 @@ struct PageCacheConfig {
   uint64_t host_slots = 0;          // slots in the host pool; ids at or above are refused
   // CLOCK: on a LOCKS-like trace (2% of 128K tokens per KV head, drifting queries, sink and
   // window pages; bench/bench_gpu_transfer.cpp) LRU and CLOCK hit within 0.002 of each other at
-  // every capacity from 1x to 4x a step's pages (0.959 vs 0.960 at 1.5x with slow drift, 0.811 vs
-  // 0.813 with fast), so the cheaper one: a hit sets one byte instead of relinking a list.
+  // every capacity from 1x to 4x a step's pages (0.960 vs 0.959 at 1.5x with slow drift, 0.813 vs
+  // 0.811 with fast; Belady's optimum 0.974 and 0.880), and plan() cost alike (13-48 us per
+  // 1,312-page step on the H200 host, neither always lower). CLOCK keeps one byte per slot and a
+  // hit is one store, where LRU keeps two links and relinks on every hit.
   EvictionPolicy policy = EvictionPolicy::clock;
   TransferPath path = TransferPath::automatic;
   // automatic: steps whose misses come to fewer bytes take the mapped kernel (when the pool is
