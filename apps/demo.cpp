@@ -247,7 +247,8 @@ int main(int argc, char** argv) {
   app.add_option("--max-new", o.max_new, "most tokens to generate")
       ->capture_default_str()
       ->check(CLI::Range(1, 8192));
-  app.add_option("--selector", o.selector, "dense, oracle, quest, locks, locks_certified or s4r")
+  app.add_option("--selector", o.selector,
+                 "dense, oracle, quest, locks, locks_certified, s4r or louver")
       ->capture_default_str();
   app.add_option("--budget", o.budget,
                  "tokens per layer and KV head per step: a fraction of the context (<= 1) or a "

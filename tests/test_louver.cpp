@@ -9,9 +9,12 @@
 #include <random>
 #include <vector>
 
+#include "lib/attend/decode_attention.hpp"
+#include "lib/attend/reference_attention.hpp"
 #include "lib/core/error.hpp"
 #include "lib/model/llama_model.hpp"
 #include "lib/select/louver_index.hpp"
+#include "lib/select/selector.hpp"
 #include "simd/half.hpp"
 #include "tests/model_handle.hpp"
 #include "tests/test_util.hpp"
@@ -518,6 +521,94 @@ TEST(LouverIndex, returns_exactly_the_brute_force_set_on_real_smollm2_keys) {
   std::printf("GQA f=0.10: union %.3f of the keys, worst head mass %.3f; shared tau %.3f, %.3f\n",
               gqa_size[0] / gqa_steps, gqa_mass[0] / gqa_steps, gqa_size[1] / gqa_steps,
               gqa_mass[1] / gqa_steps);
+}
+
+}  // namespace
+}  // namespace kvsift
+
+namespace kvsift {
+namespace {
+
+// The Louver selector through the cache and decode attention: the rows are exactly the tokens an
+// independent index over the same keys returns (outside the sink and window pages), attention
+// over them and the mandatory pages equals the float64 reference over the same tokens, and the
+// index follows the cache as decode appends.
+TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends) {
+  CacheGeometry g;
+  g.n_kv_heads = 2;
+  g.group_size = 3;
+  g.head_dim = 64;
+  g.page_tokens = 16;
+  CacheOptions options;
+  options.max_pages = 1024;
+  KvCache cache(g, options);
+  const int32_t seq = cache.create_sequence();
+  const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
+  const uint64_t n = 1500;
+  std::vector<float> k(n * H * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    const auto keys = structured_keys(n, d, 200 + h);
+    for (uint64_t t = 0; t < n; ++t)
+      std::copy_n(keys.data() + t * d, d, k.data() + (t * H + h) * d);
+  }
+  const auto v = test::random_floats(n * H * d, 210);
+  cache.append(seq, 0, static_cast<uint32_t>(n), k.data(), v.data());
+  select::Policy policy;
+  policy.kind = select::Kind::louver;
+  policy.budget = 0.1;
+  auto selector = select::Selector::create(policy, cache, 1, g.pages_for(n + 8), 2);
+  select::Selection sel;
+  selector->reserve_selection(sel);
+  DecodeAttention attention(g, 1, 2);
+  for (uint32_t step = 0; step < 3; ++step) {
+    const auto kv = test::random_floats(2 * H * d, 220 + step);
+    cache.append(seq, 0, 1, kv.data(), kv.data() + H * d);
+    const uint64_t length = n + 1 + step;
+    const auto q = test::random_floats(std::size_t{H} * G * d, 230 + step, 1.5f);
+    const select::SelectCall call{0, 1, &seq, q.data()};
+    selector->prepare(call);
+    selector->select(call, sel);
+    const PageLists lists = sel.lists();
+    const RowChunks rows = sel.rows();
+    std::vector<float> out(q.size());
+    AttendCall attend{0, 1, &seq, q.data(), out.data(), &lists, &rows};
+    attention.validate(cache, attend);
+    attention.run(cache, attend);
+    const uint64_t n_pages = g.pages_for(length);
+    for (uint32_t h = 0; h < H; ++h) {
+      // An index built afresh over the stored keys answers the same query with the same tokens.
+      LouverParams params;
+      params.head_dim = d;
+      params.max_group = G;
+      LouverIndex fresh = LouverIndex::from_cache(cache, seq, 0, h, params);
+      LouverQuery query;
+      query.tau_mode = LouverTau::token_budget;
+      query.budget_tokens = policy.budget_tokens(length) - (B + (length - (n_pages - 1) * B));
+      const LouverResult want = fresh.query(q.data() + std::size_t{h} * G * d, G, query);
+      std::vector<uint32_t> expected;
+      for (uint32_t t : want.token_ids)
+        if (t / B != 0 && t / B != n_pages - 1) expected.push_back(t);
+      const uint32_t* got = sel.row_tokens.data() + std::size_t{sel.chunk_offsets[h]} * B;
+      ASSERT_EQ(sel.row_counts[h], expected.size()) << "step " << step << " head " << h;
+      EXPECT_TRUE(std::equal(expected.begin(), expected.end(), got));
+      EXPECT_GT(expected.size(), 0u);
+      // Attention over the sink page, the open page and those tokens.
+      std::vector<float> k_all(length * d), v_all(length * d), ks, vs;
+      cache.read_tokens(seq, 0, h, 0, length, k_all.data(), v_all.data());
+      auto take = [&](uint64_t t) {
+        ks.insert(ks.end(), k_all.begin() + t * d, k_all.begin() + (t + 1) * d);
+        vs.insert(vs.end(), v_all.begin() + t * d, v_all.begin() + (t + 1) * d);
+      };
+      for (uint64_t t = 0; t < B; ++t) take(t);
+      for (uint64_t t = (n_pages - 1) * B; t < length; ++t) take(t);
+      for (uint32_t t : expected) take(t);
+      std::vector<double> ref(std::size_t{G} * d);
+      reference_attention(q.data() + std::size_t{h} * G * d, ks.data(), vs.data(), ks.size() / d, G,
+                          d, ref.data());
+      EXPECT_LT(test::relative_error(out.data() + std::size_t{h} * G * d, ref.data(), ref.size()),
+                1e-5);
+    }
+  }
 }
 
 }  // namespace

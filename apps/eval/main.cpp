@@ -364,9 +364,9 @@ int main(int argc, char** argv) {
       app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")->delimiter(',');
   auto* samples = app.add_option("--samples", o.samples, "samples per (task, length)")
                       ->check(CLI::Range(1, 100000));
-  auto* selectors =
-      app.add_option("--selectors", o.selectors, "dense,oracle,quest,locks,locks_certified,s4r")
-          ->delimiter(',');
+  auto* selectors = app.add_option("--selectors", o.selectors,
+                                   "dense,oracle,quest,locks,locks_certified,s4r,louver")
+                        ->delimiter(',');
   auto* budgets = app.add_option("--budgets", o.budgets,
                                  "budgets: fractions of the context (<= 1) or token counts")
                       ->delimiter(',');

@@ -256,6 +256,10 @@ typedef enum kvsift_selector {
    * exact pages go back to the pool), then reconstructs only the tokens whose latent relevance is
    * highest. Needs a cache with KVSIFT_KEYS_PRE_ROPE. */
   KVSIFT_SELECTOR_S4R = 5,
+  /* Louver: an exact range-search index per (sequence, layer, KV head) returns every token with
+   * q.k >= tau, tau aimed at the budget from a key sample; attends those tokens and the sink and
+   * window pages. */
+  KVSIFT_SELECTOR_LOUVER = 6,
   KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
 } kvsift_selector;
 
@@ -296,7 +300,8 @@ typedef struct kvsift_selector_policy {
 } kvsift_selector_policy;
 
 KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
-/* "dense", "oracle", "quest", "locks", "locks_certified", "s4r"; "unknown" for other values. Static
+/* "dense", "oracle", "quest", "locks", "locks_certified", "s4r", "louver"; "unknown" for other
+ * values. Static
  * storage. */
 KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
 /* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message

@@ -276,7 +276,8 @@ namespace {
 
 constexpr kvsift::select::Kind kKinds[] = {
     kvsift::select::Kind::dense, kvsift::select::Kind::oracle,          kvsift::select::Kind::quest,
-    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified, kvsift::select::Kind::s4r};
+    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified, kvsift::select::Kind::s4r,
+    kvsift::select::Kind::louver};
 
 }  // namespace
 

@@ -62,7 +62,7 @@ simd::Dtype to_dtype(kvsift_dtype dtype, const char* name) {
 }
 
 select::Policy to_policy(const kvsift_selector_policy& in) {
-  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_S4R,
+  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_LOUVER,
           "policy->selector=", static_cast<int>(in.selector), " is not a kvsift_selector");
   require(in.combine >= KVSIFT_GQA_SHARE_AVG && in.combine <= KVSIFT_GQA_MAX,
           "policy->combine=", static_cast<int>(in.combine), " is not a kvsift_gqa_combine");

@@ -533,7 +533,8 @@ std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& 
     case Kind::locks:
     case Kind::locks_certified:
       return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, n_threads);
-    case Kind::s4r: break;  // token-level: Selector::create makes it
+    case Kind::s4r:
+    case Kind::louver: break;  // token-level: Selector::create makes them
   }
   fail(Status::invalid_argument, "policy.kind=", static_cast<int>(policy.kind),
        " is not a page selector");

@@ -7,6 +7,7 @@
 #include <limits>
 
 #include "lib/core/error.hpp"
+#include "lib/select/louver_selector.hpp"
 #include "lib/select/page_selector.hpp"
 #include "lib/select/s4r_selector.hpp"
 
@@ -20,6 +21,7 @@ std::string_view kind_name(Kind kind) noexcept {
     case Kind::locks: return "locks";
     case Kind::locks_certified: return "locks_certified";
     case Kind::s4r: return "s4r";
+    case Kind::louver: return "louver";
   }
   return "?";
 }
@@ -34,7 +36,7 @@ std::string_view combine_name(GqaCombine combine) noexcept {
 }
 
 void Policy::validate() const {
-  require(kind <= Kind::s4r, "policy.kind=", static_cast<int>(kind), " is not a selector");
+  require(kind <= Kind::louver, "policy.kind=", static_cast<int>(kind), " is not a selector");
   require(combine <= GqaCombine::max, "policy.combine=", static_cast<int>(combine),
           " is not a GQA combine mode");
   require(std::isfinite(budget) && budget >= 0.0, "policy.budget=", budget,
@@ -114,8 +116,12 @@ std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,
   require(!cache.has_released_pages(),
           "the cache holds sequences whose pages S4R compressed; "
           "free them before setting a new selector");
-  if (policy.kind == Kind::s4r) {
-    auto selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, n_threads);
+  if (policy.kind == Kind::s4r || policy.kind == Kind::louver) {
+    std::unique_ptr<Selector> selector;
+    if (policy.kind == Kind::s4r)
+      selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, n_threads);
+    else
+      selector = std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, n_threads);
     cache.add_seal_listener(selector.get());
     return selector;
   }

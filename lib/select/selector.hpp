@@ -27,7 +27,7 @@
 
 namespace kvsift::select {
 
-enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified, s4r };
+enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified, s4r, louver };
 // How the G query heads of a group turn their page scores into one ranking (papers.md 2(e)1).
 enum class GqaCombine : uint8_t {
   share_avg,  // the paper: average over heads of each page's estimated mass share
