@@ -1,0 +1,154 @@
+// The offload step's stream, events, buffers and page refresh on CUDA (gpu/offload_runtime.hpp).
+#include <cuda_runtime.h>
+
+#include <string>
+#include <utility>
+
+#include "gpu/offload_runtime.hpp"
+
+namespace kvsift::gpu {
+namespace {
+
+constexpr uint32_t kRefreshThreads = 256;
+
+Result from_cuda(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return Result{};
+  cudaGetLastError();
+  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
+                      err == cudaErrorInitializationError ||
+                      err == cudaErrorCompatNotSupportedOnDevice;
+  return Result{false, absent, std::string("offload: ") + what + ": " + cudaGetErrorString(err)};
+}
+
+// One CTA per page. A step refreshes few pages (the open page of each pair, or every resident page
+// once after a sequence was freed), so one page per CTA keeps the grid simple at no cost.
+__global__ void __launch_bounds__(kRefreshThreads)
+    refresh_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool, const uint2* moves,
+                   uint32_t vec_shift) {
+  const uint2 m = moves[blockIdx.x];
+  const uint64_t src = uint64_t{m.x} << vec_shift, dst = uint64_t{m.y} << vec_shift;
+  for (uint32_t v = threadIdx.x; v < (1u << vec_shift); v += kRefreshThreads)
+    pool[dst + v] = host[src + v];
+}
+
+}  // namespace
+
+Result set_device(int device) {
+  return from_cuda(cudaSetDevice(device), "cudaSetDevice");
+}
+
+Result mapped_device_pointer(const void* host, const void** out) {
+  *out = nullptr;
+  cudaPointerAttributes attributes{};
+  const cudaError_t err = cudaPointerGetAttributes(&attributes, host);
+  cudaGetLastError();
+  if (err != cudaSuccess || attributes.type != cudaMemoryTypeHost ||
+      attributes.devicePointer == nullptr)
+    return Result{false, false, "offload: host memory is not mapped pinned memory"};
+  *out = attributes.devicePointer;
+  return Result{};
+}
+
+Result device_alloc(std::size_t bytes, void** out) {
+  *out = nullptr;
+  const Result r = from_cuda(cudaMalloc(out, bytes), "device buffer (cudaMalloc)");
+  if (!r.ok) *out = nullptr;
+  return r;
+}
+
+void device_free(void* p) noexcept {
+  cudaFree(p);
+}
+
+struct StepStream::Device {
+  cudaStream_t stream = nullptr;
+  cudaEvent_t events[kEvents] = {};
+
+  ~Device() {
+    for (cudaEvent_t e : events)
+      if (e) cudaEventDestroy(e);
+    if (stream) cudaStreamDestroy(stream);
+  }
+};
+
+StepStream::StepStream() = default;
+
+StepStream::~StepStream() {
+  delete device_;
+}
+
+StepStream::StepStream(StepStream&& other) noexcept
+    : device_(std::exchange(other.device_, nullptr)) {}
+
+StepStream& StepStream::operator=(StepStream&& other) noexcept {
+  if (this != &other) {
+    delete device_;
+    device_ = std::exchange(other.device_, nullptr);
+  }
+  return *this;
+}
+
+Result StepStream::init() {
+  delete std::exchange(device_, nullptr);
+  auto* d = new Device;
+  // Non-blocking: the legacy default stream, which other code in the process may use, does not
+  // serialise with the step.
+  Result r = from_cuda(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking), "stream");
+  for (uint32_t i = 0; r.ok && i < kEvents; ++i)
+    r = from_cuda(cudaEventCreate(&d->events[i]), "event");
+  if (!r.ok) {
+    delete d;
+    return r;
+  }
+  device_ = d;
+  return r;
+}
+
+void* StepStream::handle() const noexcept {
+  return device_ ? device_->stream : nullptr;
+}
+
+Result StepStream::copy_to_device(void* device_dst, const void* host_src,
+                                  std::size_t bytes) noexcept {
+  if (bytes == 0) return Result{};
+  return from_cuda(
+      cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, device_->stream),
+      "copy to device");
+}
+
+Result StepStream::copy_to_host(void* host_dst, const void* device_src,
+                                std::size_t bytes) noexcept {
+  if (bytes == 0) return Result{};
+  return from_cuda(
+      cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, device_->stream),
+      "copy to host");
+}
+
+Result StepStream::refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
+                                 const PageMove* moves, uint32_t n) noexcept {
+  if (n == 0) return Result{};
+  const auto vec_shift = static_cast<uint32_t>(__builtin_ctzll(slot_bytes / 16));
+  refresh_kernel<<<n, kRefreshThreads, 0, device_->stream>>>(
+      static_cast<const uint4*>(host_pool), static_cast<uint4*>(device_pool),
+      reinterpret_cast<const uint2*>(moves), vec_shift);
+  return from_cuda(cudaGetLastError(), "page refresh launch");
+}
+
+Result StepStream::mark(uint32_t i) noexcept {
+  return from_cuda(cudaEventRecord(device_->events[i], device_->stream), "event record");
+}
+
+Result StepStream::wait(uint32_t i) noexcept {
+  return from_cuda(cudaEventSynchronize(device_->events[i]), "event wait");
+}
+
+float StepStream::elapsed_ms(uint32_t i, uint32_t j) const noexcept {
+  float ms = 0.0f;
+  if (cudaEventElapsedTime(&ms, device_->events[i], device_->events[j]) != cudaSuccess) {
+    cudaGetLastError();
+    return 0.0f;
+  }
+  return ms;
+}
+
+}  // namespace kvsift::gpu
