@@ -1,0 +1,193 @@
+// Decode attention with the KV cache in host memory and only the selected pages on the GPU
+// (../shared/DESIGN.md section 5): the offload counterpart of lib/attend's DecodeAttention, same
+// calls, same output. Per call (one layer of one decode step): q goes to the device, the layer's
+// device page cache makes the listed pages resident (moving only the misses, from the cache's
+// mapped pinned pool), the lists are translated to device slots, the sparse paged kernel attends,
+// and the output comes back; one event wait at the end, no device-wide synchronisation. Plain C++:
+// the CUDA work goes through gpu/*.hpp; a build without CUDA refuses create() with unsupported.
+//
+// Stale pages. The device cache is keyed by host pool slot, and a host slot's contents can change
+// under it in two ways, both handled here: the open page of a pair grows by one token per step (a
+// cached copy made when it held fewer tokens is sent again, "refreshed", in the same step; so is a
+// page that was cached partial and has since filled), and a freed sequence's slots are reused by
+// later appends (every free_sequence() marks every cached page stale, so each is sent again the
+// next time it is listed: a precise per-slot invalidation needs the pool to report released
+// slots). Pages released by release_pages() (S4R) are not tracked: validate() refuses a cache that
+// holds any.
+//
+// Row chunks (the token rows Louver gathers and S4R reconstructs) are not offloaded yet: validate()
+// refuses a call with rows with Status::unsupported. Shipping them as pages of a per-step staging
+// area needs device slots outside the page cache in the pool the kernel reads (one pool per call),
+// which gpu/page_transfer.hpp's DevicePageCache does not offer yet.
+//
+// No CUDA graph: the only static part is one kernel launch, and it is not static either, since
+// SparseDecodeAttention sizes its splits per call from the longest list, so a graph would be
+// re-captured or updated every call and cost what it saves. A graph pays once a whole step (every
+// layer's copies and launches) is captured; that needs the selection of every layer before the
+// step, which decode does not have (the query of layer l + 1 depends on layer l's output).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "gpu/offload_runtime.hpp"
+#include "gpu/page_transfer.hpp"
+#include "gpu/sparse_attention.hpp"
+#include "lib/attend/decode_attention.hpp"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/error.hpp"
+#include "lib/select/selector.hpp"
+
+namespace kvsift {
+
+struct OffloadOptions {
+  int device = 0;          // CUDA device index
+  uint32_t max_batch = 1;  // most sequences per call, 1..65536
+  // Most pages one (sequence, KV head) pair lists in a call: the selection's page budget, or the
+  // longest context's page count for dense calls (no lists). Sizes the list buffers.
+  uint64_t max_pages_per_pair = 0;
+  // Device page cache slots per layer; at least max_batch * n_kv_heads * max_pages_per_pair, so
+  // that no call needs more distinct pages than the cache holds. Each slot is
+  // geometry.slot_bytes() of device memory, times n_layers.
+  uint32_t cache_pages = 0;
+  gpu::EvictionPolicy eviction = gpu::EvictionPolicy::clock;
+  // automatic: the mapped-memory gather kernel (measured faster than staging at every size on
+  // the H200 host, gpu/page_transfer.hpp).
+  gpu::TransferPath path = gpu::TransferPath::automatic;
+};
+
+// One call (last_step()) or the sum over calls (totals()). Times in microseconds; the GPU times
+// are event intervals on the step's stream, so they include the gaps in which the device waited
+// for the CPU to enqueue the next operation.
+struct OffloadStats {
+  uint64_t calls = 0;
+  uint64_t pages_listed = 0;    // (page, KV head) units attended
+  uint64_t hits = 0;            // listed pages resident in the layer's device cache
+  uint64_t misses = 0;          // listed pages moved host to device
+  uint64_t evictions = 0;       // misses that replaced a resident page
+  uint64_t refreshed = 0;       // resident pages sent again because their host copy changed
+  uint64_t page_bytes_h2d = 0;  // (misses + refreshed) * slot_bytes
+  uint64_t bytes_h2d = 0;       // page bytes + q + the lists
+  uint64_t bytes_d2h = 0;       // the output
+  double select_us = 0.0;       // CPU: the selector (step() only)
+  double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
+  double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
+  double attend_us = 0.0;       // GPU: the sparse attention kernel
+  double copy_out_us = 0.0;     // GPU: the output back to host
+  double total_us = 0.0;        // wall clock of run(), including its final wait
+
+  double hit_rate() const noexcept {
+    return hits + misses == 0 ? 1.0
+                              : static_cast<double>(hits) / static_cast<double>(hits + misses);
+  }
+};
+
+// Owns, on one device: a stream and its events, one DevicePageCache per layer, the attention
+// kernel's workspace and pinned/device buffers for q, the output and the lists, all sized by
+// create(); run() allocates nothing. Registered with the cache as a seal listener (to see
+// free_sequence) until destroyed, so it must not outlive the cache. Use from one host thread at a
+// time. Not copyable or movable (the cache holds its address).
+class OffloadAttention : public SealListener {
+ public:
+  // cache: the host KV cache, whose pool must be pinned and mapped (CacheOptions.pinned). Throws
+  // Error: unsupported (built without CUDA, or no usable device), invalid_argument (an unpinned
+  // pool, options out of range; the message names the field), out_of_memory / internal (device
+  // allocation).
+  static std::unique_ptr<OffloadAttention> create(KvCache& cache, const OffloadOptions& options);
+  ~OffloadAttention() override;
+  OffloadAttention(const OffloadAttention&) = delete;
+  OffloadAttention& operator=(const OffloadAttention&) = delete;
+
+  // DecodeAttention::validate's checks, then this path's limits: the cache is the one given to
+  // create(); no row chunks (unsupported); no released pages (unsupported); at most
+  // max_pages_per_pair pages per pair (capacity_exceeded). Throws Error naming the argument.
+  void validate(const KvCache& cache, const AttendCall& call) const;
+
+  // Writes call.out exactly as DecodeAttention::run would (to fp32 rounding) for a call that
+  // validate() accepted against the same cache state. Blocks until the output is in call.out.
+  // Returns Status::ok, or Status::internal with last_error() set when a CUDA call failed (then
+  // call.out is unspecified and the stream has drained).
+  Status run(const KvCache& cache, const AttendCall& call) noexcept;
+
+  // A whole layer step: selector.prepare() and select() on call's layer, sequences and q (timed
+  // as select_us), then validate() and run() over selection's page lists. call.pages and
+  // call.rows are ignored. selection: reserved by selector.reserve_selection(). Throws Error: what
+  // validate() or prepare() throws, or internal when run() fails.
+  void step(select::Selector& selector, select::Selection& selection, const KvCache& cache,
+            const AttendCall& call);
+
+  const OffloadStats& last_step() const noexcept { return last_; }
+  const OffloadStats& totals() const noexcept { return totals_; }
+  const std::string& last_error() const noexcept { return error_; }
+
+  // What the last run() attended, in the call's pairs (sequence-major, as PageLists): offsets
+  // [pairs + 1], and per listed page its host pool slot and the device cache slot read.
+  std::span<const uint32_t> attended_offsets() const noexcept;
+  std::span<const uint32_t> attended_host_slots() const noexcept;
+  std::span<const uint32_t> attended_device_slots() const noexcept;
+
+  // The bytes of one slot of a layer's device page cache (slot_bytes), copied to host memory and
+  // waited for: for tests that check what the kernel read. Throws Error (invalid_argument,
+  // internal).
+  void read_device_slot(uint32_t layer, uint32_t device_slot, void* out);
+
+  const gpu::DevicePageCache& device_cache(uint32_t layer) const { return caches_.at(layer); }
+  const OffloadOptions& options() const noexcept { return options_; }
+
+  void on_page_sealed(const SealedPage&) noexcept override {}
+  void on_sequence_freed(int32_t seq_id) noexcept override;
+
+ private:
+  OffloadAttention(KvCache& cache, const OffloadOptions& options);
+  void fail_run(const gpu::Result& r) noexcept;
+
+  KvCache& cache_;
+  OffloadOptions options_;
+  CacheGeometry geometry_;
+  uint32_t max_pairs_ = 0;
+  uint64_t max_listed_ = 0;  // max_pairs_ * max_pages_per_pair
+  DecodeAttention checker_;  // validate()'s shared checks; its workspace is never run
+  gpu::StepStream stream_;
+  std::vector<gpu::DevicePageCache> caches_;  // [n_layers]
+  gpu::SparseDecodeAttention attention_;
+  const void* host_pool_device_ = nullptr;  // the cache pool's mapped device view
+
+  // One pinned (mapped) block: refresh moves [max_listed_], then the lists as the kernel reads
+  // them (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device slots [max_listed_]),
+  // then q and out [max_batch, n_query_heads, head_dim]. The device block mirrors the lists, q and
+  // out. The lists go over in one copy.
+  struct PinnedFree {
+    void operator()(void* p) const noexcept { gpu::pinned_free(p); }
+  };
+  struct DeviceFree {
+    void operator()(void* p) const noexcept { gpu::device_free(p); }
+  };
+  std::unique_ptr<void, PinnedFree> pinned_;
+  std::unique_ptr<void, DeviceFree> device_;
+  gpu::PageMove* refresh_ = nullptr;
+  const gpu::PageMove* refresh_device_ = nullptr;  // the mapped view the refresh kernel reads
+  uint32_t* lists_ = nullptr;
+  float* q_host_ = nullptr;
+  float* out_host_ = nullptr;
+  uint32_t* lists_device_ = nullptr;
+  float* q_device_ = nullptr;
+  float* out_device_ = nullptr;
+  std::vector<uint32_t> host_slots_;  // [max_listed_] the listed pages' host slots
+
+  // Per layer and device slot: the free_sequence() epoch and the page's token count when its
+  // copy was made (kFresh: moved by this call's ensure()).
+  static constexpr uint32_t kFresh = UINT32_MAX;
+  uint64_t epoch_ = 0;
+  std::vector<uint64_t> copied_epoch_;   // [n_layers * cache_pages]
+  std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]
+
+  uint32_t last_pairs_ = 0;
+  OffloadStats last_{}, totals_{};
+  std::string error_;
+};
+
+}  // namespace kvsift
