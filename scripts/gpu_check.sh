@@ -11,20 +11,32 @@
 #                                staged binaries; then the tests (label gpu), compute-sanitizer
 #                                memcheck and racecheck on a few small cases, and the benchmarks.
 #                                Logs go to $OUT (or build-gpu/out); short tables come last.
-#                                GPU_CHECK_BENCHES (default "attend transfer") picks the benchmarks.
+#                                GPU_CHECK_BENCHES (default "attend transfer") picks the benchmarks,
+#                                GPU_CHECK_TESTS (default "gpu offload") the test binaries: gpu is
+#                                kvsift_gpu_tests, offload kvsift_offload_tests (the offload step
+#                                against the CPU kernel; it links the whole library).
+#   GPU_CHECK_BUILD (default build-gpu) is the build folder of both modes; carry its stage folder.
 #
 # The H200 machine's image has CUDA, CMake and ninja but not the Debian packages the project's
 # configure requires (xsimd, ICU, oneDNN, GoogleTest, Google Benchmark), hence the staging. The
-# two binaries link only the gpu objects, the float64 reference, GoogleTest (static) and Google
-# Benchmark, so they need nothing from the CPU library at run time.
+# gpu binaries link only the gpu objects, the float64 reference, GoogleTest (static) and Google
+# Benchmark; kvsift_offload_tests links the whole library, so its shared libraries (oneDNN, OpenMP,
+# OpenCL) are staged too: every library ldd names except glibc's own, which the GPU machine has.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=${1:-run}
-build=build-gpu
+build=${GPU_CHECK_BUILD:-build-gpu}
 stage=$build/stage
-targets=(kvsift_gpu_tests kvsift-bench-gpu-attend kvsift-bench-gpu-transfer)
-benches=${GPU_CHECK_BENCHES:-attend transfer}
+benches=${GPU_CHECK_BENCHES-attend transfer}
+tests=${GPU_CHECK_TESTS-gpu offload}
+targets=()
+[[ " $tests " == *" gpu "* ]] && targets+=(kvsift_gpu_tests)
+[[ " $tests " == *" offload "* ]] && targets+=(kvsift_offload_tests)
+[[ " $benches " == *" attend "* ]] && targets+=(kvsift-bench-gpu-attend)
+[[ " $benches " == *" transfer "* ]] && targets+=(kvsift-bench-gpu-transfer)
+# Where each target lands in the build folder.
+target_path() { case $1 in kvsift-bench-*) echo "$build/bench/$1" ;; *) echo "$build/tests/$1" ;; esac; }
 
 configure_and_build() {
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
@@ -35,14 +47,14 @@ configure_and_build() {
 if [[ $mode == stage ]]; then
   configure_and_build
   rm -rf "$stage" && mkdir -p "$stage"
-  cp "$build/tests/kvsift_gpu_tests" "$build/bench/kvsift-bench-gpu-attend" \
-    "$build/bench/kvsift-bench-gpu-transfer" "$stage/"
-  # Shared libraries the binaries need beyond glibc: the GPU machine has no Google Benchmark, and
-  # its own libcudart and libstdc++ may differ from the ones linked here.
-  for lib in libbenchmark.so.1debian libcudart.so.13 libstdc++.so.6 libgcc_s.so.1 libgomp.so.1; do
-    path=$(ldd "$stage/kvsift-bench-gpu-transfer" | awk -v l="$lib" '$1 == l { print $3 }')
-    [[ -n $path ]] && cp -L "$path" "$stage/"
-  done
+  for t in "${targets[@]}"; do cp "$(target_path "$t")" "$stage/"; done
+  # Shared libraries the binaries need beyond glibc: the GPU machine has no Google Benchmark,
+  # oneDNN or OpenCL loader, and its own libcudart and libstdc++ may differ from the ones linked
+  # here. glibc's libraries stay behind: a newer one is there.
+  for t in "${targets[@]}"; do ldd "$stage/$t"; done |
+    awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+    grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+    while read -r path; do cp -L "$path" "$stage/"; done
   ls -l "$stage"
   exit 0
 fi
@@ -55,12 +67,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 if [[ -f /usr/include/gtest/gtest.h && -f /usr/include/benchmark/benchmark.h &&
   -d /usr/include/xsimd ]] && configure_and_build >"$out/build.log" 2>&1; then
   bin_test=$build/tests/kvsift_gpu_tests
+  bin_offload=$build/tests/kvsift_offload_tests
   bin_bench=$build/bench/kvsift-bench-gpu-attend
   bin_transfer=$build/bench/kvsift-bench-gpu-transfer
   echo "built here"
-elif [[ -x $stage/kvsift_gpu_tests ]]; then
+elif [[ -x $stage/${targets[0]} ]]; then
   export LD_LIBRARY_PATH=$PWD/$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
   bin_test=$stage/kvsift_gpu_tests
+  bin_offload=$stage/kvsift_offload_tests
   bin_bench=$stage/kvsift-bench-gpu-attend
   bin_transfer=$stage/kvsift-bench-gpu-transfer
   echo "project dependencies missing here: running the staged binaries"
@@ -70,19 +84,34 @@ else
 fi
 
 status=0
-# The kernels' machine code, for reading without device time (this machine has no cuobjdump).
-if command -v cuobjdump >/dev/null; then cuobjdump -sass "$bin_bench" | gzip >"$out/kernels.sass.gz" || true; fi
-"$bin_test" --gtest_brief=1 2>&1 | tee "$out/test.log" || status=1
+if [[ " $tests " == *" gpu "* ]]; then
+  # The kernels' machine code, for reading without device time (this machine has no cuobjdump).
+  if command -v cuobjdump >/dev/null && [[ -x $bin_bench ]]; then
+    cuobjdump -sass "$bin_bench" | gzip >"$out/kernels.sass.gz" || true
+  fi
+  "$bin_test" --gtest_brief=1 2>&1 | tee "$out/test.log" || status=1
 
-small='*b1_g4_d128_p16_bf16_pages:*b4_g4_d64_p16_f16_tokens:*g12*:*short_selection*:*nothing_listed*'
-small+=':*GpuTransferCase*staged_4096*:*GpuTransferCase*mapped_8192*'
-if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin_test" --gtest_filter="$small" \
-      --gtest_brief=1 >"$out/sanitizer_$tool.log" 2>&1 || status=1
-    echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
-      "$out/sanitizer_$tool.log" | tail -1)"
-  done
+  small='*b1_g4_d128_p16_bf16_pages:*b4_g4_d64_p16_f16_tokens:*g12*:*short_selection*:*nothing_listed*'
+  small+=':*GpuTransferCase*staged_4096*:*GpuTransferCase*mapped_8192*'
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck; do
+      compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin_test" --gtest_filter="$small" \
+        --gtest_brief=1 >"$out/sanitizer_$tool.log" 2>&1 || status=1
+      echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
+        "$out/sanitizer_$tool.log" | tail -1)"
+    done
+  fi
+fi
+if [[ " $tests " == *" offload "* ]]; then
+  # Prints a per-call table (pages, hits, misses, refreshes, bytes, the time split) per case.
+  "$bin_offload" 2>&1 | tee "$out/offload.log" || status=1
+  if command -v compute-sanitizer >/dev/null; then
+    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_offload" \
+      --gtest_filter='*oracle_f16_b3*:OffloadTest.*' --gtest_brief=1 \
+      >"$out/sanitizer_offload_memcheck.log" 2>&1 || status=1
+    echo "compute-sanitizer memcheck (offload): $(grep -E 'ERROR SUMMARY' \
+      "$out/sanitizer_offload_memcheck.log" | tail -1)"
+  fi
 fi
 
 if [[ " $benches " == *" attend "* ]]; then
@@ -97,7 +126,9 @@ if [[ " $benches " == *" transfer "* ]]; then
 fi
 
 echo
-grep -E '^\[  (PASSED|FAILED)|tests? ran' "$out/test.log" || true
+for log in "$out/test.log" "$out/offload.log"; do
+  [[ -f $log ]] && grep -E '^\[  (PASSED|FAILED)|tests? ran|worst relative error' "$log" || true
+done
 if [[ -f $out/bench.json ]]; then
   # Median and spread per case: time per call, TB/s of K+V, and the share of copy bandwidth.
   python3 - "$out/bench.json" <<'PY' || cat "$out/bench.txt"

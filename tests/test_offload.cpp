@@ -1,0 +1,325 @@
+// The offload step (lib/offload) against the CPU kernel on the same selections: decode steps with
+// appends over a pinned cache, a 5% LOCKS or oracle selection made by two selectors of the same
+// policy (one per mode), and per call: the same pages chosen, the pages the device attended equal
+// to the selection's host pages byte for byte, the output within 1e-3 of DecodeAttention's. Skips
+// without a CUDA build or a usable device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <vector>
+
+#include "gpu/host_memory.hpp"
+#include "lib/attend/decode_attention.hpp"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/error.hpp"
+#include "lib/offload/offload_attention.hpp"
+#include "lib/select/selector.hpp"
+#include "tests/test_util.hpp"
+
+namespace kvsift {
+namespace {
+
+using select::Kind;
+using select::Selection;
+using select::Selector;
+
+bool device_usable(std::string* why) {
+  int n_devices = 0;
+  const gpu::Result r = gpu::device_count(&n_devices);
+  if (!r.ok) *why = r.message;
+  return r.ok;
+}
+
+struct Case {
+  const char* name;
+  Kind kind;
+  simd::Dtype dtype;
+  uint32_t n_layers, n_kv_heads, group_size;
+  uint64_t context;  // prompt tokens per sequence
+  uint32_t batch, steps;
+  uint64_t max_pages_per_pair;
+  uint32_t free_at_step;  // replace the last sequence by a new one before this step (0: never)
+};
+
+// Keys: Gaussian plus a per-page gain along one direction, so pages differ in mass and a drifting
+// query keeps choosing many of the same pages (hits) and some new ones (misses).
+class Model {
+ public:
+  Model(const Case& c, uint32_t seed) : c_(c), seed_(seed) {
+    geometry_.n_layers = c.n_layers;
+    geometry_.n_kv_heads = c.n_kv_heads;
+    geometry_.group_size = c.group_size;
+    geometry_.head_dim = 128;
+    geometry_.page_tokens = 16;
+    geometry_.dtype = c.dtype;
+    CacheOptions options;
+    options.pinned = true;
+    options.max_pages = max_pages() * c.n_layers * c.n_kv_heads * (c.batch + 1);
+    cache_ = std::make_unique<KvCache>(geometry_, options);
+    dir_ = test::random_floats(geometry_.head_dim, seed + 1);
+    for (uint32_t s = 0; s < c.batch; ++s) seq_ids_.push_back(new_sequence());
+    q_ = test::random_floats(c.batch * geometry_.n_query_heads() * geometry_.head_dim, seed + 2,
+                             1.5f);
+  }
+
+  uint64_t max_pages() const { return geometry_.pages_for(c_.context + c_.steps) + 1; }
+
+  int32_t new_sequence() {
+    const int32_t id = cache_->create_sequence();
+    for (uint32_t layer = 0; layer < c_.n_layers; ++layer) append(id, layer, c_.context);
+    return id;
+  }
+
+  void append(int32_t id, uint32_t layer, uint64_t n) {
+    const uint32_t H = geometry_.n_kv_heads, d = geometry_.head_dim, B = geometry_.page_tokens;
+    const uint64_t first = cache_->length(id, layer);
+    std::vector<float> k = test::random_floats(n * H * d, seed_ + 100 + next_++);
+    const std::vector<float> v = test::random_floats(n * H * d, seed_ + 100 + next_++);
+    const std::vector<float> gain = test::random_floats((first + n) / B + 1, seed_ + 7, 1.5f);
+    for (uint64_t t = 0; t < n; ++t)
+      for (uint32_t h = 0; h < H; ++h)
+        for (uint32_t i = 0; i < d; ++i) k[(t * H + h) * d + i] += gain[(first + t) / B] * dir_[i];
+    cache_->append(id, layer, static_cast<uint32_t>(n), k.data(), v.data());
+  }
+
+  // The next step's queries: most of the last one plus some new direction.
+  void drift() {
+    const std::vector<float> fresh = test::random_floats(q_.size(), seed_ + 5000 + next_++, 1.5f);
+    for (std::size_t i = 0; i < q_.size(); ++i) q_[i] = 0.85f * q_[i] + 0.5f * fresh[i];
+  }
+
+  const CacheGeometry& geometry() const { return geometry_; }
+  KvCache& cache() { return *cache_; }
+  std::vector<int32_t>& seq_ids() { return seq_ids_; }
+  const std::vector<float>& q() const { return q_; }
+
+ private:
+  Case c_;
+  uint32_t seed_;
+  uint32_t next_ = 0;
+  CacheGeometry geometry_;
+  std::unique_ptr<KvCache> cache_;
+  std::vector<float> dir_, q_;
+  std::vector<int32_t> seq_ids_;
+};
+
+class OffloadCase : public ::testing::TestWithParam<Case> {
+ protected:
+  void SetUp() override {
+    if (!gpu::built_with_cuda())
+      GTEST_SKIP() << "kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF)";
+    std::string why;
+    if (!device_usable(&why)) GTEST_SKIP() << "no usable CUDA device: " << why;
+  }
+};
+
+TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
+  const Case c = GetParam();
+  Model model(c, 4242 + c.context);
+  const CacheGeometry& g = model.geometry();
+  const uint32_t H = g.n_kv_heads;
+  select::Policy policy;
+  policy.kind = c.kind;
+  policy.budget = 0.05;
+  // One selector per mode, each seeing the same seals: the CPU-only and the offload mode must
+  // choose the same pages for the same inputs.
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  Selection cpu_selection, gpu_selection;
+  cpu_selector->reserve_selection(cpu_selection);
+  gpu_selector->reserve_selection(gpu_selection);
+  DecodeAttention cpu(g, c.batch, 2);
+  OffloadOptions options;
+  options.max_batch = c.batch;
+  options.max_pages_per_pair = c.max_pages_per_pair;
+  options.cache_pages = static_cast<uint32_t>(c.batch * H * c.max_pages_per_pair);
+  auto offload = OffloadAttention::create(model.cache(), options);
+
+  const std::size_t out_elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
+  std::vector<float> out_cpu(out_elems), out_gpu(out_elems);
+  std::vector<std::byte> device_page(g.slot_bytes());
+  double worst_error = 0.0;
+  std::printf("%-18s %4s %5s %6s %5s %5s %5s %5s %9s %8s %8s %8s %8s %8s\n", c.name, "step",
+              "layer", "pages", "hit", "miss", "evict", "fresh", "KiB_h2d", "sel_us", "host_us",
+              "xfer_us", "attn_us", "total_us");
+  for (uint32_t step = 1; step <= c.steps; ++step) {
+    if (step == c.free_at_step) {
+      // The freed sequence's slots go back to the pool, and the new sequence's prompt reuses
+      // them: the device cache must not serve the old pages' bytes for them.
+      model.cache().free_sequence(model.seq_ids().back());
+      model.seq_ids().back() = model.new_sequence();
+    }
+    model.drift();
+    for (uint32_t layer = 0; layer < c.n_layers; ++layer) {
+      for (int32_t id : model.seq_ids()) model.append(id, layer, 1);
+      const AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(),
+                            out_gpu.data()};
+      std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
+      offload->step(*gpu_selector, gpu_selection, model.cache(), call);
+
+      const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
+                                           model.q().data()};
+      cpu_selector->select(select_call, cpu_selection);
+      const PageLists lists = cpu_selection.lists();
+      AttendCall cpu_call = call;
+      cpu_call.out = out_cpu.data();
+      cpu_call.pages = &lists;
+      cpu.validate(model.cache(), cpu_call);
+      cpu.run(model.cache(), cpu_call);
+
+      // Same pages chosen in both modes.
+      const uint32_t pairs = c.batch * H;
+      ASSERT_EQ(cpu_selection.n_pairs, pairs);
+      ASSERT_EQ(gpu_selection.n_pairs, pairs);
+      for (uint32_t pair = 0; pair <= pairs; ++pair)
+        ASSERT_EQ(gpu_selection.offsets[pair], cpu_selection.offsets[pair]) << "pair " << pair;
+      for (uint32_t i = 0; i < cpu_selection.offsets[pairs]; ++i)
+        ASSERT_EQ(gpu_selection.page_ids[i], cpu_selection.page_ids[i]) << "entry " << i;
+
+      // The device attended exactly those pages: their host slots, and device slots holding the
+      // host pages' current bytes (a stale or wrong slot would differ).
+      const auto offsets = offload->attended_offsets();
+      const auto host_slots = offload->attended_host_slots();
+      const auto device_slots = offload->attended_device_slots();
+      ASSERT_EQ(offsets.size(), pairs + 1);
+      ASSERT_EQ(host_slots.size(), cpu_selection.offsets[pairs]);
+      for (uint32_t pair = 0; pair < pairs; ++pair) {
+        ASSERT_EQ(offsets[pair], cpu_selection.offsets[pair]);
+        const uint32_t* table =
+            model.cache().page_table(model.seq_ids()[pair / H], layer, pair % H);
+        for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
+          ASSERT_EQ(host_slots[i], table[cpu_selection.page_ids[i]]) << "pair " << pair;
+          offload->read_device_slot(layer, device_slots[i], device_page.data());
+          ASSERT_EQ(std::memcmp(device_page.data(), model.cache().pool().slot(host_slots[i]),
+                                g.slot_bytes()),
+                    0)
+              << "step " << step << " layer " << layer << " pair " << pair << " page "
+              << cpu_selection.page_ids[i] << ": the device slot is not the host page";
+        }
+      }
+
+      for (std::size_t i = 0; i < out_elems; ++i)
+        ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
+      const double error = test::relative_error(out_gpu.data(), out_cpu.data(), out_elems);
+      EXPECT_LE(error, 1e-3) << "step " << step << " layer " << layer;
+      worst_error = std::max(worst_error, error);
+
+      const OffloadStats& s = offload->last_step();
+      EXPECT_EQ(s.pages_listed, cpu_selection.offsets[pairs]);
+      EXPECT_EQ(s.hits + s.misses, s.pages_listed);
+      // Every pair's open page grew by one token since the last step: sent again unless missed.
+      if (step > 1) {
+        EXPECT_GE(s.refreshed + s.misses, pairs);
+      }
+      std::printf("%-18s %4u %5u %6lu %5lu %5lu %5lu %5lu %9.1f %8.1f %8.1f %8.1f %8.1f %8.1f\n",
+                  "", step, layer, static_cast<unsigned long>(s.pages_listed),
+                  static_cast<unsigned long>(s.hits), static_cast<unsigned long>(s.misses),
+                  static_cast<unsigned long>(s.evictions), static_cast<unsigned long>(s.refreshed),
+                  s.bytes_h2d / 1024.0, s.select_us, s.host_us, s.transfer_us, s.attend_us,
+                  s.total_us);
+    }
+  }
+  const OffloadStats& t = offload->totals();
+  EXPECT_GT(t.hits, 0u) << "no page was reused across steps";
+  EXPECT_GT(t.misses, 0u);
+  std::printf(
+      "%s: worst relative error %.2e; %lu calls, hit rate %.3f, %.1f KiB of pages per call "
+      "(%lu refreshed pages in all), mean us per call: select %.1f host %.1f transfer %.1f attend "
+      "%.1f out %.1f total %.1f\n",
+      c.name, worst_error, static_cast<unsigned long>(t.calls), t.hit_rate(),
+      t.page_bytes_h2d / 1024.0 / t.calls, static_cast<unsigned long>(t.refreshed),
+      t.select_us / t.calls, t.host_us / t.calls, t.transfer_us / t.calls, t.attend_us / t.calls,
+      t.copy_out_us / t.calls, t.total_us / t.calls);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Offload, OffloadCase,
+    ::testing::Values(
+        // Evictions: the cache holds 4/3 of a step's pages; a sequence replaced midway.
+        Case{"locks_bf16_b2", Kind::locks, simd::Dtype::bf16, 2, 2, 4, 4096, 2, 6, 16, 4},
+        Case{"oracle_f16_b3", Kind::oracle, simd::Dtype::f16, 1, 2, 2, 2048, 3, 5, 8, 0},
+        // One Llama-3.1-8B layer (8 KV heads, G = 4, d = 128) at 32K, LOCKS at 5%.
+        Case{"locks_llama_32k", Kind::locks, simd::Dtype::bf16, 1, 8, 4, 32768, 1, 8, 128, 0}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+class OffloadTest : public OffloadCase {};
+
+TEST_F(OffloadTest, dense_calls_attend_every_page) {
+  const Case c{"dense", Kind::dense, simd::Dtype::f16, 1, 2, 4, 1000, 2, 1, 64, 0};
+  Model model(c, 77);
+  const CacheGeometry& g = model.geometry();
+  OffloadOptions options;
+  options.max_batch = 2;
+  options.max_pages_per_pair = 64;
+  options.cache_pages = 2 * 2 * 64;
+  auto offload = OffloadAttention::create(model.cache(), options);
+  DecodeAttention cpu(g, 2, 2);
+  const std::size_t elems = 2 * std::size_t{g.n_query_heads()} * g.head_dim;
+  std::vector<float> out_cpu(elems), out_gpu(elems, std::numeric_limits<float>::quiet_NaN());
+  AttendCall call{0, 2, model.seq_ids().data(), model.q().data(), out_gpu.data()};
+  offload->validate(model.cache(), call);
+  ASSERT_EQ(offload->run(model.cache(), call), Status::ok) << offload->last_error();
+  call.out = out_cpu.data();
+  cpu.run(model.cache(), call);
+  EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
+  EXPECT_EQ(offload->last_step().misses, 2 * 2 * g.pages_for(1000));
+  // Again: every page is resident, and no page changed.
+  ASSERT_EQ(offload->run(model.cache(), AttendCall{0, 2, model.seq_ids().data(), model.q().data(),
+                                                   out_gpu.data()}),
+            Status::ok);
+  EXPECT_EQ(offload->last_step().misses, 0u);
+  EXPECT_EQ(offload->last_step().refreshed, 0u);
+  EXPECT_EQ(offload->last_step().page_bytes_h2d, 0u);
+  EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
+}
+
+TEST_F(OffloadTest, refuses_row_chunks_and_oversized_lists) {
+  const Case c{"refusals", Kind::dense, simd::Dtype::f16, 1, 1, 1, 200, 1, 1, 4, 0};
+  Model model(c, 78);
+  const CacheGeometry& g = model.geometry();
+  OffloadOptions options;
+  options.max_pages_per_pair = 4;
+  options.cache_pages = 4;
+  auto offload = OffloadAttention::create(model.cache(), options);
+  std::vector<float> out(g.n_query_heads() * g.head_dim);
+  AttendCall call{0, 1, model.seq_ids().data(), model.q().data(), out.data()};
+  test::expect_error([&] { offload->validate(model.cache(), call); }, Status::capacity_exceeded,
+                     "max_pages_per_pair");
+  const uint32_t offsets[2] = {0, 2}, page_ids[2] = {0, 12};
+  const PageLists lists{offsets, page_ids};
+  call.pages = &lists;
+  offload->validate(model.cache(), call);
+  std::vector<std::byte> chunk(g.slot_bytes());
+  const uint32_t chunk_offsets[2] = {0, 1}, row_counts[1] = {5};
+  const RowChunks rows{chunk.data(), chunk_offsets, row_counts};
+  call.rows = &rows;
+  test::expect_error([&] { offload->validate(model.cache(), call); }, Status::unsupported,
+                     "row chunks");
+  OffloadOptions small = options;
+  small.cache_pages = 3;
+  test::expect_error([&] { OffloadAttention::create(model.cache(), small); },
+                     Status::invalid_argument, "cache_pages");
+}
+
+// Runs everywhere: the refusal comes before any device is touched.
+TEST(Offload, create_refuses_an_unpinned_cache_or_a_build_without_cuda) {
+  CacheGeometry geometry;
+  KvCache cache(geometry, CacheOptions{});
+  OffloadOptions options;
+  options.max_pages_per_pair = 4;
+  options.cache_pages = 4;
+  if (gpu::built_with_cuda()) {
+    test::expect_error([&] { OffloadAttention::create(cache, options); }, Status::invalid_argument,
+                       "not pinned");
+  } else {
+    test::expect_error([&] { OffloadAttention::create(cache, options); }, Status::unsupported,
+                       "built without CUDA");
+  }
+}
+
+}  // namespace
+}  // namespace kvsift
