@@ -1,9 +1,10 @@
 // OffloadAttention (lib/offload/offload_attention.hpp). Measured on the H200 host (tests/
 // test_offload.cpp, one Llama-3.1-8B layer at 32K, batch 1, LOCKS at 5%: 816 pages listed per call,
-// hit rate 0.65 under a fast-drifting synthetic query): per call 195 us of host work, 180 us from
-// the first copy to the lists on the device, 18 us of attention, 5 us for the output, 229 us wall
-// clock; selection on 2 threads took 1.5 ms. The transfer interval includes the device's wait for
-// the CPU's planning, so overlapping the next layer's selection with it is where time is to be won.
+// hit rate 0.65 under a fast-drifting synthetic query, 2.3 MiB of pages per call; two runs): per
+// call 137-195 us of host work, 147-180 us from the first copy to the lists on the device,
+// 16-18 us of attention, 5-8 us for the output, 193-229 us wall clock; selection on 2 threads
+// took 1.3-1.5 ms. The transfer interval includes the device's wait for the CPU's planning, so
+// overlapping the next layer's selection with it is where time is to be won.
 #include "lib/offload/offload_attention.hpp"
 
 #include <algorithm>
