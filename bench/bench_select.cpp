@@ -9,18 +9,29 @@
 //   bytes_vs_dense         (index + K/V bytes the selected call read) / dense K/V bytes
 //   kept_estimate          the selector's estimated share of softmax mass kept
 // BM_summary_build times kvsift_cache_set_selector over a filled cache: summary build per page.
+// BM_locks_score times the LOCKS scoring kernel alone over records of such keys (d = 128, B = 16,
+// r = 8, G = 4), ns_per_page per (page, KV head): one KV head's 512 pages on one thread stay in L2
+// (the kernel's compute); eight KV heads of 8192 pages on two threads are a 128K layer's step.
 //
 //   kvsift-bench-select --benchmark_filter='locks/llama8b/ctx:131072/batch:1'
+//   kvsift-bench-select --benchmark_filter=BM_locks_score
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
+#include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bench/bench_util.hpp"
 #include "kvsift/kvsift.h"
+#include "lib/core/aligned.hpp"
+#include "lib/select/locks_summary.hpp"
+#include "simd/half.hpp"
+#include "simd/kernels.hpp"
 
 namespace {
 
@@ -241,6 +252,112 @@ void BM_summary_build(benchmark::State& state, kvsift_selector selector) {
   state.counters["ns_per_page"] = seconds / static_cast<double>(state.iterations()) / pages * 1e9;
 }
 
+// LOCKS records of `heads` KV heads over `pages` pages each, with G needle queries per head. The
+// heads are copies of one head's records, each in its own memory.
+struct LocksPool {
+  kvsift::select::LocksShape shape{kLlama8b.head_dim, kPageTokens,
+                                   kvsift::select::kLocksDefaultRank};
+  std::size_t record_bytes = kvsift::select::locks_record_bytes(shape);
+  kvsift::AlignedVector<std::byte> records;  // [heads, pages, record_bytes]
+  std::vector<uint32_t> slots;               // [heads, pages]: slot = head * pages + page
+  std::vector<float> q;                      // [G, head_dim], shared by the heads
+
+  LocksPool(uint32_t pages, uint32_t heads)
+      : records(std::size_t{pages} * heads * record_bytes), slots(std::size_t{pages} * heads) {
+    const Shape one{"one_head", 1, kLlama8b.group_size, kLlama8b.head_dim};
+    const uint32_t d = one.head_dim, B = kPageTokens;
+    KeyMaker maker(one, kSeed);
+    std::vector<float> k, v, needles;
+    std::vector<uint16_t> stored(std::size_t{B} * d);
+    for (uint32_t p = 0; p < pages; ++p) {
+      maker.make(uint64_t{p} * B, B, k, v);
+      for (std::size_t i = 0; i < stored.size(); ++i) stored[i] = kvsift::simd::f32_to_f16(k[i]);
+      kvsift::select::locks_build(shape, stored.data(), kvsift::simd::Dtype::f16,
+                                  records.data() + std::size_t{p} * record_bytes);
+      if (p % (pages / kNeedles) == 0) needles.insert(needles.end(), k.begin(), k.begin() + d);
+    }
+    for (uint32_t h = 1; h < heads; ++h)
+      std::copy(records.begin(), records.begin() + std::ptrdiff_t(pages * record_bytes),
+                records.begin() + std::ptrdiff_t(h * pages * record_bytes));
+    for (std::size_t i = 0; i < slots.size(); ++i) slots[i] = static_cast<uint32_t>(i);
+    Random random(kSeed + 2);
+    q.assign(std::size_t{one.group_size} * d, 0.0f);
+    for (uint32_t g = 0; g < one.group_size; ++g)
+      for (uint32_t c = 0; c < d; ++c) {
+        float& x = q[std::size_t{g} * d + c];
+        for (std::size_t j = 0; j < needles.size() / d; ++j) x += 0.3f * needles[j * d + c];
+        x += 0.3f * random.uniform();
+      }
+  }
+};
+
+// kernel 0: the AVX-512 VNNI int8-query kernel; 1: the AVX-512 float kernel (exact query).
+// heads 1: one job on this thread; 8: a layer's eight KV heads, one job each, on kThreads threads
+// (as the selector runs them), the records streamed from memory.
+void BM_locks_score(benchmark::State& state) {
+  const auto pages = static_cast<uint32_t>(state.range(0));
+  const bool vnni = state.range(1) == 0;
+  const auto heads = static_cast<uint32_t>(state.range(2));
+  const kvsift::simd::LocksScoreFn fn =
+      vnni ? kvsift::simd::avx512_vnni_locks_score()
+           : kvsift::simd::kernels_for(kvsift::simd::resolve_isa(kvsift::simd::Isa::avx512))
+                 .locks_score;
+  if (fn == nullptr) {
+    state.SkipWithError("CPU lacks AVX-512 VNNI");
+    return;
+  }
+  // One pool per shape for the process: the keys take seconds to make.
+  static std::map<std::pair<uint32_t, uint32_t>, std::unique_ptr<LocksPool>> pools;
+  auto& held_pool = pools[{pages, heads}];
+  if (!held_pool) held_pool = std::make_unique<LocksPool>(pages, heads);
+  const LocksPool& pool = *held_pool;
+  const uint32_t G = kLlama8b.group_size;
+  std::vector<float> lse(std::size_t{G} * pages * heads);
+  auto job_of = [&](uint32_t h) {
+    kvsift::simd::LocksScoreJob job{};
+    job.q = pool.q.data();
+    job.group = G;
+    job.head_dim = pool.shape.head_dim;
+    job.page_tokens = pool.shape.page_tokens;
+    job.rank = pool.shape.rank;
+    job.int8_query = vnni;
+    job.scale = 1.0f / std::sqrt(float(job.head_dim));
+    job.records = pool.records.data();
+    job.record_bytes = pool.record_bytes;
+    job.slots = pool.slots.data() + std::size_t{h} * pages;
+    job.count = pages;
+    job.lse = lse.data() + std::size_t{h} * G * pages;
+    return job;
+  };
+  const int threads = heads == 1 ? 1 : kThreads;
+  std::vector<double> seconds;
+  for (auto _ : state) {
+    const auto start = Clock::now();
+    if (threads == 1) {
+      for (uint32_t h = 0; h < heads; ++h) fn(job_of(h));
+    } else {
+      std::vector<std::thread> team;
+      for (int t = 0; t < threads; ++t)
+        team.emplace_back([&, t] {
+          for (uint32_t h = uint32_t(t); h < heads; h += threads) fn(job_of(h));
+        });
+      for (std::thread& member : team) member.join();
+    }
+    benchmark::DoNotOptimize(lse.data());
+    benchmark::ClobberMemory();
+    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
+  }
+  const auto items = static_cast<int64_t>(state.iterations()) * pages * heads;
+  state.SetItemsProcessed(items);
+  state.SetBytesProcessed(items * static_cast<int64_t>(pool.record_bytes));
+  // The median iteration: other builds on this 2-core box only ever slow some iterations down.
+  // Per (page, KV head) of wall time, and of thread time (times the threads).
+  const double per_page = median(seconds) / (double(pages) * heads) * 1e9;
+  state.counters["ns_per_page"] = per_page;
+  state.counters["thread_ns_per_page"] = per_page * threads;
+  state.SetLabel(vnni ? "avx512_vnni" : "avx512");
+}
+
 void register_benchmarks() {
   for (kvsift_selector selector :
        {KVSIFT_SELECTOR_LOCKS, KVSIFT_SELECTOR_QUEST, KVSIFT_SELECTOR_ORACLE})
@@ -260,6 +377,14 @@ void register_benchmarks() {
     benchmark::RegisterBenchmark(name.c_str(), BM_summary_build, selector)
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_locks_score/llama8b", BM_locks_score)
+      ->ArgNames({"pages", "kernel", "heads"})
+      ->Args({512, 0, 1})
+      ->Args({512, 1, 1})
+      ->Args({8192, 0, 8})  // 128K context: 54 MB of records, from memory
+      ->Args({8192, 1, 8})
+      ->UseRealTime()
+      ->Unit(benchmark::kMicrosecond);
 }
 
 }  // namespace

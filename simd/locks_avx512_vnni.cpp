@@ -51,12 +51,13 @@ struct QueryCodes {
   alignas(64) int8_t lo[kLocksHeadBlock][kMaxQuarters][64];
   alignas(64) int8_t hi[kLocksHeadBlock][kMaxQuarters][64];
   alignas(64) int8_t codes[kLocksHeadBlock][kMaxHeadDim];  // in channel order, for mu
-  // -8 (V) and -128 (mu) times the sum of the head's codes, at lane 0 of each 128-bit lane: one
-  // lane per column sum.
-  alignas(64) int32_t v_init[kLocksHeadBlock][W];
-  alignas(64) int32_t mu_init[kLocksHeadBlock][W];
-  // Head quad p, lane 4k + h: s_q of head 4p + h times the attention scale.
-  alignas(64) float scale[kMaxHeadQuads][W];
+  // Head quad p, lane 4k + h, for head 4p + h: -8 (V) and -128 (mu) times the sum of its codes,
+  // added to the biased sums; s_q times the attention scale, times log2(e) for z (the exps are
+  // powers of 2) and not for mu . q~ (the shift, in natural units).
+  alignas(64) int32_t v_bias[kMaxHeadQuads][W];
+  alignas(64) int32_t mu_bias[kMaxHeadQuads][W];
+  alignas(64) float z_scale[kMaxHeadQuads][W];
+  alignas(64) float mu_scale[kMaxHeadQuads][W];
 };
 
 // q rounded as the float64 reference does it: s_q = max|q| / 127 in float, codes round(q / s_q)
@@ -78,24 +79,25 @@ float quantize(const float* q, uint32_t d, int8_t* codes) noexcept {
 void prepare(const LocksScoreJob& job, uint32_t g0, uint32_t ng, QueryCodes& qc) noexcept {
   const uint32_t d = job.head_dim;
   alignas(64) float s_q[kLocksHeadBlock] = {};
+  alignas(64) int32_t sums[kLocksHeadBlock] = {};
   for (uint32_t g = 0; g < ng; ++g) {
     int8_t* codes = qc.codes[g];
     s_q[g] = quantize(job.q + std::size_t{g0 + g} * d, d, codes);
-    int32_t sum = 0;
-    for (uint32_t c = 0; c < d; ++c) sum += codes[c];
+    for (uint32_t c = 0; c < d; ++c) sums[g] += codes[c];
     for (uint32_t s = 0; s < d / 32; ++s)
       for (uint32_t b = 0; b < 16; ++b)
         for (uint32_t k = 0; k < 4; ++k) {
           qc.lo[g][s][16 * k + b] = codes[32 * s + 2 * b];
           qc.hi[g][s][16 * k + b] = codes[32 * s + 2 * b + 1];
         }
-    for (uint32_t lane = 0; lane < W; ++lane) {
-      qc.v_init[g][lane] = lane % 4 == 0 ? -8 * sum : 0;
-      qc.mu_init[g][lane] = lane == 0 ? -128 * sum : 0;
-    }
   }
-  for (uint32_t lane = 0; lane < kLocksHeadBlock * 4; ++lane)
-    qc.scale[lane / W][lane % W] = s_q[4 * (lane / W) + lane % 4] * job.scale;
+  for (uint32_t lane = 0; lane < kLocksHeadBlock * 4; ++lane) {
+    const uint32_t g = 4 * (lane / W) + lane % 4;
+    qc.v_bias[lane / W][lane % W] = -8 * sums[g];
+    qc.mu_bias[lane / W][lane % W] = -128 * sums[g];
+    qc.z_scale[lane / W][lane % W] = s_q[g] * job.scale * 1.44269504088896341f;
+    qc.mu_scale[lane / W][lane % W] = s_q[g] * job.scale;
+  }
 }
 
 // 128-bit lane k of the result: [sum of a's lane k, b's, c's, d's] (four int32 each).
@@ -150,23 +152,29 @@ __m512 load_i8(const std::byte* p) noexcept {
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
-// e^x to within 2 ulp for x <= 88 (above: inf or a large finite value, which the caller's far check
-// discards); below -87 it falls to 0 through vscalefps, with no range selects (xsimd's exp has
-// four). Cephes' expf reduction and polynomial.
-__m512 exp_ps(__m512 x) noexcept {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));  // keeps the reduction below exact
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 f = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  f = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), f);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(f, f), f), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+// 2^x for |x| <= 125, to within 2.3e-7 relative (measured in float32 over [-0.5, 0.5]): x = n + f,
+// n = round(x) by the 1.5 * 2^23 shift (n lands in the sum's low mantissa bits), 2^f by a degree-5
+// minimax polynomial (Remez, relative error 7.5e-8), 2^n added to the exponent field in integers.
+// Nothing here runs on the multiply pipes but the five FMAs: vscalefps and vrndscaleps would
+// (measured on Zen 4: vscalefps takes two cycles of them).
+__m512 exp2_ps(__m512 x) noexcept {
+  const __m512 shifter = _mm512_set1_ps(12582912.0f);
+  const __m512 t = _mm512_add_ps(x, shifter);
+  const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, shifter));
+  __m512 p = _mm512_set1_ps(1.3276472e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755413e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507133e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314697e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
+  return _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(t), 23)));
+}
+
+// x with its magnitude clamped to 125 (sign kept), in one vrangeps: the domain of exp2_ps.
+__m512 clamp125(__m512 x) noexcept {
+  // imm 0x02: the smaller magnitude, the sign of the first operand.
+  return _mm512_range_ps(x, _mm512_set1_ps(125.0f), 0x02);
 }
 
 // ln x for finite x >= 1 (the sums of exps) to about 1 ulp: x = m 2^e with m in [0.75, 1.5), and
@@ -189,32 +197,48 @@ __m512 log_ps(__m512 x) noexcept {
                          _mm512_fmadd_ps(e, _mm512_set1_ps(-2.12194440e-4f), ln_m));
 }
 
-// Each (page, head)'s W-lane sum of exp(logit - shift) waits here; one sum16 and one log serve W
-// of them. The fill count stays with the caller, in a register: as a member it went through
-// memory on every push, a store-to-load chain across all pages.
+// Each (page, head)'s W-lane sum of 2^x waits in `sum`, at row head * pages + page for the
+// `pages` pages since the last reduction; one sum16 reduces W rows to their totals, which wait
+// with their shifts in `total` and `shift` until kRingBatches reductions are in. Only then are
+// the logs taken and the results stored, in a pass whose iterations are independent: a log and
+// its stores right after each sum16 made a dependency chain of some 80 cycles, longer than the
+// out-of-order window covers, and cost a sixth of the kernel's time.
+constexpr uint32_t kRingBatches = 16;
+
 struct Ring {
   __m512 sum[W];
-  float shift[W];
-  float* dest[W];
+  alignas(64) float total[kRingBatches][W];
+  alignas(64) float shift[kRingBatches][W];
+  uint32_t first[kRingBatches];  // the batch's first page
+  uint32_t used[kRingBatches];   // and its number of pages
 
-  void push(uint32_t& fill, __m512 s, float m, float* out) noexcept {
-    sum[fill] = s;
-    shift[fill] = m;
-    dest[fill] = out;
-    if (++fill == W) {
-      flush(W);
-      fill = 0;
-    }
+  Ring() noexcept {
+    for (uint32_t k = 0; k < W; ++k) sum[k] = _mm512_set1_ps(1.0f);
+    for (uint32_t b = 0; b < kRingBatches; ++b) _mm512_store_ps(shift[b], _mm512_setzero_ps());
   }
-  // Writes the first `fill` rows' log-sum-exps.
-  [[gnu::noinline]] void flush(uint32_t fill) noexcept {
-    for (uint32_t k = fill; k < W; ++k) {
-      sum[k] = _mm512_set1_ps(1.0f);
-      shift[k] = 0.0f;
+  void reduce(uint32_t batch, uint32_t first_page, uint32_t pages) noexcept {
+    _mm512_store_ps(total[batch], sum16_ps(sum));
+    first[batch] = first_page;
+    used[batch] = pages;
+  }
+  // Writes batch b's log-sum-exps of rows h * pages + j (h < heads, j < used[b]) to
+  // lse[h * stride + first[b] + j], and returns those of them whose sum lies outside [2^-60,
+  // 2^80] (or is not a number), which the caller scores again: there the shift was too far from
+  // the page's largest logit for the exps (whose argument is clamped) to be exact.
+  uint32_t write(uint32_t b, uint32_t heads, uint32_t pages, float* lse,
+                 std::size_t stride) const noexcept {
+    const __m512 t = _mm512_load_ps(total[b]);
+    const __m512 out = _mm512_add_ps(log_ps(t), _mm512_load_ps(shift[b]));
+    const __mmask16 row_used = static_cast<__mmask16>((1u << used[b]) - 1);
+    __mmask16 rows = 0;
+    for (uint32_t h = 0; h < heads; ++h) {
+      rows |= static_cast<__mmask16>(row_used << (h * pages));
+      _mm512_mask_storeu_ps(lse + h * stride + first[b], row_used,
+                            _mm512_maskz_compress_ps(row_used << (h * pages), out));
     }
-    alignas(64) float out[W];
-    _mm512_store_ps(out, _mm512_add_ps(log_ps(sum16_ps(sum)), _mm512_loadu_ps(shift)));
-    for (uint32_t k = 0; k < fill; ++k) *dest[k] = out[k];
+    return (_mm512_cmp_ps_mask(t, _mm512_set1_ps(0x1p80f), _CMP_NLE_UQ) |
+            _mm512_cmp_ps_mask(t, _mm512_set1_ps(0x1p-60f), _CMP_NGE_UQ)) &
+           rows;
   }
 };
 
@@ -222,9 +246,11 @@ template <uint32_t d, uint32_t NG>
 struct Block {
   static constexpr uint32_t nq = d / 32;  // quarters per V column
   static constexpr uint32_t HQ = (NG + 3) / 4;
+  static constexpr uint32_t P = W / NG;  // pages per reduction of the ring
 
   // The int32 products of four V columns (clamped to the last one past the rank) with the NG
-  // heads' codes: acc[g] lane k holds column k's partial sums.
+  // heads' codes, less the bias: acc[g] lane k holds column k's partial sums. (Two groups per
+  // pass over the query codes, each code load feeding two vpdpbusd, measured 4% slower.)
   static void column_group(const std::byte* v, uint32_t first, uint32_t r, const QueryCodes& codes,
                            __m512i* acc) noexcept {
     // Left alone, GCC hoists the query operands out of the page loop, spills them and copies them
@@ -236,7 +262,7 @@ struct Block {
     const std::byte* col[4];
     for (uint32_t k = 0; k < 4; ++k)
       col[k] = v + std::size_t{first + k < r ? first + k : r - 1} * (d / 2);
-    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_load_si512(qc.v_init[g]);
+    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_setzero_si512();
     auto step = [&](__m512i o, uint32_t s) {
       // (x xor 8) and 15: ternary-logic table 0x28 = (a xor b) and c.
       const __m512i lo = _mm512_ternarylogic_epi32(o, eight, low, 0x28);
@@ -280,8 +306,9 @@ struct Block {
     return sum4_epi32(a[0], a[1], a[2], a[3]);
   }
 
-  // A page's z as [column group][quad][column k][head h] and mu . q~ as [quad][head h]
-  // (lanes 0..3 of each quad's 16), both times s_q, the record's scales and the attention scale.
+  // A page's z as [column group][quad][column k][head h], in log2 units, and mu . q~ as
+  // [quad][head h] (lanes 0..3 of each quad's 16), in natural units: both times s_q, the record's
+  // scales and the attention scale.
   static void dots(const std::byte* rec, const LocksRecordLayout& layout, uint32_t r,
                    const QueryCodes& qc, float* z, float* mu_q) noexcept {
     const uint32_t groups = (r + 3) / 4;
@@ -290,14 +317,16 @@ struct Block {
       column_group(rec + layout.v_codes, 4 * grp, r, qc, acc);
       // Columns past the rank get z = 0, so that the logits can take whole groups.
       const __m512 v_scale = bf16_quads(rec + layout.v_scales + 8 * grp, r - 4 * grp);
-      for (uint32_t p = 0; p < HQ; ++p)
+      for (uint32_t p = 0; p < HQ; ++p) {
+        const __m512i sum = _mm512_add_epi32(quad_sum(acc, p), _mm512_load_si512(qc.v_bias[p]));
         _mm512_store_ps(z + (grp * HQ + p) * W,
-                        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(quad_sum(acc, p)), v_scale),
-                                      _mm512_load_ps(qc.scale[p])));
+                        _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), v_scale),
+                                      _mm512_load_ps(qc.z_scale[p])));
+      }
     }
     const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
     __m512i acc[NG];
-    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_load_si512(qc.mu_init[g]);
+    for (uint32_t g = 0; g < NG; ++g) acc[g] = _mm512_setzero_si512();
     for (uint32_t c = 0; c < d; c += 64) {
       const __m512i mu = _mm512_xor_si512(_mm512_loadu_si512(rec + layout.mu_codes + c), bias);
       for (uint32_t g = 0; g < NG; ++g)
@@ -308,15 +337,16 @@ struct Block {
       __m512i t = quad_sum(acc, p);
       t = _mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0x4E));
       t = _mm512_add_epi32(t, _mm512_shuffle_i64x2(t, t, 0xB1));
+      t = _mm512_add_epi32(t, _mm512_load_si512(qc.mu_bias[p]));
       _mm512_store_ps(mu_q + p * W, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(t), mu_scale),
-                                                  _mm512_load_ps(qc.scale[p])));
+                                                  _mm512_load_ps(qc.mu_scale[p])));
     }
   }
 
-  // Tokens t0 .. t0 + W - 1's logits for every head. One conversion of a C component serves
-  // every head; small groups split the sum over j in two chains.
-  static void logits(const std::byte* rec, const LocksRecordLayout& layout, uint32_t B, uint32_t r,
-                     const float* z, const float* mu_q, uint32_t t0, __m512* out) noexcept {
+  // Tokens t0 .. t0 + W - 1's logits less mu . q~, in log2 units, for every head. One conversion
+  // of a C component serves every head; small groups split the sum over j in two chains.
+  static void deviations(const std::byte* rec, const LocksRecordLayout& layout, uint32_t B,
+                         uint32_t r, const float* z, uint32_t t0, __m512* out) noexcept {
     constexpr uint32_t LA = NG <= 4 ? 2 : 1;
     const std::byte* c_codes = rec + layout.c_codes + t0;
     __m512 acc[LA][NG];
@@ -338,52 +368,63 @@ struct Block {
     for (uint32_t g = 0; g < NG; ++g) {
       __m512 sum = acc[0][g];
       for (uint32_t a = 1; a < LA; ++a) sum = _mm512_add_ps(sum, acc[a][g]);
-      out[g] = _mm512_fmadd_ps(sum, c_scale, _mm512_set1_ps(mu_q[(g / 4) * W + g % 4]));
+      out[g] = _mm512_mul_ps(sum, c_scale);
     }
   }
 
-  // A page's logits and every head's sum of exps into the ring. The shift is the first token's
-  // logit, not the page's max (a horizontal max per head and page costs more than the exps): exp
-  // stays finite unless some logit exceeds it by 80, which is checked, and then the page is done
-  // again with the max. The sum is >= 1 either way.
+  // A page's logits and every head's sum of exps into row head * P + j of the ring. The shift is
+  // mu . q~, the centroid's logit (no horizontal max per head and page, which costs more than the
+  // exps, and no subtraction): the logits of a page's centered keys average about it, so some lie
+  // above it, and none far. Ring::flush reports the rare (page, head) where that fails.
   static void sums(const std::byte* rec, const LocksRecordLayout& layout, uint32_t B, uint32_t r,
-                   const float* z, const float* mu_q, float* lse, std::size_t lse_stride,
-                   Ring& ring, uint32_t& fill) noexcept {
-    __m512 shift[NG], sum[NG], lg[NG];
-    __mmask16 far = 0;
-    logits(rec, layout, B, r, z, mu_q, 0, lg);
-    for (uint32_t g = 0; g < NG; ++g) {
-      shift[g] = _mm512_broadcastss_ps(_mm512_castps512_ps128(lg[g]));
-      const __m512 x = _mm512_sub_ps(lg[g], shift[g]);
-      far |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(80.0f), _CMP_GT_OQ);
-      sum[g] = exp_ps(x);
-    }
+                   const float* z, const float* mu_q, Ring& ring, uint32_t batch,
+                   uint32_t j) noexcept {
+    __m512 sum[NG], x[NG];
+    deviations(rec, layout, B, r, z, 0, x);
+    for (uint32_t g = 0; g < NG; ++g) sum[g] = exp2_ps(clamp125(x[g]));
     for (uint32_t t0 = W; t0 < B; t0 += W) {
-      logits(rec, layout, B, r, z, mu_q, t0, lg);
-      for (uint32_t g = 0; g < NG; ++g) {
-        const __m512 x = _mm512_sub_ps(lg[g], shift[g]);
-        far |= _mm512_cmp_ps_mask(x, _mm512_set1_ps(80.0f), _CMP_GT_OQ);
-        sum[g] = _mm512_add_ps(sum[g], exp_ps(x));
-      }
+      deviations(rec, layout, B, r, z, t0, x);
+      for (uint32_t g = 0; g < NG; ++g) sum[g] = _mm512_add_ps(sum[g], exp2_ps(clamp125(x[g])));
     }
-    if (far != 0) [[unlikely]]
-      with_max(rec, layout, B, r, z, mu_q, shift, sum);
-    for (uint32_t g = 0; g < NG; ++g)
-      ring.push(fill, sum[g], _mm512_cvtss_f32(shift[g]), lse + g * lse_stride);
+    for (uint32_t g = 0; g < NG; ++g) {
+      ring.sum[g * P + j] = sum[g];
+      ring.shift[batch][g * P + j] = mu_q[(g / 4) * W + g % 4];
+    }
   }
 
-  [[gnu::noinline]] static void with_max(const std::byte* rec, const LocksRecordLayout& layout,
-                                         uint32_t B, uint32_t r, const float* z, const float* mu_q,
-                                         __m512* shift, __m512* sum) noexcept {
-    __m512 lg[kMaxPageTokens / W][NG];
-    for (uint32_t t0 = 0; t0 < B; t0 += W) logits(rec, layout, B, r, z, mu_q, t0, lg[t0 / W]);
-    for (uint32_t g = 0; g < NG; ++g) {
-      __m512 mx = lg[0][g];
-      for (uint32_t t = 1; t < B / W; ++t) mx = _mm512_max_ps(mx, lg[t][g]);
-      shift[g] = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-      sum[g] = _mm512_setzero_ps();
-      for (uint32_t t = 0; t < B / W; ++t)
-        sum[g] = _mm512_add_ps(sum[g], exp_ps(_mm512_sub_ps(lg[t][g], shift[g])));
+  // Head g's score of one page shifted by the largest logit: the slow path, for pages where the
+  // centroid's logit is no shift.
+  [[gnu::noinline]] static float exact(const std::byte* rec, const LocksRecordLayout& layout,
+                                       uint32_t B, uint32_t r, const QueryCodes& qc,
+                                       uint32_t g) noexcept {
+    alignas(64) float z[kMaxColumnGroups * kMaxHeadQuads * W];
+    alignas(64) float mu_q[kMaxHeadQuads * W];
+    dots(rec, layout, r, qc, z, mu_q);
+    __m512 x[kMaxPageTokens / W][NG];
+    for (uint32_t t0 = 0; t0 < B; t0 += W) deviations(rec, layout, B, r, z, t0, x[t0 / W]);
+    __m512 mx = x[0][g];
+    for (uint32_t t = 1; t < B / W; ++t) mx = _mm512_max_ps(mx, x[t][g]);
+    const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (uint32_t t = 0; t < B / W; ++t)
+      sum = _mm512_add_ps(sum, exp2_ps(clamp125(_mm512_sub_ps(x[t][g], m))));
+    // ln(sum) + m ln 2 + mu . q~; the sum is >= 1.
+    const __m512 ln_sum = log_ps(_mm512_set1_ps(_mm512_reduce_add_ps(sum)));
+    return _mm512_cvtss_f32(_mm512_fmadd_ps(m, _mm512_set1_ps(0.693147180559945309f), ln_sum)) +
+           mu_q[(g / 4) * W + g % 4];
+  }
+
+  // The ring's first `batches` batches out, the failed rows scored again.
+  static void write(const Ring& ring, uint32_t batches, const LocksScoreJob& job,
+                    const LocksRecordLayout& layout, const QueryCodes& qc, float* lse) noexcept {
+    for (uint32_t b = 0; b < batches; ++b) {
+      uint32_t bad = ring.write(b, NG, P, lse, job.count);
+      for (; bad != 0; bad &= bad - 1) {
+        const uint32_t k = static_cast<uint32_t>(__builtin_ctz(bad)), g = k / P;
+        const uint32_t i = ring.first[b] + k % P;
+        const std::byte* rec = job.records + std::size_t{job.slots[i]} * job.record_bytes;
+        lse[g * std::size_t{job.count} + i] = exact(rec, layout, job.page_tokens, job.rank, qc, g);
+      }
     }
   }
 
@@ -393,23 +434,30 @@ struct Block {
                                      const QueryCodes& qc, float* lse) noexcept {
     const uint32_t B = job.page_tokens, r = job.rank;
     const uint32_t lines = static_cast<uint32_t>(job.record_bytes / 64);
-    // Both per page: batching the pages (all their integer products, then all their logits)
-    // measured no faster.
     alignas(64) float z[kMaxColumnGroups * kMaxHeadQuads * W];
     alignas(64) float mu_q[kMaxHeadQuads * W];
     Ring ring;
-    uint32_t fill = 0;
+    uint32_t first = 0, batch = 0;  // the ring's rows hold pages first .. i - 1
     for (uint32_t i = 0; i < job.count; ++i) {
       if (i + kPrefetchPages < job.count) {
         const char* ahead = reinterpret_cast<const char*>(
             job.records + std::size_t{job.slots[i + kPrefetchPages]} * job.record_bytes);
         for (uint32_t l = 0; l < lines; ++l) _mm_prefetch(ahead + 64 * l, _MM_HINT_T0);
       }
+      // Both per page: issuing page i + 1's integer products before page i's logits measured no
+      // faster, nor did batching the pages (all their products, then all their logits).
       const std::byte* rec = job.records + std::size_t{job.slots[i]} * job.record_bytes;
       dots(rec, layout, r, qc, z, mu_q);
-      sums(rec, layout, B, r, z, mu_q, lse + i, job.count, ring, fill);
+      sums(rec, layout, B, r, z, mu_q, ring, batch, i - first);
+      if (i + 1 - first == P || i + 1 == job.count) {
+        ring.reduce(batch, first, i + 1 - first);
+        first = i + 1;
+        if (++batch == kRingBatches || i + 1 == job.count) {
+          write(ring, batch, job, layout, qc, lse);
+          batch = 0;
+        }
+      }
     }
-    if (fill != 0) ring.flush(fill);
   }
 };
 
