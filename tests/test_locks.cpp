@@ -592,8 +592,12 @@ INSTANTIATE_TEST_SUITE_P(Locks, LocksKernels,
 namespace {
 
 // Records that real keys rarely produce: every code at its extreme, a token whose logit lies
-// thousands away from the others (first or later, above or below by the head's sign).
-enum class Crafted { extreme_codes, huge_later_token, huge_first_token };
+// thousands away from the others (first or later, above or below by the head's sign), every token
+// with the same coefficients, so that all logits lie hundreds above or below the centroid's (by
+// the head's sign), where the VNNI kernel's shift, the centroid's logit, fails both ways.
+enum class Crafted { extreme_codes, huge_later_token, huge_first_token, same_far_tokens };
+constexpr Crafted kCrafted[] = {Crafted::extreme_codes, Crafted::huge_later_token,
+                                Crafted::huge_first_token, Crafted::same_far_tokens};
 
 void craft_record(const LocksShape& s, Crafted kind, uint32_t seed, std::byte* rec) {
   const auto layout = simd::locks_record_layout(s.head_dim, s.page_tokens, s.rank);
@@ -611,6 +615,9 @@ void craft_record(const LocksShape& s, Crafted kind, uint32_t seed, std::byte* r
   for (uint32_t i = 0; i < s.rank * s.page_tokens; ++i)
     rec[layout.c_codes + i] =
         std::byte(static_cast<uint8_t>(extreme ? code(127) : int(rng() % 255) - 127));
+  if (kind == Crafted::same_far_tokens)  // C is component-major: one code per component
+    for (uint32_t i = 0; i < s.rank * s.page_tokens; ++i)
+      rec[layout.c_codes + i] = rec[layout.c_codes + i / s.page_tokens * s.page_tokens];
   for (uint32_t c = 0; c < s.head_dim; ++c)
     rec[layout.mu_codes + c] =
         std::byte(static_cast<uint8_t>(extreme ? code(127) : int(rng() % 255) - 127));
@@ -620,6 +627,8 @@ void craft_record(const LocksShape& s, Crafted kind, uint32_t seed, std::byte* r
   if (kind == Crafted::huge_later_token)
     put_bf16(layout.c_scales + 2 * (s.page_tokens / 2 + 1), 300.0f);
   if (kind == Crafted::huge_first_token) put_bf16(layout.c_scales, 300.0f);
+  if (kind == Crafted::same_far_tokens)
+    for (uint32_t t = 0; t < s.page_tokens; ++t) put_bf16(layout.c_scales + 2 * t, 2.0f);
 }
 
 // scale * max_t (sum_j |c_tj z_j| + |mu . q~|) in float64: the size of the terms a logit sums,
@@ -667,7 +676,7 @@ TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
       const std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank,
                                            PageKind::outlier_channel, PageKind::spike,
                                            PageKind::constant};
-      const uint32_t n_built = 13, n_pages = n_built + 4;
+      const uint32_t n_built = 13, n_pages = n_built + 1 + std::size(kCrafted);
       std::vector<uint32_t> slots(n_pages + 3);
       std::iota(slots.begin(), slots.end(), 0u);
       std::shuffle(slots.begin(), slots.end(), std::mt19937(seed));
@@ -679,8 +688,7 @@ TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
       }
       const std::vector<uint16_t> zeros(std::size_t{B} * d, 0);
       select::locks_build(s, zeros.data(), Dtype::f16, pool.data() + slots[n_built] * bytes);
-      for (Crafted kind :
-           {Crafted::extreme_codes, Crafted::huge_later_token, Crafted::huge_first_token})
+      for (Crafted kind : kCrafted)
         craft_record(s, kind, ++seed, pool.data() + slots[n_built + 1 + int(kind)] * bytes);
 
       for (uint32_t group = 1; group <= 11; ++group)
@@ -727,6 +735,63 @@ TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
         }
     }
   RecordProperty("worst_error_over_tolerance", std::to_string(worst));
+}
+
+// The kernel keeps each (page, head)'s sum of exps in a ring reduced 16 rows at a time, and takes
+// the logs and stores the results every 16 reductions: jobs of hundreds of pages (here the same
+// records again and again, spikes and far tokens among them) go round it several times, for group
+// sizes that fill the rows differently, and every page still gets its own score.
+TEST(LocksVnniKernel, long_jobs_score_every_page) {
+  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
+  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  const LocksShape s{128, 16, 8};
+  const std::size_t bytes = select::locks_record_bytes(s);
+  const std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank, PageKind::spike,
+                                       PageKind::outlier_channel, PageKind::spike};
+  const uint32_t n_records = static_cast<uint32_t>(kinds.size()) + 1, count = 600;
+  AlignedVector<std::byte> pool(n_records * bytes);
+  for (uint32_t p = 0; p < kinds.size(); ++p) {
+    const Page page(s, Dtype::bf16, kinds[p], 7500 + p);
+    select::locks_build(s, page.stored.data(), page.dtype, pool.data() + p * bytes);
+  }
+  craft_record(s, Crafted::same_far_tokens, 7599, pool.data() + (n_records - 1) * bytes);
+  std::vector<uint32_t> slots(count);
+  for (uint32_t i = 0; i < count; ++i) slots[i] = (i * 5 + i / 7) % n_records;
+  for (uint32_t group : {1u, 3u, 4u, 8u}) {
+    SCOPED_TRACE(testing::Message() << "G=" << group);
+    const auto q = test::random_floats(std::size_t{group} * s.head_dim, 7600 + group, 1.5f);
+    const float scale = 1.0f / std::sqrt(float(s.head_dim));
+    std::vector<float> want(std::size_t{n_records} * group);
+    for (uint32_t p = 0; p < n_records; ++p)
+      select::locks_score_reference(s, pool.data() + p * bytes, q.data(), group, true, scale,
+                                    want.data() + std::size_t{p} * group);
+    std::vector<float> lse(std::size_t{group} * count, NAN);
+    simd::LocksScoreJob job{};
+    job.q = q.data();
+    job.group = group;
+    job.head_dim = s.head_dim;
+    job.page_tokens = s.page_tokens;
+    job.rank = s.rank;
+    job.int8_query = true;
+    job.scale = scale;
+    job.records = pool.data();
+    job.record_bytes = bytes;
+    job.slots = slots.data();
+    job.count = count;
+    job.lse = lse.data();
+    vnni(job);
+    for (uint32_t i = 0; i < count; ++i)
+      for (uint32_t g = 0; g < group; ++g) {
+        const float expected = want[std::size_t{slots[i]} * group + g];
+        const float got = lse[std::size_t{g} * count + i];
+        const double mag = logit_magnitude(s, pool.data() + slots[i] * bytes,
+                                           q.data() + std::size_t{g} * s.head_dim, scale);
+        ASSERT_LE(std::fabs(double(got) - expected),
+                  2e-5 * (1.0 + std::fabs(expected)) + 1e-6 * mag)
+            << "page " << i << " (slot " << slots[i] << ") head " << g << ": " << got << " vs "
+            << expected;
+      }
+  }
 }
 
 // Where the CPU has VNNI, the AVX-512 table sends int8-query jobs to it and keeps the float
