@@ -96,6 +96,7 @@ void Report::add(const Sample& sample, uint64_t prompt_tokens,
     cell.steps += r.steps;
     cell.decode_seconds += r.decode_seconds;
     cell.kv_bytes += r.kv_bytes;
+    cell.tokens_per_pair += r.tokens_per_pair;
     cell.index_bytes += r.index_bytes;
     cell.prompt_tokens_sum += static_cast<double>(prompt_tokens);
     cell.probe_failures += r.probe_failed ? 1 : 0;
@@ -134,6 +135,7 @@ std::vector<Record> Report::records() const {
       r.out_rel_err = ratio(p.rel_err_sum, static_cast<double>(p.heads));
       r.kv_bytes_per_step =
           ratio(static_cast<double>(cell.kv_bytes), static_cast<double>(cell.steps));
+      r.tokens_per_step = ratio(cell.tokens_per_pair, static_cast<double>(cell.steps));
       r.index_bytes_per_step =
           ratio(static_cast<double>(cell.index_bytes), static_cast<double>(cell.steps));
       r.decode_tok_s = ratio(static_cast<double>(cell.steps), cell.decode_seconds);
@@ -187,8 +189,9 @@ std::string Report::markdown() const {
           "(- where it gives none); violations: share of (step, layer, KV head) whose measured "
           "drop exceeds the bound.\n\n"
        << "| task | length | selector | budget | accuracy | vs dense | agreement | mass recall | "
-          "out rel err | KV MiB/step | tok/s | dropped: measured / est. / bound | violations |\n"
-       << "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+          "out rel err | tokens/step | KV MiB/step | tok/s | dropped: measured / est. / bound | "
+          "violations |\n"
+       << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (std::size_t i = 0; i < records.size(); i += n_configs) {
       if (!records[i].compared) continue;
       for (std::size_t c = 1; c < n_configs; ++c) {
@@ -197,9 +200,10 @@ std::string Report::markdown() const {
            << budget_label(configs_[c]) << " | " << fixed(r.accuracy, 2) << " | "
            << fixed(r.accuracy_vs_dense, 2) << " | " << fixed(r.agreement, 2) << " | "
            << fixed(r.mass_recall, 4) << " | " << significant(r.out_rel_err) << " | "
-           << mib(r.kv_bytes_per_step) << " | " << fixed(r.decode_tok_s, 1) << " | "
-           << fixed(r.dropped_measured, 4) << " / " << fixed(r.dropped_estimate, 4) << " / "
-           << fixed(r.dropped_bound, 4) << " | " << fixed(r.bound_violations, 3) << " |\n";
+           << fixed(r.tokens_per_step, 0) << " | " << mib(r.kv_bytes_per_step) << " | "
+           << fixed(r.decode_tok_s, 1) << " | " << fixed(r.dropped_measured, 4) << " / "
+           << fixed(r.dropped_estimate, 4) << " / " << fixed(r.dropped_bound, 4) << " | "
+           << fixed(r.bound_violations, 3) << " |\n";
       }
     }
     if (!dropped.empty()) {
@@ -253,6 +257,7 @@ void Report::write_json(const std::string& path) const {
     o["mass_recall"] = number(r.mass_recall);
     o["out_rel_err"] = number(r.out_rel_err);
     o["kv_bytes_per_step"] = number(r.kv_bytes_per_step);
+    o["tokens_per_step"] = number(r.tokens_per_step);
     o["decode_tok_s"] = number(r.decode_tok_s);
     o["mass_recall_min"] = number(r.mass_recall_min);
     o["index_bytes_per_step"] = number(r.index_bytes_per_step);

@@ -32,6 +32,7 @@ struct Record {
   double mass_recall_min = 0.0;    // the worst (sample, step, layer, query head)
   double out_rel_err = 0.0;        // mean, same observations
   double kv_bytes_per_step = 0.0;  // K/V bytes the attention read, all layers, mean over steps
+  double tokens_per_step = 0.0;    // tokens attended per (layer, KV head), mean over steps
   double index_bytes_per_step = 0.0;
   double decode_tok_s = 0.0;      // decode steps / model decode time (exact attention excluded)
   double dropped_measured = 0.0;  // 1 - mass_recall
@@ -86,6 +87,7 @@ class Report {
     uint64_t steps = 0;
     double decode_seconds = 0.0;
     uint64_t kv_bytes = 0, index_bytes = 0;
+    double tokens_per_pair = 0.0;
     ProbeTotals probe;
     double prompt_tokens_sum = 0.0;
     uint32_t probe_failures = 0;

@@ -27,12 +27,13 @@ struct ConfigResult {
   std::vector<int32_t> tokens;  // greedy output, end-of-generation token excluded
   std::string text;
   double score = 0.0;
-  bool agrees = false;          // same greedy tokens as the dense configuration
-  uint32_t steps = 0;           // decode steps run (and measured)
-  double setup_seconds = 0.0;   // forking the prompt and setting the selector (its summaries)
-  double decode_seconds = 0.0;  // in the model's decode, the probe's time taken out
-  uint64_t kv_bytes = 0;        // K/V bytes the attention read, summed over steps
-  uint64_t index_bytes = 0;     // bytes the selector read, summed over steps
+  bool agrees = false;           // same greedy tokens as the dense configuration
+  uint32_t steps = 0;            // decode steps run (and measured)
+  double setup_seconds = 0.0;    // forking the prompt and setting the selector (its summaries)
+  double decode_seconds = 0.0;   // in the model's decode, the probe's time taken out
+  uint64_t kv_bytes = 0;         // K/V bytes the attention read, summed over steps
+  double tokens_per_pair = 0.0;  // tokens attended per (layer, KV head), summed over steps
+  uint64_t index_bytes = 0;      // bytes the selector read, summed over steps
   ProbeTotals probe;
   bool probe_failed = false;
 };

@@ -415,7 +415,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   const RowChunks rows = selection_.rows();
   call.pages = &lists;
   call.rows = selection_.has_rows ? &rows : nullptr;
-  uint64_t bytes_read = 0, index_bytes = 0, pairs = 0;
+  uint64_t bytes_read = 0, tokens_read = 0, index_bytes = 0, pairs = 0;
   double kept_sum = 0.0, worst_bound = 0.0;
   blocks(n, positions.data(), [&](uint32_t l) {
     const auto a0 = Clock::now();
@@ -429,6 +429,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     decode_attention_.validate(cache_, call);
     decode_attention_.run(cache_, call);
     bytes_read += decode_attention_.last_stats().bytes_read;
+    tokens_read += decode_attention_.last_stats().tokens_read;
     index_bytes += selection_.index_bytes_read;
     kept_sum += selection_.kept_estimate_sum();
     worst_bound = select::worse_bound(worst_bound, selection_.worst_dropped_bound());
@@ -442,6 +443,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;
   stats_.last_step_kv_bytes_read = bytes_read;
+  stats_.last_step_tokens_read = tokens_read;
   stats_.last_step_index_bytes_read = index_bytes;
   stats_.last_step_pairs = pairs;
   stats_.last_step_kept_estimate = pairs > 0 ? kept_sum / static_cast<double>(pairs) : 1.0;

@@ -62,6 +62,7 @@ struct ModelStats {
   // index bytes the selector read, (sequence, layer, KV head) pairs, the estimated share of mass
   // kept averaged over them, and the largest proven bound on the dropped share (NaN: none proven).
   uint64_t last_step_kv_bytes_read = 0;
+  uint64_t last_step_tokens_read = 0;  // tokens attended, summed over layers and KV heads
   uint64_t last_step_index_bytes_read = 0;
   uint64_t last_step_pairs = 0;
   double last_step_kept_estimate = 1.0;
