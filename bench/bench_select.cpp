@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bench/bench_util.hpp"
+#include "bench/key_maker.hpp"
 #include "kvsift/kvsift.h"
 #include "lib/core/aligned.hpp"
 #include "lib/select/locks_summary.hpp"
@@ -43,66 +44,12 @@ constexpr uint32_t kBatches[] = {1, 8};
 constexpr int kThreads = 2;
 constexpr double kBudget = 0.02;
 constexpr uint64_t kMaxKvBytes = uint64_t{8} << 30;  // 24 GiB box: drops 512K at batch 8
-constexpr uint32_t kTopics = 64;                     // directions per KV head
-constexpr uint32_t kPageRank = 4;                    // topics mixed in one page
-constexpr uint32_t kOutliers[] = {5, 37, 70, 101};   // channels with a large constant offset
 constexpr uint32_t kNeedles = 3;                     // tokens each query looks for
 
 struct Case {
   kvsift_selector selector;
   uint64_t context;
   uint32_t batch;
-};
-
-// K/V of one layer, [n, H, d], for positions [first, first + n) of a sequence with its topics.
-class KeyMaker {
- public:
-  KeyMaker(const Shape& shape, uint64_t seed) : shape_(shape), random_(seed) {
-    topics_.resize(std::size_t{shape.n_kv_heads} * kTopics * shape.head_dim);
-    for (float& x : topics_) x = 2.0f * random_.uniform();
-  }
-
-  void make(uint64_t first, uint32_t n, std::vector<float>& k, std::vector<float>& v) {
-    const uint32_t H = shape_.n_kv_heads, d = shape_.head_dim;
-    k.assign(std::size_t{n} * H * d, 0.0f);
-    v.resize(k.size());
-    random_.fill(v);
-    uint32_t picks[kPageRank] = {};
-    for (uint32_t i = 0; i < n; ++i) {
-      const uint64_t pos = first + i;
-      for (uint32_t h = 0; h < H; ++h) {
-        if (pos % kPageTokens == 0 || i == 0)
-          for (uint32_t& p : picks)
-            p = static_cast<uint32_t>((random_.uniform() + 1.0f) * 0.5f * kTopics) % kTopics;
-        float* row = k.data() + (std::size_t{i} * H + h) * d;
-        for (uint32_t p : picks) {
-          const float weight = random_.uniform();
-          const float* topic = topics_.data() + (std::size_t{h} * kTopics + p) * d;
-          for (uint32_t c = 0; c < d; ++c) row[c] += weight * topic[c];
-        }
-        for (uint32_t c = 0; c < d; ++c) row[c] += 0.2f * random_.uniform();
-        for (uint32_t c : kOutliers) row[c] += 6.0f;
-        rope(row, pos);
-      }
-    }
-  }
-
- private:
-  // Llama-3's rotation (theta 500000) on adjacent pairs.
-  void rope(float* x, uint64_t pos) const {
-    const uint32_t d = shape_.head_dim;
-    for (uint32_t i = 0; i < d / 2; ++i) {
-      const double angle = static_cast<double>(pos) * std::pow(500000.0, -2.0 * i / d);
-      const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
-      const float a = x[2 * i], b = x[2 * i + 1];
-      x[2 * i] = a * c - b * s;
-      x[2 * i + 1] = a * s + b * c;
-    }
-  }
-
-  Shape shape_;
-  Random random_;
-  std::vector<float> topics_;  // [H, kTopics, d]
 };
 
 // The filled cache of the case that ran last (see bench_attend.cpp: one multi-GiB cache at a time).
