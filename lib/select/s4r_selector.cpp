@@ -73,13 +73,9 @@ uint64_t S4rSelector::held_bytes() const noexcept {
   for (const auto& layers : states_)
     for (const LayerState& st : layers)
       for (const Unit& u : st.units)
-        for (const s4r::Basis* b : {&u.keys, &u.values})
-          bytes += b->columns.size() * sizeof(float) + b->singular_values.size() * sizeof(double);
-  for (const auto& layers : states_)
-    for (const LayerState& st : layers)
-      for (const Unit& u : st.units)
-        bytes += (u.key_coeffs.size() + u.value_coeffs.size()) * sizeof(uint16_t) +
-                 u.queries.size() * sizeof(float);
+        bytes +=
+            (u.keys.columns.size() + u.values.columns.size() + u.queries.size()) * sizeof(float) +
+            (u.key_coeffs.size() + u.value_coeffs.size()) * sizeof(uint16_t);
   return bytes;
 }
 
