@@ -4,6 +4,7 @@
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_result.cuh"
 #include "gpu/offload_runtime.hpp"
 
 namespace kvsift::gpu {
@@ -12,12 +13,7 @@ namespace {
 constexpr uint32_t kRefreshThreads = 256;
 
 Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  cudaGetLastError();
-  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                      err == cudaErrorInitializationError ||
-                      err == cudaErrorCompatNotSupportedOnDevice;
-  return Result{false, absent, std::string("offload: ") + what + ": " + cudaGetErrorString(err)};
+  return cuda_result(err, std::string("offload: ") + what);
 }
 
 // One CTA per page. A step refreshes few pages (the open page of each pair, or every resident page

@@ -25,6 +25,7 @@
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_result.cuh"
 #include "gpu/page_transfer.hpp"
 
 namespace kvsift::gpu {
@@ -38,12 +39,7 @@ constexpr uint32_t kMaxCtaPages = 64;
 constexpr uint32_t kCtasPerSm = 8;
 
 Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  cudaGetLastError();
-  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                      err == cudaErrorInitializationError ||
-                      err == cudaErrorCompatNotSupportedOnDevice;
-  return Result{false, absent, std::string("page cache: ") + what + ": " + cudaGetErrorString(err)};
+  return cuda_result(err, std::string("page cache: ") + what);
 }
 
 __global__ void __launch_bounds__(kThreads)

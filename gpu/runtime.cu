@@ -1,21 +1,10 @@
 // CUDA runtime calls behind gpu/host_memory.hpp.
 #include <cuda_runtime.h>
 
+#include "gpu/cuda_result.cuh"
 #include "gpu/host_memory.hpp"
 
 namespace kvsift::gpu {
-namespace {
-
-Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  // No driver or no device (the dev box and CI): "unsupported", not a failure of the request.
-  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                      err == cudaErrorInitializationError ||
-                      err == cudaErrorCompatNotSupportedOnDevice;
-  return Result{false, absent, std::string(what) + ": " + cudaGetErrorString(err)};
-}
-
-}  // namespace
 
 bool built_with_cuda() noexcept {
   return true;
@@ -27,7 +16,7 @@ Result device_count(int* n_devices) {
   if (err != cudaSuccess) {
     *n_devices = 0;
     cudaGetLastError();  // clear the sticky error so later calls start clean
-    return from_cuda(err, "cudaGetDeviceCount");
+    return cuda_result(err, "cudaGetDeviceCount");
   }
   if (*n_devices == 0) return Result{false, true, "no CUDA device present"};
   return Result{};
@@ -39,7 +28,7 @@ Result pinned_alloc(std::size_t bytes, void** out) {
   if (err != cudaSuccess) {
     *out = nullptr;
     cudaGetLastError();
-    return from_cuda(err, "pinned host memory (cudaHostAlloc)");
+    return cuda_result(err, "pinned host memory (cudaHostAlloc)");
   }
   return Result{};
 }

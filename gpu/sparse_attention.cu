@@ -25,6 +25,7 @@
 #include <sstream>
 #include <utility>
 
+#include "gpu/cuda_result.cuh"
 #include "gpu/sparse_attention.hpp"
 
 namespace kvsift::gpu {
@@ -496,16 +497,6 @@ Result invalid(const Parts&... parts) {
   return Result{false, false, message.str()};
 }
 
-Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  // No driver or no device (the dev box and CI): "unsupported", as gpu/runtime.cu reports it.
-  const bool absent = err == cudaErrorNoDevice || err == cudaErrorInsufficientDriver ||
-                      err == cudaErrorInitializationError ||
-                      err == cudaErrorCompatNotSupportedOnDevice;
-  cudaGetLastError();  // clear a sticky launch error so later calls start clean
-  return Result{false, absent, std::string(what) + ": " + cudaGetErrorString(err)};
-}
-
 bool aligned16(const void* p) {
   return reinterpret_cast<std::uintptr_t>(p) % 16 == 0;
 }
@@ -603,7 +594,7 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
   const KernelInfo<Form> k = kernel_for<Form>(shape);
   k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
-  return from_cuda(cudaGetLastError(), "sparse attention launch");
+  return cuda_result(cudaGetLastError(), "sparse attention launch");
 }
 
 uint32_t log2_exact(uint32_t power_of_two) {
@@ -659,8 +650,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
 
   release();
   int device = 0, multiprocessors = 0, resident = 0;
-  if (Result r = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !r.ok) return r;
-  if (Result r = from_cuda(
+  if (Result r = cuda_result(cudaGetDevice(&device), "cudaGetDevice"); !r.ok) return r;
+  if (Result r = cuda_result(
           cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device),
           "multiprocessor count");
       !r.ok)
@@ -673,11 +664,11 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                              page_kernel.shared_bytes),
         cudaFuncSetAttribute(token_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              token_kernel.shared_bytes)})
-    if (Result r = from_cuda(err, "shared memory limit"); !r.ok) return r;
+    if (Result r = cuda_result(err, "shared memory limit"); !r.ok) return r;
   // The page and token kernels of a shape use the same registers within a few; one bound serves.
-  if (Result r = from_cuda(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                               &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
-                           "occupancy query");
+  if (Result r = cuda_result(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+                                 &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
+                             "occupancy query");
       !r.ok)
     return r;
   const uint32_t target = static_cast<uint32_t>(multiprocessors) * std::max(resident, 1);
@@ -687,12 +678,12 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   const std::size_t slots = target + units;
   const std::size_t floats = slots * kMaxBlockHeads * (2 + std::size_t{shape.head_dim});
   void* memory = nullptr;
-  if (Result r = from_cuda(cudaMalloc(&memory, floats * sizeof(float) + units * sizeof(uint32_t)),
-                           "split workspace");
+  if (Result r = cuda_result(cudaMalloc(&memory, floats * sizeof(float) + units * sizeof(uint32_t)),
+                             "split workspace");
       !r.ok)
     return r;
   uint32_t* arrivals = reinterpret_cast<uint32_t*>(static_cast<float*>(memory) + floats);
-  if (Result r = from_cuda(cudaMemset(arrivals, 0, units * sizeof(uint32_t)), "split counters");
+  if (Result r = cuda_result(cudaMemset(arrivals, 0, units * sizeof(uint32_t)), "split counters");
       !r.ok) {
     cudaFree(memory);
     return r;
