@@ -35,30 +35,16 @@ void Rope::reserve(uint64_t positions) {
   positions_ = target;
 }
 
-void Rope::rotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept {
+void Rope::turn(float* x, uint32_t n_heads, uint64_t pos, float direction) const noexcept {
   const uint32_t half = head_dim_ / 2;
   const float* c = cos_.data() + pos * half;
   const float* s = sin_.data() + pos * half;
   for (uint32_t h = 0; h < n_heads; ++h) {
     float* v = x + std::size_t{h} * head_dim_;
     for (uint32_t i = 0; i < half; ++i) {
-      const float a = v[2 * i], b = v[2 * i + 1];
-      v[2 * i] = a * c[i] - b * s[i];
-      v[2 * i + 1] = a * s[i] + b * c[i];
-    }
-  }
-}
-
-void Rope::unrotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept {
-  const uint32_t half = head_dim_ / 2;
-  const float* c = cos_.data() + pos * half;
-  const float* s = sin_.data() + pos * half;
-  for (uint32_t h = 0; h < n_heads; ++h) {
-    float* v = x + std::size_t{h} * head_dim_;
-    for (uint32_t i = 0; i < half; ++i) {
-      const float a = v[2 * i], b = v[2 * i + 1];
-      v[2 * i] = a * c[i] + b * s[i];
-      v[2 * i + 1] = b * c[i] - a * s[i];
+      const float a = v[2 * i], b = v[2 * i + 1], sn = direction * s[i];
+      v[2 * i] = a * c[i] - b * sn;
+      v[2 * i + 1] = a * sn + b * c[i];
     }
   }
 }

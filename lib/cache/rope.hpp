@@ -20,10 +20,15 @@ class Rope {
 
   // x: [n_heads, head_dim], rotated in place to (rotate) or back from (unrotate) position pos.
   // Require pos < positions().
-  void rotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept;
-  void unrotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept;
+  void rotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept { turn(x, n_heads, pos, 1); }
+  void unrotate(float* x, uint32_t n_heads, uint64_t pos) const noexcept {
+    turn(x, n_heads, pos, -1);
+  }
 
  private:
+  // By +angle (direction 1) or -angle (-1): sin(-a) = -sin(a), so unrotating is exact as well.
+  void turn(float* x, uint32_t n_heads, uint64_t pos, float direction) const noexcept;
+
   float theta_;
   uint32_t head_dim_;
   uint64_t positions_ = 0;
