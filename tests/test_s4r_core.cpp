@@ -379,8 +379,10 @@ TEST_P(S4rProjection, full_rank_round_trip_returns_the_rows) {
         std::vector<uint32_t> ids(n);
         std::iota(ids.begin(), ids.end(), 0u);
         std::vector<float> back(n * dim);
+        Matmul products;
+        std::vector<float> workspace(s4r::reconstruct_workspace_floats(b));
         s4r::reconstruct(coeffs.data(), dtype, b, ids.data(), static_cast<uint32_t>(n), back.data(),
-                         k());
+                         k(), products, workspace.data());
         if (rank == dim) {
           for (uint64_t i = 0; i < n; i += 97)
             EXPECT_LT(test::relative_error(back.data() + i * dim, rows.data() + i * stride, dim),
@@ -409,9 +411,12 @@ TEST_P(S4rProjection, reconstruct_matches_the_float64_reference) {
       const auto coeffs =
           encode_values(test::random_floats(n * rank, 50 + rank), dtype);  // any coefficients
       std::vector<uint32_t> ids = {699, 3, 3, 0, 512, 17, 250, 251, 252, 1, 600};
+      for (uint32_t i = 0; i < 300; ++i) ids.push_back(i * 37 % n);  // past one 256-token block
       std::vector<float> out(ids.size() * dim);
+      Matmul products;
+      std::vector<float> workspace(s4r::reconstruct_workspace_floats(b));
       s4r::reconstruct(coeffs.data(), dtype, b, ids.data(), static_cast<uint32_t>(ids.size()),
-                       out.data(), k());
+                       out.data(), k(), products, workspace.data());
       for (std::size_t i = 0; i < ids.size(); ++i) {
         std::vector<double> want(dim, 0.0);
         for (uint32_t j = 0; j < rank; ++j) {

@@ -234,8 +234,9 @@ TEST(S4r, real_model_kv_reconstruction_error_per_layer) {
     coeffs.resize(n * rank);
     select::s4r::project(part.data(), n, width, basis, coeffs.data(), g.dtype, matmul,
                          cache.kernels());
+    std::vector<float> workspace(select::s4r::reconstruct_workspace_floats(basis));
     select::s4r::reconstruct(coeffs.data(), g.dtype, basis, ids.data(), static_cast<uint32_t>(n),
-                             back.data(), cache.kernels());
+                             back.data(), cache.kernels(), matmul, workspace.data());
     for (std::size_t i = 0; i < n * width; ++i) {
       err += (double(back[i]) - part[i]) * (double(back[i]) - part[i]);
       norm += double(part[i]) * part[i];

@@ -11,14 +11,14 @@
 // - query coefficients [n_queries, groups, rank] float32: C_Q = Q~ B_K, oldest query first.
 //
 // Costs and allocation. fit_basis and project are the prefill (once per prompt and layer) and may
-// allocate; the rest is the decode step: it allocates nothing and writes only the caller's outputs
-// and workspaces. Argument checks are O(1) (fit_basis: O(n_sample)) and throw kvsift::Error
-// (invalid_argument) naming the argument. Every function is reentrant; a Matmul is used by one
-// thread at a time.
+// allocate; the rest is the decode step: it allocates nothing (reconstruct's oneDNN primitive is
+// created on its first call for a shape) and writes only the caller's outputs and workspaces.
+// Argument checks are O(1) (fit_basis: O(n_sample)) and throw kvsift::Error (invalid_argument)
+// naming the argument. Every function is reentrant; a Matmul is used by one thread at a time.
 //
-// Parallelism: project runs its product through oneDNN and fit_basis its Gram through Eigen, both
-// with OpenMP inside; relevance and reconstruct split their token loops over OpenMP threads (one
-// thread inside an enclosing parallel region, as nested parallelism is off), and their results do
+// Parallelism: project and reconstruct run their products through oneDNN and fit_basis its Gram
+// through Eigen, all with OpenMP inside; relevance splits its token loops over OpenMP threads (one
+// thread inside an enclosing parallel region, as nested parallelism is off), and its results do
 // not depend on the number of threads.
 #pragma once
 
@@ -115,12 +115,16 @@ void project(const float* rows, uint64_t n_rows, uint64_t row_stride, const Basi
 void project_to_float(const float* rows, uint32_t n, uint64_t row_stride, const Basis& basis,
                       float* out);
 
-// Decode: rows_out[i] = C[token_ids[i]] B^T (K^ or V^ of the selected tokens, before RoPE).
+// Floats of workspace reconstruct() needs for this basis.
+uint64_t reconstruct_workspace_floats(const Basis& basis);
+
+// Decode: rows_out[i] = C[token_ids[i]] B^T (K^ or V^ of the selected tokens, before RoPE),
+// through oneDNN products of a fixed shape (one primitive per basis shape, created on first use).
 //   coeffs: [>= max token id + 1, basis.rank] in dtype. token_ids: [n], any order, repeats
-//   allowed. rows_out: [n, basis.dim] float32.
+//   allowed. rows_out: [n, basis.dim] float32. workspace: [reconstruct_workspace_floats(basis)].
 void reconstruct(const uint16_t* coeffs, simd::Dtype dtype, const Basis& basis,
                  const uint32_t* token_ids, uint32_t n, float* rows_out,
-                 const simd::Kernels& kernels);
+                 const simd::Kernels& kernels, Matmul& matmul, float* workspace);
 
 // ---- Latent relevance and selection (papers.md 3(b) Decode steps 2-3, 3(e) items 5-6) --------
 

@@ -41,6 +41,9 @@ S4rSelector::S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batc
     top_ws_.resize(max_tokens);
     chosen_.resize(max_tokens);
     rows_.resize(static_cast<std::size_t>(max_rows_per_pair()) * dim);
+    s4r::Basis widest;  // the workspace for the largest basis a unit can have: rank <= dim
+    widest.dim = widest.rank = dim;
+    reconstruct_ws_.resize(s4r::reconstruct_workspace_floats(widest));
   } catch (const std::bad_alloc&) {
     fail(Status::out_of_memory, "s4r workspaces for ", max_tokens, " tokens");
   }
@@ -211,8 +214,9 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   }
   const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
   for (const bool keys : {true, false}) {
-    s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype,
-                     keys ? unit.keys : unit.values, chosen_.data(), rows, rows_.data(), kernels);
+    const s4r::Basis& basis = keys ? unit.keys : unit.values;
+    s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype, basis,
+                     chosen_.data(), rows, rows_.data(), kernels, matmul_, reconstruct_ws_.data());
     for (uint32_t r = 0; r < rows; ++r) {
       float* row = rows_.data() + std::size_t{r} * dim;
       if (keys) cache_.rope().rotate(row, hpu, st.first + chosen_[r]);

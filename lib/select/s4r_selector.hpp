@@ -86,6 +86,7 @@ class S4rSelector final : public Selector {
   std::vector<float> relevance_ws_, relevance_;
   std::vector<uint32_t> top_ws_, chosen_;
   std::vector<float> rows_;  // [max rows, D'] reconstructed K or V
+  std::vector<float> reconstruct_ws_;
 };
 
 }  // namespace kvsift::select
