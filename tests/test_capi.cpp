@@ -1253,6 +1253,30 @@ TEST(CApi, s4r_at_full_rank_attends_like_dense_and_its_refusals_name_the_cause) 
                "pre-RoPE");
 }
 
+// Token-level selectors size their row storage per step, for the sequences a call names: on a
+// cache with the default capacity (65,536 pages, 64 sequences per call) they are set up at once
+// and attend, where sizing for every pair's whole capacity would take terabytes.
+TEST(CApi, token_level_selectors_set_up_on_a_full_size_cache) {
+  kvsift_cache_params params = small_params();
+  params.key_form = KVSIFT_KEYS_PRE_ROPE;
+  params.max_pages = 65536;
+  params.max_batch = 64;
+  for (const kvsift_selector selector : {KVSIFT_SELECTOR_S4R, KVSIFT_SELECTOR_LOUVER}) {
+    Cache cache = make_cache(params);
+    const int32_t seq = make_sequence(cache.get());
+    append(cache.get(), seq, 0, 16 * 30, 9);
+    const kvsift_selector_policy policy = policy_for(selector, 0.2);
+    ASSERT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_OK)
+        << kvsift_selector_name(selector) << ": " << kvsift_last_error();
+    const std::vector<float> q = random_floats(q_elems(1), 10);
+    std::vector<float> out(q.size(), std::nanf(""));
+    ASSERT_EQ(kvsift_attend_selected(cache.get(), 0, 1, &seq, q.data(), out.data(), nullptr),
+              KVSIFT_STATUS_OK)
+        << kvsift_selector_name(selector) << ": " << kvsift_last_error();
+    for (float x : out) ASSERT_TRUE(std::isfinite(x)) << kvsift_selector_name(selector);
+  }
+}
+
 TEST(CApi, set_selector_refuses_bad_policies_naming_the_field) {
   Cache cache = make_cache();
   kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_QUEST, 0.0);

@@ -566,7 +566,7 @@ TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends
     const uint64_t length = n + 1 + step;
     const auto q = test::random_floats(std::size_t{H} * G * d, 230 + step, 1.5f);
     const select::SelectCall call{0, 1, &seq, q.data()};
-    selector->prepare(call);
+    selector->prepare(call, sel);
     selector->select(call, sel);
     const PageLists lists = sel.lists();
     const RowChunks rows = sel.rows();

@@ -89,7 +89,7 @@ struct Bench {
     const auto kv = test::random_floats(2 * std::size_t{g.n_kv_heads} * g.head_dim, seed);
     cache.append(seq, 0, 1, kv.data(), kv.data() + g.n_kv_heads * g.head_dim);
     const select::SelectCall call{0, 1, &seq, q.data()};
-    selector->prepare(call);
+    selector->prepare(call, selection);
     selector->select(call, selection);
     const PageLists lists = selection.lists();
     const RowChunks rows = selection.rows();

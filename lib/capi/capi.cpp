@@ -335,7 +335,7 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
     cache->attention.validate_sequences(cache->cache, call);
     kvsift::select::Selection& sel = cache->selection;
     const kvsift::select::SelectCall select_call{layer, n_seqs, seq_ids, q};
-    cache->selector->prepare(select_call);
+    cache->selector->prepare(select_call, sel);
     cache->selector->select(select_call, sel);
     const kvsift::PageLists lists = sel.lists();
     const kvsift::RowChunks rows = sel.rows();

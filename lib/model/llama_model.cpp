@@ -423,7 +423,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
       cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
                     v_.data() + std::size_t{r} * kvdim);
     const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
-    selector_->prepare(select_call);
+    selector_->prepare(select_call, selection_);
     selector_->select(select_call, selection_);
     call.layer = l;
     decode_attention_.validate(cache_, call);

@@ -305,7 +305,7 @@ void OffloadAttention::step(select::Selector& selector, select::Selection& selec
   checker_.validate_sequences(cache, call);
   const select::SelectCall select_call{call.layer, call.n_seqs, call.seq_ids, call.q};
   const Clock::time_point t0 = Clock::now();
-  selector.prepare(select_call);
+  selector.prepare(select_call, selection);
   selector.select(select_call, selection);
   const double select_us = micros(t0, Clock::now());
   const PageLists lists = selection.lists();

@@ -20,11 +20,6 @@ LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t ma
   key_.resize(g.head_dim);
 }
 
-uint64_t LouverSelector::max_rows_per_pair() const noexcept {
-  // The range search returns what reaches tau; the sample only aims it at the budget.
-  return max_pages_ * cache_.geometry().page_tokens;
-}
-
 void LouverSelector::on_sequence_freed(int32_t seq_id) noexcept {
   if (static_cast<std::size_t>(seq_id) < indexes_.size())
     indexes_[static_cast<std::size_t>(seq_id)].clear();
@@ -38,15 +33,19 @@ uint64_t LouverSelector::held_bytes() const noexcept {
   return bytes;
 }
 
-void LouverSelector::prepare(const SelectCall& call) {
+void LouverSelector::prepare(const SelectCall& call, Selection& out) {
   const CacheGeometry& g = cache_.geometry();
   const uint32_t H = g.n_kv_heads;
+  // The range search returns what reaches tau (the sample only aims it at the budget): up to
+  // every stored token of each pair.
+  uint64_t chunks = 0;
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const int32_t seq = call.seq_ids[i];
     const auto s = static_cast<std::size_t>(seq);
     if (indexes_.size() <= s) indexes_.resize(s + 1);
     if (indexes_[s].empty()) indexes_[s].resize(std::size_t{g.n_layers} * H);
     const uint64_t length = cache_.length(seq, call.layer);
+    chunks += uint64_t{H} * g.pages_for(length);
     for (uint32_t h = 0; h < H; ++h) {
       std::optional<LouverIndex>& index = indexes_[s][std::size_t{call.layer} * H + h];
       if (!index) {
@@ -64,6 +63,7 @@ void LouverSelector::prepare(const SelectCall& call) {
       }
     }
   }
+  out.reserve_rows(chunks, g.page_tokens, g.slot_bytes());
 }
 
 void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {

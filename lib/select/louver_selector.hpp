@@ -28,14 +28,14 @@ class LouverSelector final : public Selector {
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;
-  void prepare(const SelectCall& call) override;
+  void prepare(const SelectCall& call, Selection& out) override;
   void select(const SelectCall& call, Selection& out) noexcept override;
   // The indexes' centers, radii, assignments and samples (their key copies are not counted: the
   // cache holds the same keys).
   uint64_t held_bytes() const noexcept override;
 
  protected:
-  uint64_t max_rows_per_pair() const noexcept override;
+  bool selects_rows() const noexcept override { return true; }
 
  private:
   // [sequence id][layer * n_kv_heads + kv_head]; built when first prepared.

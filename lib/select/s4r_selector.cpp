@@ -31,31 +31,33 @@ S4rSelector::S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batc
           "the s4r selector compresses keys before RoPE: it needs a cache that takes pre-RoPE "
           "keys (key form pre_rope)");
   const CacheGeometry& g = cache.geometry();
-  const uint64_t max_tokens = max_pages * g.page_tokens;
   const std::size_t dim = std::size_t{heads_per_unit()} * g.head_dim;
+  query_rows_.resize(std::size_t{g.group_size} * dim);
+  s4r::Basis widest;  // the workspace for the largest basis a unit can have: rank <= dim
+  widest.dim = widest.rank = dim;
+  reconstruct_ws_.resize(s4r::reconstruct_workspace_floats(widest));
+}
+
+void S4rSelector::grow_workspaces(uint64_t n_tokens, uint64_t max_rows) {
+  const CacheGeometry& g = cache_.geometry();
+  const std::size_t dim = std::size_t{heads_per_unit()} * g.head_dim;
+  auto grow = [](auto& v, uint64_t n) {
+    if (v.size() < n) v.resize(static_cast<std::size_t>(n));
+  };
   try {
-    query_rows_.resize(std::size_t{g.group_size} * dim);
-    relevance_ws_.resize(
-        s4r::relevance_workspace_floats(policy.s4r_window, g.group_size, max_tokens));
-    relevance_.resize(max_tokens);
-    top_ws_.resize(max_tokens);
-    chosen_.resize(max_tokens);
-    rows_.resize(static_cast<std::size_t>(max_rows_per_pair()) * dim);
-    s4r::Basis widest;  // the workspace for the largest basis a unit can have: rank <= dim
-    widest.dim = widest.rank = dim;
-    reconstruct_ws_.resize(s4r::reconstruct_workspace_floats(widest));
+    grow(relevance_ws_,
+         s4r::relevance_workspace_floats(policy_.s4r_window, g.group_size, n_tokens));
+    grow(relevance_, n_tokens);
+    grow(top_ws_, n_tokens);
+    grow(chosen_, n_tokens);
+    grow(rows_, max_rows * dim);
   } catch (const std::bad_alloc&) {
-    fail(Status::out_of_memory, "s4r workspaces for ", max_tokens, " tokens");
+    fail(Status::out_of_memory, "s4r workspaces for ", n_tokens, " compressed tokens");
   }
 }
 
 uint32_t S4rSelector::heads_per_unit() const noexcept {
   return policy_.s4r_per_head_bases ? 1 : cache_.geometry().n_kv_heads;
-}
-
-uint64_t S4rSelector::max_rows_per_pair() const noexcept {
-  const uint64_t max_tokens = max_pages_ * cache_.geometry().page_tokens;
-  return std::min(max_tokens, policy_.budget_tokens(max_tokens) + policy_.s4r_window);
 }
 
 void S4rSelector::on_sequence_freed(int32_t seq_id) noexcept {
@@ -82,8 +84,10 @@ uint64_t S4rSelector::held_bytes() const noexcept {
   return bytes;
 }
 
-void S4rSelector::prepare(const SelectCall& call) {
-  const uint32_t n_layers = cache_.geometry().n_layers;
+void S4rSelector::prepare(const SelectCall& call, Selection& out) {
+  const CacheGeometry& g = cache_.geometry();
+  const uint32_t n_layers = g.n_layers;
+  uint64_t chunks = 0;
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const auto seq = static_cast<std::size_t>(call.seq_ids[i]);
     if (states_.size() <= seq) states_.resize(seq + 1);
@@ -95,7 +99,16 @@ void S4rSelector::prepare(const SelectCall& call) {
       compress_seconds_ +=
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     }
+    if (st.state != State::compressed) continue;
+    // select_unit reconstructs at most max(W, budget) of the n compressed tokens.
+    const uint64_t n = st.end - st.first;
+    const uint64_t length = cache_.length(call.seq_ids[i], call.layer);
+    const uint64_t rows =
+        std::min(n, std::max<uint64_t>(policy_.s4r_window, policy_.budget_tokens(length)));
+    grow_workspaces(n, rows);
+    chunks += uint64_t{g.n_kv_heads} * g.pages_for(rows);
   }
+  out.reserve_rows(chunks, g.page_tokens, g.slot_bytes());
 }
 
 void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {

@@ -40,7 +40,7 @@ class S4rSelector final : public Selector {
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;
-  void prepare(const SelectCall& call) override;
+  void prepare(const SelectCall& call, Selection& out) override;
   void select(const SelectCall& call, Selection& out) noexcept override;
   uint64_t held_bytes() const noexcept override;
 
@@ -54,7 +54,7 @@ class S4rSelector final : public Selector {
   double compress_seconds() const noexcept { return compress_seconds_; }
 
  protected:
-  uint64_t max_rows_per_pair() const noexcept override;
+  bool selects_rows() const noexcept override { return true; }
 
  private:
   // One basis and its coefficients: all KV heads of a layer, or one KV head.
@@ -72,6 +72,8 @@ class S4rSelector final : public Selector {
   };
 
   uint32_t heads_per_unit() const noexcept;
+  // Grows the per-step workspaces to n_tokens compressed tokens and max_rows reconstructed ones.
+  void grow_workspaces(uint64_t n_tokens, uint64_t max_rows);
   void compress(int32_t seq_id, uint32_t layer, LayerState& st);
   // Chooses and reconstructs one unit's rows for one sequence into `out`; returns the index bytes
   // read and the kept estimate.
@@ -81,7 +83,7 @@ class S4rSelector final : public Selector {
   std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
   Matmul matmul_;
   double compress_seconds_ = 0.0;
-  // Per-step workspaces, sized at construction for the largest unit and context.
+  // Per-step workspaces, grown by prepare() to what the step needs.
   std::vector<float> query_rows_;  // [G, D'] the unit's pre-RoPE queries
   std::vector<float> relevance_ws_, relevance_;
   std::vector<uint32_t> top_ws_, chosen_;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <new>
 
 #include "lib/core/error.hpp"
 #include "lib/select/louver_selector.hpp"
@@ -54,23 +55,28 @@ void Policy::validate() const {
           " is not in 1..4096");
 }
 
-void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, uint64_t max_rows_per_pair,
-                        uint32_t page_tokens, std::size_t chunk_bytes) {
+void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, bool rows) {
   offsets.assign(std::size_t{max_pairs} + 1, 0);
-  has_rows = max_rows_per_pair > 0;
-  const uint64_t chunks_per_pair = (max_rows_per_pair + page_tokens - 1) / page_tokens;
-  row_chunks.resize(has_rows ? static_cast<std::size_t>(max_pairs * chunks_per_pair) * chunk_bytes
-                             : 0);
+  has_rows = rows;
   chunk_offsets.assign(std::size_t{max_pairs} + 1, 0);
   row_counts.assign(max_pairs, 0);
-  row_tokens.resize(has_rows ? static_cast<std::size_t>(max_pairs * chunks_per_pair) * page_tokens
-                             : 0);
   const auto pages = static_cast<std::size_t>(max_pages);
   page_ids.resize(pages);
   scores.resize(pages);
   kept_estimate.resize(max_pairs);
   dropped_bound.resize(max_pairs);
   n_pairs = 0;
+}
+
+void Selection::reserve_rows(uint64_t chunks, uint32_t page_tokens, std::size_t chunk_bytes) {
+  const auto bytes = static_cast<std::size_t>(chunks) * chunk_bytes;
+  if (bytes <= row_chunks.size()) return;
+  try {
+    row_chunks.resize(bytes);
+    row_tokens.resize(static_cast<std::size_t>(chunks) * page_tokens);
+  } catch (const std::bad_alloc&) {
+    fail(Status::out_of_memory, "selection rows: ", chunks, " chunks of ", chunk_bytes, " bytes");
+  }
 }
 
 double Selection::kept_estimate_sum() const noexcept {
@@ -103,10 +109,9 @@ Selector::~Selector() {
 void Selector::reserve_selection(Selection& selection) const {
   const uint32_t pairs = max_batch_ * cache_.geometry().n_kv_heads;
   // The pairs of one call hold distinct slots, so the pool's capacity bounds their pages too.
-  const CacheGeometry& g = cache_.geometry();
   selection.reserve(pairs,
                     std::min<uint64_t>(uint64_t{pairs} * max_pages_, cache_.pool().capacity()),
-                    max_rows_per_pair(), g.page_tokens, g.slot_bytes());
+                    selects_rows());
 }
 
 std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache, uint32_t max_batch,

@@ -96,10 +96,12 @@ struct Selection {
   // The token position of each row, row r of a pair at chunk_offsets[pair] * page_tokens + r.
   AlignedVector<uint32_t> row_tokens;
 
-  // max_pages: the most pages one call chooses over all its pairs; max_rows_per_pair: the most
-  // token rows one pair gets (0: a page selector); chunk_bytes: one chunk of page_tokens rows.
-  void reserve(uint32_t max_pairs, uint64_t max_pages, uint64_t max_rows_per_pair = 0,
-               uint32_t page_tokens = 16, std::size_t chunk_bytes = 0);
+  // max_pages: the most pages one call chooses over all its pairs; rows: whether the selector
+  // also returns token rows (their storage grows with reserve_rows).
+  void reserve(uint32_t max_pairs, uint64_t max_pages, bool rows = false);
+  // Room for `chunks` chunks of page_tokens rows over all pairs (grows, never shrinks). Throws
+  // Error(out_of_memory).
+  void reserve_rows(uint64_t chunks, uint32_t page_tokens, std::size_t chunk_bytes);
   PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
   RowChunks rows() const noexcept {
     return RowChunks{row_chunks.data(), chunk_offsets.data(), row_counts.data()};
@@ -129,9 +131,10 @@ class Selector : public SealListener {
   ~Selector() override;
 
   // Work a step needs before select() that may fail: S4R compresses the prompt of each (sequence,
-  // layer) the first time it is selected for. Call it with the same call, before select().
-  // Throws Error (out_of_memory, invalid_argument).
-  virtual void prepare(const SelectCall& /*call*/) {}
+  // layer) the first time it is selected for, and token-level selectors grow `out`'s rows to what
+  // this call can return. Call it with the same call and Selection, before select(). Throws Error
+  // (out_of_memory, invalid_argument).
+  virtual void prepare(const SelectCall& /*call*/, Selection& /*out*/) {}
   // Requires a Selection reserved by reserve_selection() and a prepare() of the same call. Builds
   // pending summaries first.
   virtual void select(const SelectCall& call, Selection& out) noexcept = 0;
@@ -147,8 +150,8 @@ class Selector : public SealListener {
  protected:
   Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
            int n_threads);
-  // The most token rows one (sequence, KV head) pair gets per step.
-  virtual uint64_t max_rows_per_pair() const noexcept { return 0; }
+  // Whether select() returns token rows besides pages.
+  virtual bool selects_rows() const noexcept { return false; }
   KvCache& cache_;
   Policy policy_;
   uint32_t max_batch_;
