@@ -195,6 +195,43 @@ TEST(S4r, refusals_are_clear_errors) {
   test::expect_error([&] { bad.validate(); }, Status::invalid_argument, "compression");
 }
 
+// Through the model runner: S4R at full rank with every token reconstructed decodes the same
+// greedy tokens as dense, and Louver decodes (its rows grow per step inside the runner's call).
+TEST(S4r, the_model_runner_decodes_through_token_level_selectors) {
+  if (test::model_path() == nullptr) GTEST_SKIP() << "KVSIFT_MODEL is not set (make test sets it)";
+  model::ModelOptions options;
+  options.n_ctx = 512;
+  auto m = model::LlamaModel::load(test::model_path(), options);
+  std::string text;
+  for (int i = 0; i < 12; ++i)
+    text += "Note " + std::to_string(i) + ": the lamp was lit at " + std::to_string(17 + i % 5) +
+            " o'clock and the log was signed. ";
+  const std::vector<int32_t> tokens = m->tokenizer().encode(text, false);
+  auto greedy = [&](const Policy& policy, uint32_t steps) {
+    m->set_selector(Policy{});
+    const int32_t seq = m->create_sequence();
+    m->prefill(seq, tokens, nullptr, nullptr, nullptr);
+    m->set_selector(policy);
+    std::vector<int32_t> out;
+    for (uint32_t step = 0; step < steps; ++step) {
+      const auto logits = m->logits(seq);
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      out.push_back(next);
+      m->decode({&seq, 1}, {&next, 1});
+    }
+    m->free_sequence(seq);
+    return out;
+  };
+  const auto dense = greedy(Policy{}, 3);
+  EXPECT_EQ(greedy(s4r_policy(1.0, 1.0), 3), dense);
+  Policy louver;
+  louver.kind = Kind::louver;
+  louver.budget = 0.3;
+  EXPECT_EQ(greedy(louver, 3).size(), 3u);
+  EXPECT_GT(m->stats().last_step_tokens_read, 0u);
+}
+
 // The real model's keys and values before RoPE, per layer: the relative reconstruction error of
 // the compressed span at 2.5x and 5x (printed; bounded loosely, since it is a property of the
 // model), and the latent relevance keeps the model's own top tokens.

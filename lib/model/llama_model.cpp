@@ -411,10 +411,9 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   call.seq_ids = seq_ids.data();
   call.q = q_.data();
   call.out = attn_.data();
-  const PageLists lists = selection_.lists();
-  const RowChunks rows = selection_.rows();
+  PageLists lists;
+  RowChunks rows;
   call.pages = &lists;
-  call.rows = selection_.has_rows ? &rows : nullptr;
   uint64_t bytes_read = 0, tokens_read = 0, index_bytes = 0, pairs = 0;
   double kept_sum = 0.0, worst_bound = 0.0;
   blocks(n, positions.data(), [&](uint32_t l) {
@@ -425,6 +424,10 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
     selector_->prepare(select_call, selection_);
     selector_->select(select_call, selection_);
+    // After prepare(): it may have grown the row storage.
+    lists = selection_.lists();
+    rows = selection_.rows();
+    call.rows = selection_.has_rows ? &rows : nullptr;
     call.layer = l;
     decode_attention_.validate(cache_, call);
     decode_attention_.run(cache_, call);
