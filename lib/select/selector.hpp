@@ -1,4 +1,5 @@
-// Selectors: per decode step and layer, which pages each (sequence, KV head) attends to.
+// Selectors: per decode step and layer, which pages (and, for token-level selectors: Louver,
+// S4R, which tokens) each (sequence, KV head) attends to.
 //
 // One interface for every method (../shared/DESIGN.md sections 3-4). A selector listens to the
 // cache's page seals and keeps its per-page data (summaries) in arrays indexed by pool slot, sized
@@ -73,7 +74,8 @@ struct Policy {
 };
 
 // What one select() call chose for each of its n_seqs * n_kv_heads (sequence, KV head) pairs,
-// sequence-major, in compressed rows. Storage is sized once (reserve); select() does not allocate.
+// sequence-major, in compressed rows. Storage is sized by reserve (pages) and by the selector's
+// prepare() (rows); select() does not allocate.
 struct Selection {
   uint32_t n_pairs = 0;
   AlignedVector<uint32_t> offsets;   // [pairs + 1]
@@ -82,8 +84,9 @@ struct Selection {
   // q.k upper bound for quest); +inf for mandatory pages, which are chosen unscored.
   AlignedVector<float> scores;
   // Per pair: the estimated share of the group's softmax mass the chosen pages hold (1 when every
-  // page is chosen), and a proven upper bound on the share left out (the largest over the G query
-  // heads; NaN where the selector proves none).
+  // page is chosen; S4R: the share of its latent relevance; NaN where the selector makes no
+  // estimate: Louver), and a proven upper bound on the share left out (the largest over the G
+  // query heads; NaN where the selector proves none).
   AlignedVector<float> kept_estimate;
   AlignedVector<float> dropped_bound;
   uint64_t index_bytes_read = 0;  // summaries / keys the selection itself read, all pairs
