@@ -72,10 +72,7 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
   const std::size_t row_bytes = std::size_t{d} * sizeof(uint16_t);
   const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  out.n_pairs = call.n_seqs * H;
-  out.index_bytes_read = 0;
-  out.offsets[0] = 0;
-  out.chunk_offsets[0] = 0;
+  out.begin_pairs(call.n_seqs * H);
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const int32_t seq = call.seq_ids[i];
     const uint64_t length = cache_.length_unchecked(seq, call.layer);
@@ -89,13 +86,7 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
     const uint64_t budget = policy_.budget_tokens(length);
     for (uint32_t h = 0; h < H; ++h) {
       const uint32_t pair = i * H + h;
-      uint32_t at = out.offsets[pair];
-      for (uint64_t p = 0; p < n_pages; ++p) {
-        if (p >= sink_end && p < window_first) continue;
-        out.page_ids[at] = static_cast<uint32_t>(p);
-        out.scores[at++] = std::numeric_limits<float>::infinity();
-      }
-      out.offsets[pair + 1] = at;
+      out.list_pages_outside(pair, n_pages, sink_end, window_first);
       out.kept_estimate[pair] = nan;
       out.dropped_bound[pair] = nan;
       uint32_t rows = 0;
@@ -122,9 +113,7 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
           tokens[rows++] = t;
         }
       }
-      out.row_counts[pair] = rows;
-      out.chunk_offsets[pair + 1] =
-          out.chunk_offsets[pair] + static_cast<uint32_t>(g.pages_for(rows));
+      out.set_rows(pair, rows, B);
     }
   }
 }

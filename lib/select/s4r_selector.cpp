@@ -219,9 +219,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   const auto rows = static_cast<uint32_t>(m);
   for (uint32_t h = 0; h < hpu; ++h) {
     const uint32_t pair = seq_index * H + h0 + h;
-    out.row_counts[pair] = rows;
-    out.chunk_offsets[pair + 1] =
-        out.chunk_offsets[pair] + static_cast<uint32_t>(g.pages_for(rows));
+    out.set_rows(pair, rows, B);
     uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[pair]} * B;
     for (uint32_t r = 0; r < rows; ++r) tokens[r] = static_cast<uint32_t>(st.first + chosen_[r]);
   }
@@ -249,10 +247,7 @@ void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
   const CacheGeometry& g = cache_.geometry();
   const uint32_t H = g.n_kv_heads, B = g.page_tokens, hpu = heads_per_unit();
   const float nan = std::numeric_limits<float>::quiet_NaN();
-  out.n_pairs = call.n_seqs * H;
-  out.index_bytes_read = 0;
-  out.offsets[0] = 0;
-  out.chunk_offsets[0] = 0;
+  out.begin_pairs(call.n_seqs * H);
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const int32_t seq = call.seq_ids[i];
     const uint64_t length = cache_.length_unchecked(seq, call.layer);
@@ -264,21 +259,11 @@ void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
     // while the sequence is not compressed.
     const uint64_t gap_first = compressed ? st->first / B : n_pages;
     const uint64_t gap_end = compressed ? st->end / B : n_pages;
-    for (uint32_t h = 0; h < H; ++h) {
-      const uint32_t pair = i * H + h;
-      uint32_t at = out.offsets[pair];
-      for (uint64_t p = 0; p < n_pages; ++p) {
-        if (p >= gap_first && p < gap_end) continue;
-        out.page_ids[at] = static_cast<uint32_t>(p);
-        out.scores[at++] = std::numeric_limits<float>::infinity();
-      }
-      out.offsets[pair + 1] = at;
-    }
+    for (uint32_t h = 0; h < H; ++h) out.list_pages_outside(i * H + h, n_pages, gap_first, gap_end);
     if (!compressed) {
       for (uint32_t h = 0; h < H; ++h) {
         const uint32_t pair = i * H + h;
-        out.row_counts[pair] = 0;
-        out.chunk_offsets[pair + 1] = out.chunk_offsets[pair];
+        out.set_rows(pair, 0, B);
         out.kept_estimate[pair] = 1.0f;
         out.dropped_bound[pair] = 0.0f;
       }

@@ -79,6 +79,29 @@ void Selection::reserve_rows(uint64_t chunks, uint32_t page_tokens, std::size_t 
   }
 }
 
+void Selection::begin_pairs(uint32_t pairs) noexcept {
+  n_pairs = pairs;
+  index_bytes_read = 0;
+  offsets[0] = 0;
+  chunk_offsets[0] = 0;
+}
+
+void Selection::list_pages_outside(uint32_t pair, uint64_t n_pages, uint64_t gap_first,
+                                   uint64_t gap_end) noexcept {
+  uint32_t at = offsets[pair];
+  for (uint64_t p = 0; p < n_pages; ++p) {
+    if (p >= gap_first && p < gap_end) continue;
+    page_ids[at] = static_cast<uint32_t>(p);
+    scores[at++] = std::numeric_limits<float>::infinity();
+  }
+  offsets[pair + 1] = at;
+}
+
+void Selection::set_rows(uint32_t pair, uint32_t rows, uint32_t page_tokens) noexcept {
+  row_counts[pair] = rows;
+  chunk_offsets[pair + 1] = chunk_offsets[pair] + (rows + page_tokens - 1) / page_tokens;
+}
+
 double Selection::kept_estimate_sum() const noexcept {
   double sum = 0.0;
   for (uint32_t i = 0; i < n_pairs; ++i) sum += kept_estimate[i];

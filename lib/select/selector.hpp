@@ -105,6 +105,13 @@ struct Selection {
   // Room for `chunks` chunks of page_tokens rows over all pairs (grows, never shrinks). Throws
   // Error(out_of_memory).
   void reserve_rows(uint64_t chunks, uint32_t page_tokens, std::size_t chunk_bytes);
+  // For selectors that fill the pairs in order (the token-level ones): start a call over `pairs`
+  // pairs; list pair's pages [0, n_pages) but the gap [gap_first, gap_end) as mandatory (+inf);
+  // give pair `rows` rows (its chunks follow the previous pair's).
+  void begin_pairs(uint32_t pairs) noexcept;
+  void list_pages_outside(uint32_t pair, uint64_t n_pages, uint64_t gap_first,
+                          uint64_t gap_end) noexcept;
+  void set_rows(uint32_t pair, uint32_t rows, uint32_t page_tokens) noexcept;
   PageLists lists() const noexcept { return PageLists{offsets.data(), page_ids.data()}; }
   RowChunks rows() const noexcept {
     return RowChunks{row_chunks.data(), chunk_offsets.data(), row_counts.data()};
