@@ -389,31 +389,59 @@ void LouverIndex::choose_tau(const float* q, uint32_t group, const LouverQuery& 
   if (shared) std::fill(tau_.begin() + 1, tau_.begin() + group, tau_[0]);
 }
 
-uint32_t LouverIndex::gate_head(const float* q, float tau, const LouverQuery& query,
-                                uint32_t* out) noexcept {
-  const uint32_t K = n_clusters_;
+void LouverIndex::gate_terms(const float* q, float tau, LouverGateTerms& terms) const noexcept {
   double q_norm2 = 0.0;
-  simd::LouverFilterJob job{};
-  job.n_subspaces = S_;
-  job.n = static_cast<uint32_t>(n_indexed_);
-  job.out = out;
   for (uint32_t s = 0; s < S_; ++s) {
     const float* qs = q + offset_[s];
     double n2 = 0.0;
     for (uint32_t j = 0; j < subspace_width(s); ++j) n2 += double(qs[j]) * qs[j];
     q_norm2 += n2;
-    kernels_->ball_bounds(qs, centers_[s].data(), subspace_width(s), radius_[s].data(),
-                          round_up(std::sqrt(n2) * (1.0 + 1e-6)), K, ub_[s].data());
+    terms.q_norm[s] = round_up(std::sqrt(n2) * (1.0 + 1e-6));
+  }
+  // The float32 error of a length-d dot product is below d * 2^-24 * |q| |k| in any summation
+  // order (so for the device filter's too); the bounds add S terms of at most |q| (|c| + rho)
+  // <= |q| 3.01 max|k| each (c is a mean of keys, rho at most twice max|k|); the slack covers
+  // both with margin.
+  const float slack = static_cast<float>((2.0 * d_ + 16.0 * S_ + 64.0) * 0x1p-24 *
+                                         std::sqrt(q_norm2) * 4.0 * max_key_norm_);
+  terms.t = tau - slack;
+}
+
+simd::LouverFilterJob LouverIndex::bound_clusters(const float* q, const LouverGateTerms& terms,
+                                                  uint32_t* out) noexcept {
+  simd::LouverFilterJob job{};
+  job.n_subspaces = S_;
+  job.n = static_cast<uint32_t>(n_indexed_);
+  job.out = out;
+  for (uint32_t s = 0; s < S_; ++s) {
+    kernels_->ball_bounds(q + offset_[s], centers_[s].data(), subspace_width(s), radius_[s].data(),
+                          terms.q_norm[s], n_clusters_, ub_[s].data());
     job.assign[s] = assign_[s].data();
     job.ub[s] = ub_[s].data();
   }
-  bytes_read_ += uint64_t{K} * (2 * d_ + 4 * S_) + n_indexed_ * 4 * S_;
-  // The float32 error of a length-d dot product is below d * 2^-24 * |q| |k|; the bounds add S
-  // terms of at most |q| (|c| + rho) <= |q| 3.01 max|k| each (c is a mean of keys, rho at most
-  // twice max|k|); the slack covers both with margin.
-  const float slack = static_cast<float>((2.0 * d_ + 16.0 * S_ + 64.0) * 0x1p-24 *
-                                         std::sqrt(q_norm2) * 4.0 * max_key_norm_);
-  const float t = tau - slack;
+  bytes_read_ += uint64_t{n_clusters_} * (2 * d_ + 4 * S_) + n_indexed_ * 4 * S_;
+  return job;
+}
+
+void LouverIndex::filter_mask(const float* q, uint32_t group, const LouverGateTerms* terms,
+                              uint32_t* keep) noexcept {
+  std::fill_n(keep, (n_indexed_ + 31) / 32, 0u);
+  for (uint32_t g = 0; g < group && n_indexed_ > 0; ++g) {
+    simd::LouverFilterJob job = bound_clusters(q + std::size_t{g} * d_, terms[g], merged_.data());
+    job.gate = simd::LouverGate::summed;
+    job.t[0] = terms[g].t;
+    const uint32_t n = kernels_->filter(job);
+    for (uint32_t i = 0; i < n; ++i) keep[merged_[i] / 32] |= 1u << (merged_[i] % 32);
+  }
+}
+
+uint32_t LouverIndex::gate_head(const float* q, float tau, const LouverQuery& query,
+                                uint32_t* out) noexcept {
+  const uint32_t K = n_clusters_;
+  LouverGateTerms terms;
+  gate_terms(q, tau, terms);
+  simd::LouverFilterJob job = bound_clusters(q, terms, out);
+  const float t = terms.t;
   if (query.summed_key_bound) {
     // When the bounds would keep most keys the indirect check costs more than the streaming
     // scan (bench_louver.cpp: at f = 0.10 on structured keys the gate keeps ~99%, and the query
@@ -485,17 +513,7 @@ LouverResult LouverIndex::query(const float* q, uint32_t group, const LouverQuer
       }
       if (n_cand == kAllKeys) std::fill(mark_.begin(), mark_.begin() + n_indexed_, 0);
     }
-    if (n_cand == kAllKeys) {
-      LouverResult result;
-      const uint32_t n_out = scan(q, group, tau_.data(), out_.data());
-      bytes_read_ += n_keys_ * d_ * 2;
-      result.token_ids = {out_.data(), n_out};
-      result.tau = {tau_.data(), group};
-      result.checked = static_cast<uint32_t>(n_keys_);
-      result.candidates = static_cast<uint32_t>(n_indexed_);
-      result.bytes_read = bytes_read_;
-      return result;
-    }
+    if (n_cand == kAllKeys) return scan_result(q, group);
     if (group > 1) {
       for (uint32_t i = 0; i < n_indexed_; ++i) {
         cand_[n_cand] = i;
@@ -504,6 +522,48 @@ LouverResult LouverIndex::query(const float* q, uint32_t group, const LouverQuer
       }
     }
   }
+  return check_result(q, group, n_cand);
+}
+
+void LouverIndex::begin_query(const float* q, uint32_t group, const LouverQuery& query,
+                              LouverGateTerms* terms) noexcept {
+  bytes_read_ = 0;
+  choose_tau(q, group, query);
+  for (uint32_t g = 0; g < group; ++g) gate_terms(q + std::size_t{g} * d_, tau_[g], terms[g]);
+}
+
+LouverResult LouverIndex::finish_query(const float* q, uint32_t group, const LouverQuery& query,
+                                       const uint32_t* keep) noexcept {
+  const uint32_t words = static_cast<uint32_t>((n_indexed_ + 31) / 32);
+  bytes_read_ += uint64_t{words} * 4;
+  uint32_t n_cand = 0;
+  for (uint32_t w = 0; w < words; ++w) n_cand += std::popcount(keep[w]);
+  // The last word's bits past indexed() are the filter's to leave unset; do not trust them.
+  if (n_indexed_ % 32 != 0)
+    n_cand -= std::popcount(keep[words - 1] & ~((1u << (n_indexed_ % 32)) - 1));
+  if (query.scan_fallback && n_cand > n_indexed_ * kScanShare) return scan_result(q, group);
+  n_cand = 0;
+  for (uint32_t w = 0; w < words; ++w)
+    for (uint32_t bits = keep[w]; bits != 0; bits &= bits - 1) {
+      const uint32_t i = w * 32 + static_cast<uint32_t>(std::countr_zero(bits));
+      if (i < n_indexed_) cand_[n_cand++] = i;
+    }
+  return check_result(q, group, n_cand);
+}
+
+LouverResult LouverIndex::scan_result(const float* q, uint32_t group) noexcept {
+  LouverResult result;
+  const uint32_t n_out = scan(q, group, tau_.data(), out_.data());
+  bytes_read_ += n_keys_ * d_ * 2;
+  result.token_ids = {out_.data(), n_out};
+  result.tau = {tau_.data(), group};
+  result.checked = static_cast<uint32_t>(n_keys_);
+  result.candidates = static_cast<uint32_t>(n_indexed_);
+  result.bytes_read = bytes_read_;
+  return result;
+}
+
+LouverResult LouverIndex::check_result(const float* q, uint32_t group, uint32_t n_cand) noexcept {
   const uint32_t candidates = n_cand;
   for (uint64_t i = n_indexed_; i < n_keys_; ++i) cand_[n_cand++] = static_cast<uint32_t>(i);
   const uint32_t n_out =

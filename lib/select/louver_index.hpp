@@ -26,6 +26,11 @@
 // float32 error of a length-d dot product plus S bound sums); the final test is the exact check,
 // whose arithmetic is the brute-force scan's (simd/louver_kernels.hpp). The answer therefore
 // equals scan() bit for bit.
+// The summed-bound filter can also run elsewhere: begin_query() chooses tau and hands out each
+// head's gate terms (|q_s| per subspace, t = tau - slack), a filter marks the candidates in a
+// bitmask (filter_mask() on the CPU; gpu/louver_filter.hpp on a device, over a copy of the
+// centers, radii and assignments), and finish_query() checks them exactly. Any bitmask that
+// holds the answer's indexed keys gives the same ids, so the two modes choose the same tokens.
 //
 // Updates. append() stores a decode key in the buffer (buffer_keys, default 256), which every
 // query checks exactly; when the buffer is full its keys are clustered with the same tree and
@@ -122,7 +127,14 @@ struct LouverQuery {
   const float* tau = nullptr;  // fixed: [group] (shared_tau reads tau[0])
 };
 
-// Valid until the next query() or append() on the same index.
+// What the summed-bound filter compares for one query head: per subspace |q_s| rounded up (the
+// multiplier of the radii), and the threshold t = tau - slack that a key's summed bound must reach.
+struct LouverGateTerms {
+  float q_norm[simd::kLouverMaxSubspaces];
+  float t;
+};
+
+// Valid until the next query(), finish_query() or append() on the same index.
 struct LouverResult {
   std::span<const uint32_t> token_ids;  // ascending
   std::span<const float> tau;           // [group] thresholds used (all equal under shared_tau)
@@ -153,6 +165,29 @@ class LouverIndex {
   // Throws Error(invalid_argument) when query() would not accept (group, query).
   void validate(uint32_t group, const LouverQuery& query) const;
 
+  // query() in two halves around a filter pass run elsewhere (gpu/louver_filter.hpp runs it on
+  // a device over a copy of centers_data, radii_data and assignments_data). begin_query()
+  // chooses the thresholds as query() does and writes each head's gate terms (terms[group]).
+  // finish_query() takes the indexed keys the filter kept, keep: a bitmask of ceil(indexed() / 32)
+  // words, key i at bit i % 32 of word i / 32, where key i is set when for some head g
+  // sum_s UB_s(a_s(i)) >= terms[g].t (the summed bound, whatever query.summed_key_bound and
+  // query.search say; bits past indexed() are ignored); it scores those keys and the buffered
+  // ones exactly. Any keep that contains every indexed key of the answer gives query()'s
+  // token_ids: the exact check decides. With query.scan_fallback, when more than half of the
+  // indexed keys were kept the streaming scan scores every key instead (the count is exact
+  // here, not the sample's prediction query() uses). bytes_read counts the host's reads (the
+  // sample, the mask, the keys scored), not the filter's. Same preconditions as query(); no
+  // append() in between.
+  void begin_query(const float* q, uint32_t group, const LouverQuery& query,
+                   LouverGateTerms* terms) noexcept;
+  LouverResult finish_query(const float* q, uint32_t group, const LouverQuery& query,
+                            const uint32_t* keep) noexcept;
+  // The CPU's summed-bound filter pass alone (query()'s, without the sample's scan prediction)
+  // for the heads' terms from begin_query(), into finish_query()'s bitmask: the reference the
+  // device filter is compared against. keep has ceil(indexed() / 32) words.
+  void filter_mask(const float* q, uint32_t group, const LouverGateTerms* terms,
+                   uint32_t* keep) noexcept;
+
   // Brute-force reference with the same score arithmetic: ids with q_g . k >= tau[g] for some g.
   // out has room for size() ids; returns the count.
   uint32_t scan(const float* q, uint32_t group, const float* tau, uint32_t* out) const noexcept;
@@ -173,11 +208,25 @@ class LouverIndex {
   uint32_t assignment(uint32_t s, uint64_t key) const noexcept { return assign_[s][key]; }
   void center(uint32_t s, uint32_t cluster, float* out) const noexcept;
   float radius(uint32_t s, uint32_t cluster) const noexcept { return radius_[s][cluster]; }
+  // Subspace s's arrays in the layouts of simd/louver_kernels.hpp, for a copy elsewhere (a
+  // device mirror): centers of n_clusters() clusters (blocked by 16, ceil(n_clusters() / 16)
+  // blocks), radii [n_clusters()], assignments [indexed()]. Valid until the next append().
+  const uint16_t* centers_data(uint32_t s) const noexcept { return centers_[s].data(); }
+  const float* radii_data(uint32_t s) const noexcept { return radius_[s].data(); }
+  const uint32_t* assignments_data(uint32_t s) const noexcept { return assign_[s].data(); }
 
  private:
   void grow(uint64_t key_capacity, uint32_t cluster_capacity);
   void cluster_keys(uint64_t first, uint64_t n);  // keys [first, first + n) into new clusters
   void choose_tau(const float* q, uint32_t group, const LouverQuery& query) noexcept;
+  void gate_terms(const float* q, float tau, LouverGateTerms& terms) const noexcept;
+  // Every cluster's bound for one head into ub_, and a filter job over them writing to out.
+  simd::LouverFilterJob bound_clusters(const float* q, const LouverGateTerms& terms,
+                                       uint32_t* out) noexcept;
+  // The answer from the streaming scan of every key (the bounds kept too many).
+  LouverResult scan_result(const float* q, uint32_t group) noexcept;
+  // The answer from the candidates cand_[0, n_cand) among the indexed keys plus the buffer.
+  LouverResult check_result(const float* q, uint32_t group, uint32_t n_cand) noexcept;
   // Candidates of head g among the indexed keys into cand_, marking mark_ when merging heads.
   uint32_t gate_head(const float* q, float tau, const LouverQuery& query, uint32_t* out) noexcept;
 
