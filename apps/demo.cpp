@@ -81,6 +81,21 @@ void progress_bar(uint64_t done, uint64_t total, void*) {
   if (done == total) std::fprintf(stderr, "\n");
 }
 
+// "cpu" -> -1; "cuda" -> 0; "cuda:N" -> N.
+int parse_device(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) == 0) {
+    try {
+      std::size_t used = 0;
+      const int index = std::stoi(device.substr(5), &used);
+      if (index >= 0 && used == device.size() - 5) return index;
+    } catch (const std::exception&) {
+    }
+  }
+  throw Failure{"--device " + device + ": expected cpu, cuda or cuda:N"};
+}
+
 struct Options {
   std::string model = kvsift::apps::default_model_path();
   std::string prompt_file;
@@ -91,6 +106,9 @@ struct Options {
   double budget = 0.0;
   int threads = 0;
   std::string device = "cpu";
+  uint32_t batch = 1;
+  bool ignore_end = false;
+  bool print_tokens = false;
   uint64_t seed = 0;
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -105,11 +123,10 @@ int run(const Options& o) {
   policy.budget = o.budget;
   policy.epsilon = o.epsilon;
   policy.compression = o.compression;
-  if (o.device != "cpu")
-    throw Failure{"--device " + o.device + " is not available in this build (available: cpu)"};
-
   kvsift_model_params params;
   kvsift_model_params_init(&params);
+  params.device = parse_device(o.device);
+  params.max_seqs = o.batch;
   params.n_ctx = o.ctx;
   params.n_threads = o.threads;
   kvsift_model* model = nullptr;
@@ -149,11 +166,15 @@ int run(const Options& o) {
   std::fprintf(stderr, "prompt: %zu tokens (document %zu bytes); selector: %s\n", n_prompt,
                document.size(), o.selector.c_str());
 
-  int32_t seq = -1;
-  check(kvsift_model_sequence_create(model, &seq), "creating the sequence");
-  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, progress_bar,
+  // --batch N decodes N sequences of the same prompt together (one prefill, forked); the answer
+  // printed is the first one's, and the others must agree with it under greedy decoding.
+  std::vector<int32_t> seqs(o.batch, -1);
+  check(kvsift_model_sequence_create(model, &seqs[0]), "creating the sequence");
+  check(kvsift_model_prefill(model, seqs[0], tokens.data(), tokens.size(), nullptr, progress_bar,
                              nullptr),
         "prefill");
+  for (uint32_t b = 1; b < o.batch; ++b)
+    check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "forking the sequence");
 
   kvsift_sampler_params sp;
   kvsift_sampler_params_init(&sp);
@@ -167,42 +188,52 @@ int run(const Options& o) {
 
   std::printf("\nQ: %s\nA: ", o.question.c_str());
   std::fflush(stdout);
-  std::vector<int32_t> answer;
+  std::vector<int32_t> answer, next(o.batch);
   std::size_t printed = 0;
+  double step_seconds = 0.0;
   for (uint32_t i = 0; i < o.max_new; ++i) {
-    const float* logits = nullptr;
-    std::size_t n_vocab = 0;
-    check(kvsift_model_logits(model, seq, &logits, &n_vocab), "logits");
-    int32_t next = 0;
-    check(kvsift_sampler_sample(sampler, logits, n_vocab, &next), "sampling");
-    if (kvsift_token_is_end(model, next)) break;
-    answer.push_back(next);
+    for (uint32_t b = 0; b < o.batch; ++b) {
+      const float* logits = nullptr;
+      std::size_t n_vocab = 0;
+      check(kvsift_model_logits(model, seqs[b], &logits, &n_vocab), "logits");
+      check(kvsift_sampler_sample(sampler, logits, n_vocab, &next[b]), "sampling");
+    }
+    if (!o.ignore_end && kvsift_token_is_end(model, next[0])) break;
+    answer.push_back(next[0]);
     const std::string text = two_call([&](char* out, std::size_t cap, std::size_t* len) {
       return kvsift_detokenize(model, answer.data(), answer.size(), out, cap, len);
     });
     std::fwrite(text.data() + printed, 1, text.size() - printed, stdout);
     std::fflush(stdout);
     printed = text.size();
-    check(kvsift_model_decode(model, 1, &seq, &next), "decode");
+    check(kvsift_model_decode(model, o.batch, seqs.data(), next.data()), "decode");
   }
   std::printf("\n\n");
 
   kvsift_model_stats stats;
   check(kvsift_model_get_stats(model, &stats), "stats");
-  std::printf("context tokens:         %zu prompt + %zu generated\n", n_prompt, answer.size());
+  std::printf("context tokens:         %zu prompt + %zu generated", n_prompt, answer.size());
+  if (o.batch > 1) std::printf(", %u sequences", o.batch);
+  std::printf("\nattention on:           %s\n", o.device.c_str());
+  if (o.print_tokens) {
+    std::printf("answer token ids:      ");
+    for (int32_t t : answer) std::printf(" %d", t);
+    std::printf("\n");
+  }
   std::printf("prefill:                %.1f tokens/s (%.2f s)\n",
               stats.prefill_tokens / stats.prefill_seconds, stats.prefill_seconds);
   if (stats.decode_tokens > 0) {
-    std::printf("decode:                 %.1f tokens/s (%llu steps)\n",
+    std::printf("decode:                 %.1f tokens/s (%llu tokens over %u sequences)\n",
                 stats.decode_tokens / stats.decode_seconds,
-                static_cast<unsigned long long>(stats.decode_tokens));
+                static_cast<unsigned long long>(stats.decode_tokens), o.batch);
     std::printf("attention share:        %.1f%% of decode time\n",
                 100.0 * stats.decode_attention_seconds / stats.decode_seconds);
   }
   // What a dense step over the same context reads (and a dense cache holds): every K and V of
   // every layer.
-  const double dense_bytes = static_cast<double>(n_prompt + answer.size()) * info.n_layers *
-                             info.n_kv_heads * info.head_dim * 2 /* K, V */ * 2 /* fp16 */;
+  const double dense_bytes = static_cast<double>(n_prompt + answer.size()) * o.batch *
+                             info.n_layers * info.n_kv_heads * info.head_dim * 2 /* K, V */ *
+                             2 /* fp16 */;
   std::printf("KV held in host memory: %.1f MiB", stats.kv_bytes_held / 1048576.0);
   if (stats.selector_bytes_held > 0)
     std::printf(
@@ -231,6 +262,21 @@ int run(const Options& o) {
   if (!std::isnan(stats.last_step_dropped_bound))
     std::printf("dropped mass (proven):  <= %.4g (last step, worst layer and head)\n",
                 stats.last_step_dropped_bound);
+  if (stats.decode_tokens > 0) {
+    std::printf("last step, per token:   select %.0f us, transfer %.0f us, attend %.0f us "
+                "(summed over layers)\n",
+                stats.last_step_select_us, stats.last_step_transfer_us,
+                stats.last_step_attend_us);
+    if (params.device >= 0) {
+      const uint64_t lookups = stats.last_step_cache_hits + stats.last_step_cache_misses;
+      std::printf("PCIe host to device:    %.2f MiB (last step); device cache hit rate %.3f "
+                  "(%llu of %llu pages)\n",
+                  stats.last_step_h2d_bytes / 1048576.0,
+                  lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups : 1.0,
+                  static_cast<unsigned long long>(stats.last_step_cache_hits),
+                  static_cast<unsigned long long>(lookups));
+    }
+  }
   return 0;
 }
 
@@ -260,7 +306,15 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(1.0, 1000.0));
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
-  app.add_option("--device", o.device, "cpu")->capture_default_str();
+  app.add_option("--device", o.device,
+                 "cpu, or cuda[:N]: the KV cache stays in host memory and only the selected "
+                 "pages go to the GPU, where decode attention runs")
+      ->capture_default_str();
+  app.add_option("--batch", o.batch, "sequences decoded together (copies of the prompt)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 64));
+  app.add_flag("--ignore-end", o.ignore_end, "generate --max-new tokens even past an end token");
+  app.add_flag("--print-tokens", o.print_tokens, "print the answer's token ids");
   app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();
   app.add_option("--temperature", o.temperature, "0: greedy")->check(CLI::Range(0.0, 10.0));
   app.add_option("--top-p", o.top_p, "nucleus sampling")->check(CLI::Range(0.0, 1.0));

@@ -31,7 +31,7 @@ void device_free(void* p) noexcept;
 // a time. Movable, not copyable.
 class StepStream {
  public:
-  static constexpr uint32_t kEvents = 4;
+  static constexpr uint32_t kEvents = 16;
 
   StepStream();
   ~StepStream();

@@ -148,7 +148,8 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
     return Result{false, false,
                   "page cache: path mapped needs host_pool in mapped pinned memory (pinned_alloc)"};
 
-  const std::size_t pool_bytes = std::size_t{config.capacity} * config.slot_bytes;
+  const std::size_t pool_bytes =
+      (std::size_t{config.capacity} + config.reserved_slots) * config.slot_bytes;
   if (Result r = from_cuda(cudaMalloc(&d->pool, pool_bytes), "device pool (cudaMalloc)"); !r.ok)
     return r;
   d->chunk_pages = config.staging_chunk_bytes / (config.slot_bytes + sizeof(uint32_t));

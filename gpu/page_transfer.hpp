@@ -42,6 +42,10 @@ const char* transfer_path_name(TransferPath path) noexcept;
 struct PageCacheConfig {
   std::size_t slot_bytes = 0;       // bytes of one page: a power of two, >= 16
   uint32_t capacity = 0;            // device slots, 1..2^31
+  // Device slots after the cache's capacity that it allocates in the same pool but never manages:
+  // the caller's per-step staging (token rows the offload step attends besides pages), so that
+  // one pool holds everything a kernel reads. capacity + reserved_slots <= 2^31.
+  uint32_t reserved_slots = 0;
   const void* host_pool = nullptr;  // host_slots * slot_bytes bytes, 16-byte aligned
   uint64_t host_slots = 0;          // slots in the host pool; ids at or above are refused
   // CLOCK: on a LOCKS-like trace (2% of 128K tokens per KV head, drifting queries, sink and
@@ -112,7 +116,8 @@ class DevicePageCache {
   Result ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots, void* stream,
                 TransferPath path = TransferPath::automatic) noexcept;
 
-  // Device memory: capacity slots of slot_bytes; ensure()'s slots index it.
+  // Device memory: capacity + reserved_slots slots of slot_bytes; ensure()'s slots index it,
+  // the reserved ones start at capacity().
   const void* device_pool() const noexcept;
   uint32_t capacity() const noexcept { return residency_.capacity(); }
   const PageCacheConfig& config() const noexcept { return config_; }

@@ -59,6 +59,9 @@ Result validate(const PageCacheConfig& c) {
                    " is not a power of two in 16..1 MiB");
   if (c.capacity == 0 || c.capacity > (uint32_t{1} << 31))
     return invalid("capacity " + std::to_string(c.capacity) + " slots is outside 1..2^31");
+  if (c.reserved_slots > (uint64_t{1} << 31) - c.capacity)
+    return invalid("capacity + reserved_slots " + std::to_string(c.capacity + c.reserved_slots) +
+                   " is above 2^31");
   if (c.host_slots == 0 || c.host_slots > PageResidency::kNone)
     return invalid("host_slots " + std::to_string(c.host_slots) + " is outside 1..2^32 - 1");
   if (c.host_pool == nullptr) return invalid("host_pool is null");

@@ -16,8 +16,10 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
+#include "lib/model/llama_model.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
+#include "tests/model_handle.hpp"
 #include "tests/test_util.hpp"
 
 namespace kvsift {
@@ -49,7 +51,8 @@ struct Case {
 // query keeps choosing many of the same pages (hits) and some new ones (misses).
 class Model {
  public:
-  Model(const Case& c, uint32_t seed) : c_(c), seed_(seed) {
+  Model(const Case& c, uint32_t seed, KeyForm key_form = KeyForm::post_rope)
+      : c_(c), seed_(seed) {
     geometry_.n_layers = c.n_layers;
     geometry_.n_kv_heads = c.n_kv_heads;
     geometry_.group_size = c.group_size;
@@ -58,6 +61,7 @@ class Model {
     geometry_.dtype = c.dtype;
     CacheOptions options;
     options.pinned = true;
+    options.key_form = key_form;
     options.max_pages = max_pages() * c.n_layers * c.n_kv_heads * (c.batch + 1);
     cache_ = std::make_unique<KvCache>(geometry_, options);
     dir_ = test::random_floats(geometry_.head_dim, seed + 1);
@@ -137,6 +141,9 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
   options.max_batch = c.batch;
   options.max_pages_per_pair = c.max_pages_per_pair;
   options.cache_pages = static_cast<uint32_t>(c.batch * H * c.max_pages_per_pair);
+  // One part: the checks below read what the device attended for the whole batch
+  // (attended_*() report the last part); the split is checked by its own test.
+  options.step_parts = 1;
   auto offload = OffloadAttention::create(model.cache(), options);
 
   const std::size_t out_elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
@@ -277,7 +284,7 @@ TEST_F(OffloadTest, dense_calls_attend_every_page) {
   EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
 }
 
-TEST_F(OffloadTest, refuses_row_chunks_and_oversized_lists) {
+TEST_F(OffloadTest, refuses_oversized_lists_and_row_chunks_beyond_the_reserve) {
   const Case c{"refusals", Kind::dense, simd::Dtype::f16, 1, 1, 1, 200, 1, 1, 4, 0};
   Model model(c, 78);
   const CacheGeometry& g = model.geometry();
@@ -297,12 +304,202 @@ TEST_F(OffloadTest, refuses_row_chunks_and_oversized_lists) {
   const uint32_t chunk_offsets[2] = {0, 1}, row_counts[1] = {5};
   const RowChunks rows{chunk.data(), chunk_offsets, row_counts};
   call.rows = &rows;
-  test::expect_error([&] { offload->validate(model.cache(), call); }, Status::unsupported,
-                     "row chunks");
+  test::expect_error([&] { offload->validate(model.cache(), call); }, Status::capacity_exceeded,
+                     "max_row_chunks");
   OffloadOptions small = options;
   small.cache_pages = 3;
   test::expect_error([&] { OffloadAttention::create(model.cache(), small); },
                      Status::invalid_argument, "cache_pages");
+  OffloadOptions parts = options;
+  parts.step_parts = 5;
+  test::expect_error([&] { OffloadAttention::create(model.cache(), parts); },
+                     Status::invalid_argument, "step_parts");
+}
+
+// Token-level selectors: Louver gathers rows from the cache, S4R reconstructs them (and releases
+// the compressed pages, whose slots later appends reuse). One selection per call, attended by both
+// backends: the device's token form over the pages' and the staged rows' tokens must give the CPU
+// kernel's output.
+TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
+  for (const Kind kind : {Kind::louver, Kind::s4r}) {
+    SCOPED_TRACE(select::kind_name(kind));
+    const Case c{"rows", kind, simd::Dtype::f16, 2, 2, 3, 1500, 2, 6, 0, 0};
+    Model model(c, 91, KeyForm::pre_rope);
+    const CacheGeometry& g = model.geometry();
+    select::Policy policy;
+    policy.kind = kind;
+    policy.budget = 0.1;
+    auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+    Selection selection;
+    selector->reserve_selection(selection);
+    DecodeAttention cpu(g, c.batch, 2);
+    OffloadOptions options;
+    options.max_batch = c.batch;
+    options.max_pages_per_pair = model.max_pages();
+    options.max_row_chunks = c.batch * g.n_kv_heads * model.max_pages();
+    options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * model.max_pages());
+    auto offload = OffloadAttention::create(model.cache(), options);
+    const std::size_t elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
+    std::vector<float> out_cpu(elems), out_gpu(elems);
+    uint64_t rows_attended = 0;
+    for (uint32_t step = 1; step <= c.steps; ++step) {
+      model.drift();
+      for (uint32_t layer = 0; layer < c.n_layers; ++layer) {
+        for (int32_t id : model.seq_ids()) model.append(id, layer, 1);
+        const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
+                                             model.q().data()};
+        selector->prepare(select_call, selection);
+        selector->select(select_call, selection);
+        const PageLists lists = selection.lists();
+        const RowChunks rows = selection.rows();
+        ASSERT_TRUE(selection.has_rows);
+        rows_attended += selection.chunk_offsets[selection.n_pairs];
+        AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(),
+                        out_cpu.data(), &lists, &rows};
+        cpu.validate(model.cache(), call);
+        cpu.run(model.cache(), call);
+        call.out = out_gpu.data();
+        std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
+        offload->validate(model.cache(), call);
+        ASSERT_EQ(offload->run(model.cache(), call), Status::ok) << offload->last_error();
+        for (std::size_t i = 0; i < elems; ++i)
+          ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
+        EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3)
+            << "step " << step << " layer " << layer;
+        EXPECT_EQ(offload->last_stats().tokens_read, cpu.last_stats().tokens_read);
+      }
+    }
+    EXPECT_GT(rows_attended, 0u) << "the selector returned no rows";
+    if (kind == Kind::s4r) EXPECT_TRUE(model.cache().has_released_pages());
+  }
+}
+
+// step() in parts: the CPU selects part i + 1 while the device attends part i. The output must be
+// the CPU kernel's over the same selection of the whole batch, and the telemetry must cover every
+// pair, not only the last part's.
+TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
+  const Case c{"parts", Kind::locks, simd::Dtype::bf16, 2, 2, 4, 3000, 5, 4, 16, 0};
+  Model model(c, 93);
+  const CacheGeometry& g = model.geometry();
+  select::Policy policy;
+  policy.kind = Kind::locks;
+  policy.budget = 0.05;
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  Selection cpu_selection, gpu_selection;
+  cpu_selector->reserve_selection(cpu_selection);
+  gpu_selector->reserve_selection(gpu_selection);
+  DecodeAttention cpu(g, c.batch, 2);
+  for (const uint32_t parts : {2u, 3u}) {
+    SCOPED_TRACE(parts);
+    OffloadOptions options;
+    options.max_batch = c.batch;
+    options.max_pages_per_pair = c.max_pages_per_pair;
+    options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * c.max_pages_per_pair);
+    options.step_parts = parts;
+    auto offload = OffloadAttention::create(model.cache(), options);
+    const std::size_t elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
+    std::vector<float> out_cpu(elems), out_gpu(elems);
+    for (uint32_t step = 1; step <= c.steps; ++step) {
+      model.drift();
+      for (uint32_t layer = 0; layer < c.n_layers; ++layer) {
+        for (int32_t id : model.seq_ids()) model.append(id, layer, 1);
+        AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(), out_gpu.data()};
+        std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
+        offload->step(*gpu_selector, gpu_selection, model.cache(), call);
+        const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
+                                             model.q().data()};
+        cpu_selector->select(select_call, cpu_selection);
+        const PageLists lists = cpu_selection.lists();
+        call.out = out_cpu.data();
+        call.pages = &lists;
+        cpu.run(model.cache(), call);
+        for (std::size_t i = 0; i < elems; ++i)
+          ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
+        EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
+        const OffloadStats& s = offload->last_step();
+        EXPECT_EQ(s.pairs, c.batch * g.n_kv_heads);
+        EXPECT_EQ(s.pages_listed, cpu_selection.pages_chosen());
+        EXPECT_NEAR(s.kept_estimate_sum, cpu_selection.kept_estimate_sum(), 1e-3);
+      }
+    }
+    const OffloadStats& t = offload->totals();
+    std::printf("parts %u: %lu calls, mean us per call: select %.1f (hidden %.1f) host %.1f "
+                "transfer %.1f attend %.1f total %.1f\n",
+                parts, static_cast<unsigned long>(t.calls), t.select_us / t.calls,
+                t.overlap_us / t.calls, t.host_us / t.calls, t.transfer_us / t.calls,
+                t.attend_us / t.calls, t.total_us / t.calls);
+  }
+}
+
+// The real model in offload mode against the same model on the CPU: the same prompt, greedy
+// decoding of two sequences together, per selector. Dense and the page selectors must produce the
+// same tokens (the attention differs by fp32 rounding only), and the logits must stay close;
+// every step must have sent pages or hit the device cache.
+TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
+  if (test::model_path() == nullptr) GTEST_SKIP() << "KVSIFT_MODEL is not set (make test sets it)";
+  model::ModelOptions options;
+  options.n_ctx = 1024;
+  options.max_seqs = 2;
+  auto cpu = model::LlamaModel::load(test::model_path(), options);
+  options.device = 0;
+  auto gpu = model::LlamaModel::load(test::model_path(), options);
+  ASSERT_STREQ(gpu->attention_backend(), "cuda:0");
+  std::string text;
+  for (int i = 0; i < 24; ++i)
+    text += "Entry " + std::to_string(i) + ": the ferry left pier " + std::to_string(3 + i % 7) +
+            " at " + std::to_string(6 + i % 12) + " o'clock carrying " + std::to_string(20 + i) +
+            " crates. ";
+  text += "Question: which pier did entry 9's ferry leave from? Answer:";
+  const std::vector<int32_t> prompt = cpu->tokenizer().encode(text, false);
+  select::Policy locks;
+  locks.kind = Kind::locks;
+  locks.budget = 0.25;
+  select::Policy louver;
+  louver.kind = Kind::louver;
+  louver.budget = 0.25;
+  for (const select::Policy& policy : {select::Policy{}, locks, louver}) {
+    SCOPED_TRACE(select::kind_name(policy.kind));
+    std::vector<int32_t> tokens[2];
+    int32_t seqs[2][2];
+    model::LlamaModel* models[2] = {cpu.get(), gpu.get()};
+    for (int mode = 0; mode < 2; ++mode) {
+      model::LlamaModel& m = *models[mode];
+      m.set_selector(policy);
+      seqs[mode][0] = m.create_sequence();
+      m.prefill(seqs[mode][0], prompt, nullptr, nullptr, nullptr);
+      seqs[mode][1] = m.fork_sequence(seqs[mode][0]);
+      for (uint32_t step = 0; step < 24; ++step) {
+        int32_t next[2];
+        for (int b = 0; b < 2; ++b) {
+          const auto logits = m.logits(seqs[mode][b]);
+          next[b] = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                         logits.begin());
+        }
+        tokens[mode].push_back(next[0]);
+        EXPECT_EQ(next[0], next[1]) << "the two copies of the prompt diverged";
+        m.decode(seqs[mode], next);
+        if (mode == 1) {
+          const model::StepStats& s = m.stats().last_step;
+          EXPECT_GT(s.cache_hits + s.cache_misses, 0u);
+          EXPECT_GT(s.h2d_bytes, 0u);
+        }
+      }
+    }
+    // The last step's logits, after the same tokens in both modes.
+    const auto a = cpu->logits(seqs[0][0]), b = gpu->logits(seqs[1][0]);
+    const double worst = test::relative_error(b.data(), a.data(), a.size());
+    for (int mode = 0; mode < 2; ++mode)
+      for (int32_t id : seqs[mode]) models[mode]->free_sequence(id);
+    EXPECT_EQ(tokens[1], tokens[0]);
+    EXPECT_LE(worst, 1e-3);
+    std::printf("%s: %zu tokens equal in both modes; last logits relative error %.2e; hit rate of "
+                "the last step %.3f\n",
+                std::string(select::kind_name(policy.kind)).c_str(), tokens[0].size(), worst,
+                static_cast<double>(gpu->stats().last_step.cache_hits) /
+                    static_cast<double>(gpu->stats().last_step.cache_hits +
+                                        gpu->stats().last_step.cache_misses));
+  }
 }
 
 // Runs everywhere: the refusal comes before any device is touched.

@@ -229,7 +229,7 @@ TEST(S4r, the_model_runner_decodes_through_token_level_selectors) {
   louver.kind = Kind::louver;
   louver.budget = 0.3;
   EXPECT_EQ(greedy(louver, 3).size(), 3u);
-  EXPECT_GT(m->stats().last_step_tokens_read, 0u);
+  EXPECT_GT(m->stats().last_step.tokens_read, 0u);
 }
 
 // The real model's keys and values before RoPE, per layer: the relative reconstruction error of

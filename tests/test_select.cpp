@@ -518,7 +518,7 @@ TEST(Select, certified_bound_holds_on_real_model_keys) {
   m->set_observer(nullptr);
   EXPECT_EQ(check.pairs, 3u * m->config().n_layers * m->config().n_kv_heads);
   EXPECT_LE(check.worst_excess, 0.0);
-  EXPECT_LE(m->stats().last_step_dropped_bound, 1.0);
+  EXPECT_LE(m->stats().last_step.dropped_bound, 1.0);
   EXPECT_LT(check.pages_chosen, check.pages_stored / 3);
 }
 

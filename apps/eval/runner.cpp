@@ -88,10 +88,10 @@ ConfigResult Runner::decode(const Sample& sample, const Prompt& prompt, std::siz
       model_.decode({&fork.seq, 1}, {&next, 1});
       r.decode_seconds += seconds_since(step_start) - (probe_.totals().seconds - probe_before);
       r.steps += 1;
-      r.kv_bytes += model_.stats().last_step_kv_bytes_read;
-      r.tokens_per_pair += static_cast<double>(model_.stats().last_step_tokens_read) /
-                           static_cast<double>(model_.stats().last_step_pairs);
-      r.index_bytes += model_.stats().last_step_index_bytes_read;
+      r.kv_bytes += model_.stats().last_step.kv_bytes_read;
+      r.tokens_per_pair += static_cast<double>(model_.stats().last_step.tokens_read) /
+                           static_cast<double>(model_.stats().last_step.pairs);
+      r.index_bytes += model_.stats().last_step.index_bytes_read;
       next = greedy(model_.logits(fork.seq));
     }
   } catch (...) {

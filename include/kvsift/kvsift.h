@@ -376,6 +376,13 @@ typedef struct kvsift_model_params {
                              the model's matrix products, takes its thread count from there.
                              Default 0. */
   kvsift_isa isa;         /* Default AUTO. */
+  int device;             /* Offload mode: a CUDA device index, or -1 for the CPU only (default).
+                             The KV cache stays in host memory (pinned), selection runs on the
+                             CPU, and decode attention runs on the device over the selected pages,
+                             which a device page cache per layer holds between steps. UNSUPPORTED
+                             without CUDA in the build or a usable device. */
+  uint32_t device_cache_pages; /* Device cache pages per layer; 0 (default) = every page the
+                                  max_seqs sequences can reach. */
 } kvsift_model_params;
 
 KVSIFT_API void kvsift_model_params_init(kvsift_model_params* params);
@@ -431,6 +438,11 @@ KVSIFT_API int kvsift_token_is_end(const kvsift_model* model, int32_t token);
 
 KVSIFT_API kvsift_status kvsift_model_sequence_create(kvsift_model* model, int32_t* seq_id);
 KVSIFT_API kvsift_status kvsift_model_sequence_free(kvsift_model* model, int32_t seq_id);
+/* A new sequence holding a copy of src's tokens, K/V and logits: one prefill, many decodes.
+ * Errors: NOT_FOUND, CAPACITY_EXCEEDED (no free sequence or pages), UNSUPPORTED (src's pages were
+ * released by S4R). */
+KVSIFT_API kvsift_status kvsift_model_sequence_fork(kvsift_model* model, int32_t src,
+                                                    int32_t* seq_id);
 
 /* progress(done, total, user) is called after each prefill chunk, on the calling thread. */
 typedef void (*kvsift_progress_fn)(uint64_t done, uint64_t total, void* user);
@@ -470,6 +482,16 @@ typedef struct kvsift_model_stats {
   /* Host bytes the selector holds for tokens whose pages it released (S4R: coefficients, bases
    * and query windows); kv_bytes_held + selector_bytes_held is the whole KV footprint. */
   uint64_t selector_bytes_held;
+  /* The last decode step's time split, summed over layers, in microseconds: CPU selection and
+   * attention (offload mode: the device's page transfers and its kernel, event intervals). */
+  double last_step_select_us;
+  double last_step_transfer_us;
+  double last_step_attend_us;
+  /* Offload mode: the last step's bytes host to device (PCIe) and the device page cache's hits
+   * and misses, in (page, KV head) units. Zero on the CPU. */
+  uint64_t last_step_h2d_bytes;
+  uint64_t last_step_cache_hits;
+  uint64_t last_step_cache_misses;
 } kvsift_model_stats;
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,

@@ -47,20 +47,44 @@ struct AttendStats {
   uint64_t bytes_read = 0;   // K + V bytes
 };
 
-class DecodeAttention {
+// Where decode attention runs, one interface over the two places (DESIGN.md section 6, "one
+// interface across CPU-only and GPU-offload modes"): DecodeAttention below attends on the CPU;
+// OffloadAttention (lib/offload/offload_attention.hpp) keeps the KV cache in host memory and
+// attends on a CUDA device over the pages it moved there. Both take the same AttendCall and write
+// the same output (to fp32 rounding), so the model runner and the C API hold an AttentionBackend
+// and need not care which. One virtual call per layer and step, never per token.
+class AttentionBackend {
+ public:
+  virtual ~AttentionBackend() = default;
+
+  // Throws Error naming the first bad argument, or the limit of this backend the call exceeds
+  // (unsupported, capacity_exceeded); writes nothing.
+  virtual void validate(const KvCache& cache, const AttendCall& call) const = 0;
+  // Writes call.out for a call validate() accepted against the same cache state. The CPU never
+  // fails here; a device may: Error{internal} naming the CUDA call, call.out unspecified.
+  virtual void attend(const KvCache& cache, const AttendCall& call) = 0;
+  // What the last attend() read: pages, tokens and K/V bytes summed over the pairs.
+  virtual const AttendStats& last_stats() const noexcept = 0;
+  // "cpu" or "cuda:<device>", for logs and summaries.
+  virtual const char* name() const noexcept = 0;
+};
+
+class DecodeAttention final : public AttentionBackend {
  public:
   // n_threads <= 0: the OpenMP default. Throws invalid_argument / out_of_memory.
   DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads);
 
   // Throws Error naming the first bad argument; writes nothing.
-  void validate(const KvCache& cache, const AttendCall& call) const;
+  void validate(const KvCache& cache, const AttendCall& call) const override;
   // The part of validate() a selector needs before it chooses the lists: layer, sizes, pointers
   // and sequence ids.
   void validate_sequences(const KvCache& cache, const AttendCall& call) const;
   // Requires a call that validate() accepted against the same cache state.
   void run(const KvCache& cache, const AttendCall& call) noexcept;
+  void attend(const KvCache& cache, const AttendCall& call) override { run(cache, call); }
 
-  const AttendStats& last_stats() const noexcept { return stats_; }
+  const AttendStats& last_stats() const noexcept override { return stats_; }
+  const char* name() const noexcept override { return "cpu"; }
   uint32_t max_batch() const noexcept { return max_batch_; }
   int n_threads() const noexcept { return n_threads_; }
 

@@ -229,6 +229,7 @@ void KvCache::release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page,
     }
   }
   seq.released[layer] = {first_page, end_page};
+  for (SealListener* listener : listeners_) listener->on_pages_released(seq_id, layer);
 }
 
 std::pair<uint64_t, uint64_t> KvCache::released_unchecked(int32_t seq_id,

@@ -36,13 +36,16 @@ struct SealedPage {
   const uint16_t* v;  // [page_tokens, head_dim]
 };
 
-// Told when pages seal (selectors build their per-page data then, off the decode path) and when a
-// sequence is freed. Called synchronously from append / free_sequence; must not throw.
+// Told when pages seal (selectors build their per-page data then, off the decode path), when a
+// sequence is freed and when pages are released (both give pool slots back, for later appends to
+// reuse: a copy of the pages elsewhere, such as the offload path's device cache, is stale then).
+// Called synchronously from append / free_sequence / release_pages; must not throw.
 class SealListener {
  public:
   virtual ~SealListener() = default;
   virtual void on_page_sealed(const SealedPage& page) noexcept = 0;
   virtual void on_sequence_freed(int32_t seq_id) noexcept = 0;
+  virtual void on_pages_released(int32_t /*seq_id*/, uint32_t /*layer*/) noexcept {}
 };
 
 class KvCache {

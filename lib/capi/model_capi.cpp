@@ -36,6 +36,8 @@ void kvsift_model_params_init(kvsift_model_params* params) {
   params->page_tokens = 16;
   params->n_threads = 0;
   params->isa = KVSIFT_ISA_AUTO;
+  params->device = -1;
+  params->device_cache_pages = 0;
 }
 
 kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* params,
@@ -56,6 +58,10 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
     options.page_tokens = params->page_tokens;
     options.n_threads = params->n_threads;
     options.isa = kvsift::capi::to_supported_isa(params->isa, "params->isa");
+    kvsift::require(params->device >= -1, "params->device=", params->device,
+                    " is neither -1 (CPU) nor a device index");
+    options.device = params->device;
+    options.device_cache_pages = params->device_cache_pages;
     auto handle = std::make_unique<kvsift_model>();
     handle->model = kvsift::model::LlamaModel::load(path, options);
     *out = handle.release();
@@ -143,6 +149,14 @@ kvsift_status kvsift_model_sequence_create(kvsift_model* model, int32_t* seq_id)
   });
 }
 
+kvsift_status kvsift_model_sequence_fork(kvsift_model* model, int32_t src, int32_t* seq_id) {
+  return guard(__func__, [&] {
+    require_pointer(model, "model");
+    require_pointer(seq_id, "seq_id");
+    *seq_id = model->model->fork_sequence(src);
+  });
+}
+
 kvsift_status kvsift_model_sequence_free(kvsift_model* model, int32_t seq_id) {
   return guard(__func__, [&] {
     require_pointer(model, "model");
@@ -195,12 +209,18 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
                                 s.decode_seconds,
                                 s.decode_attention_seconds,
                                 pool.in_use() * pool.slot_bytes(),
-                                s.last_step_kv_bytes_read,
-                                s.last_step_index_bytes_read,
-                                s.last_step_kept_estimate,
-                                s.last_step_dropped_bound,
+                                s.last_step.kv_bytes_read,
+                                s.last_step.index_bytes_read,
+                                s.last_step.kept_estimate,
+                                s.last_step.dropped_bound,
                                 model->model->selector().summary_bytes_per_page(),
-                                model->model->selector().held_bytes()};
+                                model->model->selector().held_bytes(),
+                                s.last_step.select_us,
+                                s.last_step.transfer_us,
+                                s.last_step.attend_us,
+                                s.last_step.h2d_bytes,
+                                s.last_step.cache_hits,
+                                s.last_step.cache_misses};
   });
 }
 

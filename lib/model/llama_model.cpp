@@ -117,6 +117,8 @@ CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& op
   // runner uses for queries, and a selector that works before RoPE (S4R) can read them back.
   o.key_form = KeyForm::pre_rope;
   o.rope_theta = config.rope_theta;
+  // The offload path's device reads pages straight from the pool over PCIe.
+  o.pinned = options.device >= 0;
   return o;
 }
 
@@ -137,6 +139,23 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
   if (options.n_threads > 0) omp_set_num_threads(options.n_threads);
+  attention_ = &decode_attention_;
+  if (options.device >= 0) {
+    // A pair never lists more pages than a sequence holds, nor more token rows than its tokens.
+    const uint64_t pages_per_pair = cache_.geometry().pages_for(n_ctx_);
+    const uint64_t all_pages = uint64_t{options.max_seqs} * config.n_kv_heads * pages_per_pair;
+    require(all_pages <= (1u << 30), "max_seqs * n_kv_heads * pages per sequence=", all_pages,
+            " is too large for the offload mode's device cache");
+    OffloadOptions o;
+    o.device = options.device;
+    o.max_batch = options.max_seqs;
+    o.max_pages_per_pair = pages_per_pair;
+    o.max_row_chunks = all_pages;
+    o.cache_pages = options.device_cache_pages != 0 ? options.device_cache_pages
+                                                    : static_cast<uint32_t>(all_pages);
+    offload_ = OffloadAttention::create(cache_, o);
+    attention_ = offload_.get();
+  }
   set_selector(select::Policy{});
   const uint32_t E = config.n_embd, qdim = config.n_heads * config.head_dim,
                  kvdim = config.n_kv_heads * config.head_dim;
@@ -413,30 +432,57 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   call.out = attn_.data();
   PageLists lists;
   RowChunks rows;
-  call.pages = &lists;
-  uint64_t bytes_read = 0, tokens_read = 0, index_bytes = 0, pairs = 0;
-  double kept_sum = 0.0, worst_bound = 0.0;
+  StepStats step;
+  double kept_sum = 0.0;
   blocks(n, positions.data(), [&](uint32_t l) {
     const auto a0 = Clock::now();
     for (uint32_t r = 0; r < n; ++r)
       cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
                     v_.data() + std::size_t{r} * kvdim);
-    const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
-    selector_->prepare(select_call, selection_);
-    selector_->select(select_call, selection_);
-    // After prepare(): it may have grown the row storage.
-    lists = selection_.lists();
-    rows = selection_.rows();
-    call.rows = selection_.has_rows ? &rows : nullptr;
     call.layer = l;
-    decode_attention_.validate(cache_, call);
-    decode_attention_.run(cache_, call);
-    bytes_read += decode_attention_.last_stats().bytes_read;
-    tokens_read += decode_attention_.last_stats().tokens_read;
-    index_bytes += selection_.index_bytes_read;
-    kept_sum += selection_.kept_estimate_sum();
-    worst_bound = select::worse_bound(worst_bound, selection_.worst_dropped_bound());
-    pairs += selection_.n_pairs;
+    if (offload_ != nullptr && observer_ == nullptr) {
+      // Selection of one part of the batch overlaps the device's work on the previous part. An
+      // observer needs the whole batch's selection at once, so it gets the sequential path.
+      offload_->step(*selector_, selection_, cache_, call);
+      const OffloadStats& s = offload_->last_step();
+      step.index_bytes_read += s.index_bytes_read;
+      step.pairs += s.pairs;
+      kept_sum += s.kept_estimate_sum;
+      step.dropped_bound =
+          select::worse_bound(step.dropped_bound, s.dropped_bound);
+      step.select_us += s.select_us;
+      step.overlap_us += s.overlap_us;
+    } else {
+      const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
+      const auto s0 = Clock::now();
+      selector_->prepare(select_call, selection_);
+      selector_->select(select_call, selection_);
+      step.select_us += 1e6 * seconds_since(s0);
+      // After prepare(): it may have grown the row storage.
+      lists = selection_.lists();
+      rows = selection_.rows();
+      call.pages = &lists;
+      call.rows = selection_.has_rows ? &rows : nullptr;
+      attention_->validate(cache_, call);
+      const auto t0 = Clock::now();
+      attention_->attend(cache_, call);
+      if (offload_ == nullptr) step.attend_us += 1e6 * seconds_since(t0);
+      step.index_bytes_read += selection_.index_bytes_read;
+      step.pairs += selection_.n_pairs;
+      kept_sum += selection_.kept_estimate_sum();
+      step.dropped_bound =
+          select::worse_bound(step.dropped_bound, selection_.worst_dropped_bound());
+    }
+    step.kv_bytes_read += attention_->last_stats().bytes_read;
+    step.tokens_read += attention_->last_stats().tokens_read;
+    if (offload_ != nullptr) {
+      const OffloadStats& s = offload_->last_step();
+      step.transfer_us += s.transfer_us;
+      step.attend_us += s.attend_us;
+      step.h2d_bytes += s.bytes_h2d;
+      step.cache_hits += s.hits;
+      step.cache_misses += s.misses;
+    }
     attention_seconds += seconds_since(a0);
     if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q_.data(), selection_, attn_.data());
   });
@@ -445,12 +491,8 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   stats_.decode_tokens += n;
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;
-  stats_.last_step_kv_bytes_read = bytes_read;
-  stats_.last_step_tokens_read = tokens_read;
-  stats_.last_step_index_bytes_read = index_bytes;
-  stats_.last_step_pairs = pairs;
-  stats_.last_step_kept_estimate = pairs > 0 ? kept_sum / static_cast<double>(pairs) : 1.0;
-  stats_.last_step_dropped_bound = worst_bound;
+  step.kept_estimate = step.pairs > 0 ? kept_sum / static_cast<double>(step.pairs) : 1.0;
+  stats_.last_step = step;
 }
 
 std::span<const float> LlamaModel::logits(int32_t seq_id) const {

@@ -23,6 +23,7 @@
 #include "lib/core/matmul.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/tokenizer.hpp"
+#include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
 
 namespace kvsift::model {
@@ -50,6 +51,34 @@ struct ModelOptions {
   uint32_t page_tokens = 16;
   int n_threads = 0;  // 0 = OpenMP default
   simd::Isa isa = simd::Isa::avx512;
+  // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the KV cache stays in
+  // host memory (pinned), selection runs on the CPU and decode attention runs on the device over
+  // the selected pages and rows (lib/offload/offload_attention.hpp).
+  int device = -1;
+  // Device page cache slots per layer; 0 holds every page the sequences can reach (the KV of
+  // max_seqs * n_ctx tokens per layer), so that after the prompt only the pages that change move.
+  uint32_t device_cache_pages = 0;
+};
+
+// One decode step, summed over its layers (and sequences).
+struct StepStats {
+  uint64_t kv_bytes_read = 0;     // K/V bytes the attention read
+  uint64_t tokens_read = 0;       // tokens attended, summed over layers and KV heads
+  uint64_t index_bytes_read = 0;  // what the selector read
+  uint64_t pairs = 0;             // (sequence, layer, KV head) pairs
+  double kept_estimate = 1.0;     // the estimated share of mass kept, averaged over the pairs
+  double dropped_bound = 0.0;     // the largest proven bound on the dropped share (NaN: none)
+  // Time, in microseconds: CPU selection, and attention (CPU: the kernel; offload: the device's
+  // transfers and its kernel, each an event interval).
+  double select_us = 0.0;
+  double transfer_us = 0.0;
+  double attend_us = 0.0;
+  // Offload mode only: selection time hidden behind device work, bytes host to device (pages,
+  // rows, q, lists), and the device page cache's hits and misses (pages).
+  double overlap_us = 0.0;
+  uint64_t h2d_bytes = 0;
+  uint64_t cache_hits = 0;
+  uint64_t cache_misses = 0;
 };
 
 struct ModelStats {
@@ -58,15 +87,7 @@ struct ModelStats {
   uint64_t decode_tokens = 0;  // tokens decoded (summed over sequences)
   double decode_seconds = 0;
   double decode_attention_seconds = 0;
-  // The last decode step, summed over its layers (and sequences): K/V bytes the attention read,
-  // index bytes the selector read, (sequence, layer, KV head) pairs, the estimated share of mass
-  // kept averaged over them, and the largest proven bound on the dropped share (NaN: none proven).
-  uint64_t last_step_kv_bytes_read = 0;
-  uint64_t last_step_tokens_read = 0;  // tokens attended, summed over layers and KV heads
-  uint64_t last_step_index_bytes_read = 0;
-  uint64_t last_step_pairs = 0;
-  double last_step_kept_estimate = 1.0;
-  double last_step_dropped_bound = 0.0;
+  StepStats last_step;
 };
 
 // Sees every layer of every decode step after its attention ran: the evaluation measures
@@ -90,6 +111,8 @@ class LlamaModel {
   const KvCache& cache() const noexcept { return cache_; }
   const ModelStats& stats() const noexcept { return stats_; }
   uint32_t n_ctx() const noexcept { return n_ctx_; }
+  // Where decode attention runs: "cpu" or "cuda:<device>".
+  const char* attention_backend() const noexcept { return attention_->name(); }
 
   int32_t create_sequence();
   // A new sequence holding a copy of src's tokens, K/V and logits (one prefill, many decodes).
@@ -156,6 +179,8 @@ class LlamaModel {
 
   KvCache cache_;
   DecodeAttention decode_attention_;
+  std::unique_ptr<OffloadAttention> offload_;  // offload mode; after cache_, which it listens to
+  AttentionBackend* attention_ = nullptr;      // decode_attention_ or offload_
   std::unique_ptr<select::Selector> selector_;
   select::Selection selection_;
   DecodeObserver* observer_ = nullptr;

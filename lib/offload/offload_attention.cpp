@@ -32,8 +32,12 @@ void check(const gpu::Result& r, const char* what) {
        r.message);
 }
 
-// The events of a call: start, transfers enqueued, attention done, output back.
-constexpr uint32_t kStart = 0, kTransferred = 1, kAttended = 2, kDone = 3;
+// The events: per part p, 3p (start), 3p + 1 (transfers enqueued), 3p + 2 (attention done); then
+// the output back.
+constexpr uint32_t kDone = gpu::StepStream::kEvents - 1;
+constexpr uint32_t part_event(uint32_t part, uint32_t which) {
+  return 3 * part + which;
+}
 
 }  // namespace
 
@@ -60,6 +64,11 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
           "OffloadOptions.cache_pages=", options.cache_pages, " is not in ", listed,
           "..2^31 (at least max_batch * n_kv_heads * max_pages_per_pair, so that a call never "
           "needs more pages than the device cache holds)");
+  require(options.step_parts >= 1 && options.step_parts <= kMaxParts, "OffloadOptions.step_parts=",
+          options.step_parts, " is not in 1..", kMaxParts);
+  require(options.max_row_chunks <= (uint64_t{1} << 31) - options.cache_pages,
+          "OffloadOptions.max_row_chunks=", options.max_row_chunks,
+          " with cache_pages does not fit 2^31 device slots");
   int n_devices = 0;
   check(gpu::device_count(&n_devices), "device query");
   require(options.device >= 0 && options.device < n_devices,
@@ -80,9 +89,14 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
     : cache_(cache),
       options_(options),
       geometry_(cache.geometry()),
+      name_("cuda:" + std::to_string(options.device)),
       max_pairs_(options.max_batch * geometry_.n_kv_heads),
       max_listed_(uint64_t{max_pairs_} * options.max_pages_per_pair),
+      max_tokens_(options.max_row_chunks == 0
+                      ? 0
+                      : (max_listed_ + options.max_row_chunks) * geometry_.page_tokens),
       checker_(geometry_, options.max_batch, 1) {
+  static_assert(3 * kMaxParts < gpu::StepStream::kEvents, "3 events per part and kDone");
   check(stream_.init(), "stream");
   const gpu::AttentionShape shape{geometry_.n_kv_heads, geometry_.group_size, geometry_.head_dim,
                                   geometry_.page_tokens, geometry_.dtype};
@@ -92,6 +106,7 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
     gpu::PageCacheConfig config;
     config.slot_bytes = geometry_.slot_bytes();
     config.capacity = options.cache_pages;
+    config.reserved_slots = static_cast<uint32_t>(options.max_row_chunks);
     config.host_pool = cache.pool().base();
     config.host_slots = cache.pool().capacity();
     config.policy = options.eviction;
@@ -99,32 +114,50 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
     check(layer_cache.init(config), "device page cache");
   }
 
+  const std::size_t slot_bytes = geometry_.slot_bytes();
   const std::size_t qo_elems =
       std::size_t{options.max_batch} * geometry_.n_query_heads() * geometry_.head_dim;
-  const std::size_t list_words = 2 * std::size_t{max_pairs_} + 1 + max_listed_;
   const std::size_t refresh_bytes = round_up(max_listed_ * sizeof(gpu::PageMove), 256);
-  const std::size_t list_bytes = round_up(list_words * sizeof(uint32_t), 256);
+  const std::size_t list_bytes =
+      round_up((2 * std::size_t{max_pairs_} + 1 + max_listed_) * sizeof(uint32_t), 256);
+  const std::size_t token_list_bytes =
+      max_tokens_ == 0 ? 0
+                       : round_up((std::size_t{max_pairs_} + 1) * sizeof(uint32_t) +
+                                      max_tokens_ * sizeof(gpu::TokenAddress),
+                                  256);
+  const std::size_t rows_bytes = options.max_row_chunks * slot_bytes;
   const std::size_t qo_bytes = round_up(qo_elems * sizeof(float), 256);
+  const uint32_t parts = options.step_parts;
+  const std::size_t part_pinned = refresh_bytes + list_bytes + token_list_bytes + rows_bytes;
+  const std::size_t part_device = list_bytes + token_list_bytes;
   void* pinned = nullptr;
-  check(gpu::pinned_alloc(refresh_bytes + list_bytes + 2 * qo_bytes, &pinned), "pinned buffers");
+  check(gpu::pinned_alloc(parts * part_pinned + 2 * qo_bytes, &pinned), "pinned buffers");
   pinned_.reset(pinned);
-  auto* p = static_cast<std::byte*>(pinned);
-  refresh_ = reinterpret_cast<gpu::PageMove*>(p);
-  lists_ = reinterpret_cast<uint32_t*>(p + refresh_bytes);
-  q_host_ = reinterpret_cast<float*>(p + refresh_bytes + list_bytes);
-  out_host_ = reinterpret_cast<float*>(p + refresh_bytes + list_bytes + qo_bytes);
-  const void* refresh_view = nullptr;
-  check(gpu::mapped_device_pointer(refresh_, &refresh_view), "refresh list view");
-  refresh_device_ = static_cast<const gpu::PageMove*>(refresh_view);
   void* dev = nullptr;
-  check(gpu::device_alloc(list_bytes + 2 * qo_bytes, &dev), "device buffers");
+  check(gpu::device_alloc(parts * part_device + 2 * qo_bytes, &dev), "device buffers");
   device_.reset(dev);
+  auto* p = static_cast<std::byte*>(pinned);
   auto* d = static_cast<std::byte*>(dev);
-  lists_device_ = reinterpret_cast<uint32_t*>(d);
-  q_device_ = reinterpret_cast<float*>(d + list_bytes);
-  out_device_ = reinterpret_cast<float*>(d + list_bytes + qo_bytes);
+  for (uint32_t i = 0; i < parts; ++i) {
+    Part& part = parts_[i];
+    part.refresh = reinterpret_cast<gpu::PageMove*>(p);
+    part.lists = reinterpret_cast<uint32_t*>(p + refresh_bytes);
+    part.token_lists = reinterpret_cast<uint32_t*>(p + refresh_bytes + list_bytes);
+    part.rows = p + refresh_bytes + list_bytes + token_list_bytes;
+    part.lists_device = reinterpret_cast<uint32_t*>(d);
+    part.token_lists_device = reinterpret_cast<uint32_t*>(d + list_bytes);
+    const void* refresh_view = nullptr;
+    check(gpu::mapped_device_pointer(part.refresh, &refresh_view), "refresh list view");
+    part.refresh_device = static_cast<const gpu::PageMove*>(refresh_view);
+    part.lists[0] = 0;  // attended_*() before the first run(): nothing
+    p += part_pinned;
+    d += part_device;
+  }
+  q_host_ = reinterpret_cast<float*>(p);
+  out_host_ = reinterpret_cast<float*>(p + qo_bytes);
+  q_device_ = reinterpret_cast<float*>(d);
+  out_device_ = reinterpret_cast<float*>(d + qo_bytes);
 
-  lists_[0] = 0;  // attended_*() before the first run(): nothing
   host_slots_.resize(max_listed_);
   const std::size_t tracked = std::size_t{geometry_.n_layers} * options.cache_pages;
   copied_epoch_.assign(tracked, 0);
@@ -132,13 +165,17 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   cache_.add_seal_listener(this);
 }
 
-// Nothing is in flight when the buffers go: run() returns only after its stream drained.
+// Nothing is in flight when the buffers go: run() and step() return only after the stream drained.
 OffloadAttention::~OffloadAttention() {
   cache_.remove_seal_listener(this);
 }
 
+// Their slots go back to the pool and later appends reuse them: every cached copy is suspect.
 void OffloadAttention::on_sequence_freed(int32_t) noexcept {
-  // Its slots go back to the pool and later appends reuse them: every cached copy is suspect.
+  ++epoch_;
+}
+
+void OffloadAttention::on_pages_released(int32_t, uint32_t) noexcept {
   ++epoch_;
 }
 
@@ -146,14 +183,10 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
   require(&cache == &cache_, "OffloadAttention: cache is not the one it was created with");
   checker_.validate(cache, call);
   const uint32_t pairs = call.n_seqs * geometry_.n_kv_heads;
-  if (call.rows != nullptr && call.rows->chunk_offsets[pairs] > 0)
-    fail(Status::unsupported,
-         "OffloadAttention: row chunks (the token rows of Louver and S4R) are not offloaded yet; "
-         "attend such selections on the CPU (DecodeAttention)");
-  if (cache.has_released_pages())
-    fail(Status::unsupported,
-         "OffloadAttention: the cache holds released (compressed) pages, whose reused slots the "
-         "device cache cannot tell apart; attend it on the CPU");
+  const uint64_t chunks = call.rows != nullptr ? call.rows->chunk_offsets[pairs] : 0;
+  if (chunks > options_.max_row_chunks)
+    fail(Status::capacity_exceeded, "OffloadAttention: the call's row chunks (", chunks,
+         ") exceed OffloadOptions.max_row_chunks=", options_.max_row_chunks);
   for (uint32_t pair = 0; pair < pairs; ++pair) {
     const uint64_t n = call.pages ? call.pages->offsets[pair + 1] - call.pages->offsets[pair]
                                   : geometry_.pages_for(cache.length_unchecked(
@@ -166,21 +199,19 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
 
 void OffloadAttention::fail_run(const gpu::Result& r) noexcept {
   error_ = r.message;
-  // Drain what was enqueued, so that the buffers are free for the next call.
+  drain();
+}
+
+void OffloadAttention::drain() noexcept {
   if (stream_.mark(kDone).ok) stream_.wait(kDone);
 }
 
-Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexcept {
-  const Clock::time_point t0 = Clock::now();
-  // The calling thread's current device may differ from create()'s (the runtime keeps it per
-  // thread); the stream and the buffers belong to create()'s.
-  if (gpu::Result r = gpu::set_device(options_.device); !r.ok) {
-    error_ = r.message;
-    return Status::internal;
-  }
+gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& call, uint32_t part_index,
+                                      uint32_t row0, PartCounts& counts) noexcept {
+  Part& part = parts_[part_index];
   const uint32_t H = geometry_.n_kv_heads, B = geometry_.page_tokens;
   const uint32_t pairs = call.n_seqs * H;
-  uint32_t* offsets = lists_;
+  uint32_t* offsets = part.lists;
   uint32_t* last_tokens = offsets + max_pairs_ + 1;
   uint32_t* device_slots = last_tokens + max_pairs_;
 
@@ -204,21 +235,21 @@ Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexc
         n > offsets[pair] ? static_cast<uint32_t>(std::min<uint64_t>(B, length - last_id * B)) : B;
   }
   offsets[pairs] = n;
+  last_part_ = part_index;
   last_pairs_ = pairs;
 
-  const std::size_t qo_bytes =
-      std::size_t{call.n_seqs} * geometry_.n_query_heads() * geometry_.head_dim * sizeof(float);
-  gpu::Result r = stream_.mark(kStart);
+  const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
+  const std::size_t q_bytes = call.n_seqs * q_row * sizeof(float);
+  float* q_host = q_host_ + row0 * q_row;
+  float* q_device = q_device_ + row0 * q_row;
+  gpu::Result r = stream_.mark(part_event(part_index, 0));
   if (r.ok) {
-    std::memcpy(q_host_, call.q, qo_bytes);
-    r = stream_.copy_to_device(q_device_, q_host_, qo_bytes);
+    std::memcpy(q_host, call.q, q_bytes);
+    r = stream_.copy_to_device(q_device, q_host, q_bytes);
   }
   gpu::DevicePageCache& layer_cache = caches_[call.layer];
   if (r.ok) r = layer_cache.ensure(host_slots_.data(), n, device_slots, stream_.handle());
-  if (!r.ok) {
-    fail_run(r);
-    return Status::internal;
-  }
+  if (!r.ok) return r;
 
   // Pages cached earlier whose host copy has since changed go again, after the misses.
   const std::size_t base = std::size_t{call.layer} * options_.cache_pages;
@@ -234,56 +265,125 @@ Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexc
       const uint32_t slot = device_slots[i];
       const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
       if (tokens[slot] != kFresh && (epoch[slot] != epoch_ || tokens[slot] < held))
-        refresh_[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
+        part.refresh[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
       tokens[slot] = held;
       epoch[slot] = epoch_;
     }
-  void* pool = const_cast<void*>(layer_cache.device_pool());
-  r = stream_.refresh_pages(host_pool_device_, pool, geometry_.slot_bytes(), refresh_device_,
-                            n_refresh);
-  const std::size_t list_bytes = (2 * std::size_t{max_pairs_} + 1 + n) * sizeof(uint32_t);
-  if (r.ok) r = stream_.copy_to_device(lists_device_, lists_, list_bytes);
-  if (r.ok) r = stream_.mark(kTransferred);
+  auto* pool = static_cast<std::byte*>(const_cast<void*>(layer_cache.device_pool()));
+  const std::size_t slot_bytes = geometry_.slot_bytes();
+  r = stream_.refresh_pages(host_pool_device_, pool, slot_bytes, part.refresh_device, n_refresh);
+
+  const uint64_t chunks = call.rows != nullptr ? call.rows->chunk_offsets[pairs] : 0;
+  std::size_t list_bytes = 0;
+  if (chunks == 0) {
+    list_bytes = (2 * std::size_t{max_pairs_} + 1 + n) * sizeof(uint32_t);
+    if (r.ok) r = stream_.copy_to_device(part.lists_device, part.lists, list_bytes);
+  } else {
+    // Token form: each pair's page rows, then its chunks' rows from the reserved slots.
+    const uint32_t row_base = layer_cache.capacity();
+    uint32_t* token_offsets = part.token_lists;
+    auto* addresses = reinterpret_cast<gpu::TokenAddress*>(token_offsets + max_pairs_ + 1);
+    uint32_t t = 0;
+    for (uint32_t pair = 0; pair < pairs; ++pair) {
+      token_offsets[pair] = t;
+      for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
+        const uint32_t rows = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
+        for (uint32_t row = 0; row < rows; ++row) addresses[t++] = {device_slots[i], row};
+      }
+      const uint32_t first = call.rows->chunk_offsets[pair];
+      for (uint32_t row = 0; row < call.rows->row_counts[pair]; ++row)
+        addresses[t++] = {row_base + first + row / B, row % B};
+    }
+    token_offsets[pairs] = t;
+    std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
+    if (r.ok) r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
+    list_bytes = (std::size_t{max_pairs_} + 1) * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);
+    if (r.ok) r = stream_.copy_to_device(part.token_lists_device, part.token_lists, list_bytes);
+    counts.tokens += t;
+  }
+  if (r.ok) r = stream_.mark(part_event(part_index, 1));
   if (r.ok) {
-    uint32_t* offsets_device = lists_device_;
-    uint32_t* last_device = offsets_device + max_pairs_ + 1;
-    uint32_t* slots_device = last_device + max_pairs_;
-    gpu::PageAttendCall attend;
-    attend.target = gpu::AttendTarget{call.n_seqs, pool,        layer_cache.capacity(),
-                                      q_device_,   out_device_, stream_.handle()};
-    attend.host = gpu::PageLists{offsets, device_slots, last_tokens};
-    attend.device = gpu::PageLists{offsets_device, slots_device, last_device};
-    r = attention_.run(attend);
+    const gpu::AttendTarget target{call.n_seqs,
+                                   pool,
+                                   uint64_t{layer_cache.capacity()} + options_.max_row_chunks,
+                                   q_device,
+                                   out_device_ + row0 * q_row,
+                                   stream_.handle()};
+    if (chunks == 0) {
+      uint32_t* offsets_device = part.lists_device;
+      uint32_t* last_device = offsets_device + max_pairs_ + 1;
+      gpu::PageAttendCall attend;
+      attend.target = target;
+      attend.host = gpu::PageLists{offsets, device_slots, last_tokens};
+      attend.device = gpu::PageLists{offsets_device, last_device + max_pairs_, last_device};
+      r = attention_.run(attend);
+      for (uint32_t pair = 0; pair < pairs; ++pair)
+        if (offsets[pair + 1] > offsets[pair])
+          counts.tokens += uint64_t{offsets[pair + 1] - offsets[pair] - 1} * B + last_tokens[pair];
+    } else {
+      const uint32_t* token_offsets = part.token_lists;
+      gpu::TokenAttendCall attend;
+      attend.target = target;
+      attend.host = gpu::TokenLists{
+          token_offsets,
+          reinterpret_cast<const gpu::TokenAddress*>(token_offsets + max_pairs_ + 1)};
+      attend.device = gpu::TokenLists{
+          part.token_lists_device,
+          reinterpret_cast<const gpu::TokenAddress*>(part.token_lists_device + max_pairs_ + 1)};
+      r = attention_.run(attend);
+    }
   }
-  if (r.ok) r = stream_.mark(kAttended);
-  if (r.ok) r = stream_.copy_to_host(out_host_, out_device_, qo_bytes);
-  if (r.ok) r = stream_.mark(kDone);
-  const Clock::time_point t_enqueued = Clock::now();
-  if (r.ok) r = stream_.wait(kDone);
-  if (!r.ok) {
-    fail_run(r);
-    return Status::internal;
-  }
-  std::memcpy(call.out, out_host_, qo_bytes);
-  const Clock::time_point t_end = Clock::now();
+  if (r.ok) r = stream_.mark(part_event(part_index, 2));
 
   const gpu::TransferStats& moved = layer_cache.last_step();
+  counts.listed += n;
+  counts.hits += moved.hits;
+  counts.misses += moved.misses;
+  counts.evictions += moved.evictions;
+  counts.refreshed += n_refresh;
+  const uint64_t page_bytes = moved.bytes_moved + uint64_t{n_refresh} * slot_bytes;
+  counts.page_bytes_h2d += page_bytes;
+  counts.bytes_h2d += page_bytes + chunks * slot_bytes + q_bytes + list_bytes;
+  return r;
+}
+
+gpu::Result OffloadAttention::finish(uint32_t n_seqs, float* out) noexcept {
+  const std::size_t bytes =
+      std::size_t{n_seqs} * geometry_.n_query_heads() * geometry_.head_dim * sizeof(float);
+  gpu::Result r = stream_.copy_to_host(out_host_, out_device_, bytes);
+  if (r.ok) r = stream_.mark(kDone);
+  if (r.ok) r = stream_.wait(kDone);
+  if (r.ok) std::memcpy(out, out_host_, bytes);
+  return r;
+}
+
+void OffloadAttention::record(uint32_t parts, const PartCounts& counts, double host_us,
+                              double total_us, uint32_t n_seqs) noexcept {
   last_ = OffloadStats{};
   last_.calls = 1;
-  last_.pages_listed = n;
-  last_.hits = moved.hits;
-  last_.misses = moved.misses;
-  last_.evictions = moved.evictions;
-  last_.refreshed = n_refresh;
-  last_.page_bytes_h2d = moved.bytes_moved + uint64_t{n_refresh} * geometry_.slot_bytes();
-  last_.bytes_h2d = last_.page_bytes_h2d + qo_bytes + list_bytes;
-  last_.bytes_d2h = qo_bytes;
-  last_.host_us = micros(t0, t_enqueued);
-  last_.transfer_us = 1e3 * stream_.elapsed_ms(kStart, kTransferred);
-  last_.attend_us = 1e3 * stream_.elapsed_ms(kTransferred, kAttended);
-  last_.copy_out_us = 1e3 * stream_.elapsed_ms(kAttended, kDone);
-  last_.total_us = micros(t0, t_end);
-  totals_.calls += 1;
+  last_.pages_listed = counts.listed;
+  last_.hits = counts.hits;
+  last_.misses = counts.misses;
+  last_.evictions = counts.evictions;
+  last_.refreshed = counts.refreshed;
+  last_.page_bytes_h2d = counts.page_bytes_h2d;
+  last_.bytes_h2d = counts.bytes_h2d;
+  last_.bytes_d2h =
+      std::size_t{n_seqs} * geometry_.n_query_heads() * geometry_.head_dim * sizeof(float);
+  for (uint32_t p = 0; p < parts; ++p) {
+    last_.transfer_us += 1e3 * stream_.elapsed_ms(part_event(p, 0), part_event(p, 1));
+    last_.attend_us += 1e3 * stream_.elapsed_ms(part_event(p, 1), part_event(p, 2));
+  }
+  last_.copy_out_us = 1e3 * stream_.elapsed_ms(part_event(parts - 1, 2), kDone);
+  last_.host_us = host_us;
+  last_.total_us = total_us;
+  attend_stats_.pages_read = counts.listed;
+  attend_stats_.tokens_read = counts.tokens;
+  attend_stats_.bytes_read = counts.tokens * geometry_.token_bytes();
+}
+
+void OffloadAttention::add_to_totals() noexcept {
+  totals_.calls += last_.calls;
   totals_.pages_listed += last_.pages_listed;
   totals_.hits += last_.hits;
   totals_.misses += last_.misses;
@@ -292,50 +392,126 @@ Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexc
   totals_.page_bytes_h2d += last_.page_bytes_h2d;
   totals_.bytes_h2d += last_.bytes_h2d;
   totals_.bytes_d2h += last_.bytes_d2h;
+  totals_.pairs += last_.pairs;
+  totals_.index_bytes_read += last_.index_bytes_read;
+  totals_.kept_estimate_sum += last_.kept_estimate_sum;
+  totals_.dropped_bound = select::worse_bound(totals_.dropped_bound, last_.dropped_bound);
+  totals_.select_us += last_.select_us;
+  totals_.overlap_us += last_.overlap_us;
   totals_.host_us += last_.host_us;
   totals_.transfer_us += last_.transfer_us;
   totals_.attend_us += last_.attend_us;
   totals_.copy_out_us += last_.copy_out_us;
   totals_.total_us += last_.total_us;
+}
+
+Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexcept {
+  const Clock::time_point t0 = Clock::now();
+  // The calling thread's current device may differ from create()'s (the runtime keeps it per
+  // thread); the stream and the buffers belong to create()'s.
+  gpu::Result r = gpu::set_device(options_.device);
+  PartCounts counts;
+  if (r.ok) r = enqueue(cache, call, 0, 0, counts);
+  const Clock::time_point t_enqueued = Clock::now();
+  if (r.ok) r = finish(call.n_seqs, call.out);
+  if (!r.ok) {
+    fail_run(r);
+    return Status::internal;
+  }
+  record(1, counts, micros(t0, t_enqueued), micros(t0, Clock::now()), call.n_seqs);
+  add_to_totals();
   return Status::ok;
+}
+
+void OffloadAttention::attend(const KvCache& cache, const AttendCall& call) {
+  if (run(cache, call) != Status::ok) fail(Status::internal, "OffloadAttention: ", error_);
 }
 
 void OffloadAttention::step(select::Selector& selector, select::Selection& selection,
                             const KvCache& cache, const AttendCall& call) {
   checker_.validate_sequences(cache, call);
-  const select::SelectCall select_call{call.layer, call.n_seqs, call.seq_ids, call.q};
   const Clock::time_point t0 = Clock::now();
-  selector.prepare(select_call, selection);
-  selector.select(select_call, selection);
-  const double select_us = micros(t0, Clock::now());
-  const PageLists lists = selection.lists();
-  const RowChunks rows = selection.rows();
-  AttendCall attend = call;
-  attend.pages = &lists;
-  attend.rows = selection.has_rows ? &rows : nullptr;
-  validate(cache, attend);
-  if (run(cache, attend) != Status::ok) fail(Status::internal, "OffloadAttention: ", error_);
+  check(gpu::set_device(options_.device), "set device");
+  const uint32_t parts = std::min(options_.step_parts, call.n_seqs);
+  const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
+  PartCounts counts;
+  OffloadStats telemetry;
+  double select_us = 0.0, host_us = 0.0;
+  for (uint32_t p = 0, row0 = 0; p < parts; ++p) {
+    const uint32_t rows = call.n_seqs / parts + (p < call.n_seqs % parts ? 1 : 0);
+    AttendCall part = call;
+    part.n_seqs = rows;
+    part.seq_ids = call.seq_ids + row0;
+    part.q = call.q + row0 * q_row;
+    const select::SelectCall select_call{call.layer, rows, part.seq_ids, part.q};
+    const Clock::time_point s0 = Clock::now();
+    try {
+      selector.prepare(select_call, selection);
+    } catch (...) {
+      // What is already enqueued reads buffers this object owns: let it finish first.
+      drain();
+      throw;
+    }
+    selector.select(select_call, selection);
+    const Clock::time_point s1 = Clock::now();
+    select_us += micros(s0, s1);
+    telemetry.pairs += selection.n_pairs;
+    telemetry.index_bytes_read += selection.index_bytes_read;
+    telemetry.kept_estimate_sum += selection.kept_estimate_sum();
+    telemetry.dropped_bound =
+        select::worse_bound(telemetry.dropped_bound, selection.worst_dropped_bound());
+    const PageLists lists = selection.lists();
+    const RowChunks chunk_rows = selection.rows();
+    part.pages = &lists;
+    part.rows = selection.has_rows ? &chunk_rows : nullptr;
+    try {
+      validate(cache, part);
+    } catch (...) {
+      drain();
+      throw;
+    }
+    if (gpu::Result r = enqueue(cache, part, p, row0, counts); !r.ok) {
+      fail_run(r);
+      fail(Status::internal, "OffloadAttention: ", error_);
+    }
+    host_us += micros(s1, Clock::now());
+    row0 += rows;
+  }
+  if (gpu::Result r = finish(call.n_seqs, call.out); !r.ok) {
+    fail_run(r);
+    fail(Status::internal, "OffloadAttention: ", error_);
+  }
+  const double total_us = micros(t0, Clock::now());
+  record(parts, counts, host_us, total_us, call.n_seqs);
+  last_.pairs = telemetry.pairs;
+  last_.index_bytes_read = telemetry.index_bytes_read;
+  last_.kept_estimate_sum = telemetry.kept_estimate_sum;
+  last_.dropped_bound = telemetry.dropped_bound;
   last_.select_us = select_us;
-  totals_.select_us += select_us;
+  const double device_us = last_.transfer_us + last_.attend_us + last_.copy_out_us;
+  last_.overlap_us = std::max(0.0, select_us + device_us - total_us);
+  add_to_totals();
 }
 
 std::span<const uint32_t> OffloadAttention::attended_offsets() const noexcept {
-  return {lists_, last_pairs_ + std::size_t{1}};
+  return {parts_[last_part_].lists, last_pairs_ + std::size_t{1}};
 }
 
 std::span<const uint32_t> OffloadAttention::attended_host_slots() const noexcept {
-  return {host_slots_.data(), lists_[last_pairs_]};
+  return {host_slots_.data(), parts_[last_part_].lists[last_pairs_]};
 }
 
 std::span<const uint32_t> OffloadAttention::attended_device_slots() const noexcept {
-  return {lists_ + 2 * std::size_t{max_pairs_} + 1, lists_[last_pairs_]};
+  return {parts_[last_part_].lists + 2 * std::size_t{max_pairs_} + 1,
+          parts_[last_part_].lists[last_pairs_]};
 }
 
 void OffloadAttention::read_device_slot(uint32_t layer, uint32_t device_slot, void* out) {
   require(layer < geometry_.n_layers, "layer=", layer,
           " is out of range (n_layers=", geometry_.n_layers, ")");
-  require(device_slot < options_.cache_pages, "device_slot=", device_slot,
-          " is out of range (cache_pages=", options_.cache_pages, ")");
+  require(device_slot < options_.cache_pages + options_.max_row_chunks, "device_slot=",
+          device_slot, " is out of range (cache_pages + max_row_chunks=",
+          options_.cache_pages + options_.max_row_chunks, ")");
   const auto* pool = static_cast<const std::byte*>(caches_[layer].device_pool());
   check(stream_.copy_to_host(out, pool + std::size_t{device_slot} * geometry_.slot_bytes(),
                              geometry_.slot_bytes()),

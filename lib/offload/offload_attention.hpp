@@ -15,16 +15,24 @@
 // slots). Pages released by release_pages() (S4R) are not tracked: validate() refuses a cache that
 // holds any.
 //
-// Row chunks (the token rows Louver gathers and S4R reconstructs) are not offloaded yet: validate()
-// refuses a call with rows with Status::unsupported. Shipping them as pages of a per-step staging
-// area needs device slots outside the page cache in the pool the kernel reads (one pool per call),
-// which gpu/page_transfer.hpp's DevicePageCache does not offer yet.
+// Pages released by release_pages() (S4R) give their slots back like a freed sequence, and are
+// handled the same way (on_pages_released()).
 //
-// No CUDA graph: the only static part is one kernel launch, and it is not static either, since
-// SparseDecodeAttention sizes its splits per call from the longest list, so a graph would be
+// Row chunks (the token rows Louver gathers and S4R reconstructs) go over per call: the host
+// copies them into pinned staging, one copy moves them to slots reserved after each layer's page
+// cache (PageCacheConfig::reserved_slots), and the call runs the kernel's token form over the
+// pages' rows and the chunks' rows. Calls without rows keep the page form.
+//
+// Overlap. step() splits a batch into OffloadOptions.step_parts parts: while the device moves and
+// attends part i, the CPU selects part i + 1 (the step's only CPU work that can run beside the
+// device: the query of layer l + 1 depends on layer l's output). One stream orders the parts, so a
+// later part's moves never overwrite slots an earlier part's kernel still reads.
+//
+// No CUDA graph: the static part of a call is one kernel launch, and it is not static either,
+// since SparseDecodeAttention sizes its splits per call from the longest list, so a graph would be
 // re-captured or updated every call and cost what it saves. A graph pays once a whole step (every
 // layer's copies and launches) is captured; that needs the selection of every layer before the
-// step, which decode does not have (the query of layer l + 1 depends on layer l's output).
+// step, which decode does not have.
 #pragma once
 
 #include <cstddef>
@@ -50,6 +58,9 @@ struct OffloadOptions {
   // Most pages one (sequence, KV head) pair lists in a call: the selection's page budget, or the
   // longest context's page count for dense calls (no lists). Sizes the list buffers.
   uint64_t max_pages_per_pair = 0;
+  // Most row chunks (page_tokens token rows each, summed over the pairs) one call attends; 0
+  // refuses calls with rows. Reserves as many device slots per layer, and pinned staging.
+  uint64_t max_row_chunks = 0;
   // Device page cache slots per layer; at least max_batch * n_kv_heads * max_pages_per_pair, so
   // that no call needs more distinct pages than the cache holds. Each slot is
   // geometry.slot_bytes() of device memory, times n_layers.
@@ -58,6 +69,9 @@ struct OffloadOptions {
   // automatic: the mapped-memory gather kernel (measured faster than staging at every size on
   // the H200 host, gpu/page_transfer.hpp).
   gpu::TransferPath path = gpu::TransferPath::automatic;
+  // step(): parts of the batch selected and attended in turn so that selection overlaps the device
+  // (1..4, at most the batch). 1: select the whole batch, then attend it.
+  uint32_t step_parts = 2;
 };
 
 // One call (last_step()) or the sum over calls (totals()). Times in microseconds; the GPU times
@@ -73,7 +87,16 @@ struct OffloadStats {
   uint64_t page_bytes_h2d = 0;  // (misses + refreshed) * slot_bytes
   uint64_t bytes_h2d = 0;       // page bytes + q + the lists
   uint64_t bytes_d2h = 0;       // the output
+  // step() only: the selections' telemetry over all parts (Selection holds the last part's):
+  // pairs, index bytes read, the sum of kept_estimate and the worst dropped_bound.
+  uint64_t pairs = 0;
+  uint64_t index_bytes_read = 0;
+  double kept_estimate_sum = 0.0;
+  double dropped_bound = 0.0;
   double select_us = 0.0;       // CPU: the selector (step() only)
+  // step(): selection time the device spent busy with an earlier part of the batch, i.e. hidden
+  // (select_us + the device's busy time - what the step took, at least 0).
+  double overlap_us = 0.0;
   double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
   double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
   double attend_us = 0.0;       // GPU: the sparse attention kernel
@@ -91,7 +114,7 @@ struct OffloadStats {
 // create(); run() allocates nothing. Registered with the cache as a seal listener (to see
 // free_sequence) until destroyed, so it must not outlive the cache. Use from one host thread at a
 // time. Not copyable or movable (the cache holds its address).
-class OffloadAttention : public SealListener {
+class OffloadAttention final : public AttentionBackend, public SealListener {
  public:
   // cache: the host KV cache, whose pool must be pinned and mapped (CacheOptions.pinned). Throws
   // Error: unsupported (built without CUDA, or no usable device), invalid_argument (an unpinned
@@ -103,20 +126,26 @@ class OffloadAttention : public SealListener {
   OffloadAttention& operator=(const OffloadAttention&) = delete;
 
   // DecodeAttention::validate's checks, then this path's limits: the cache is the one given to
-  // create(); no row chunks (unsupported); no released pages (unsupported); at most
-  // max_pages_per_pair pages per pair (capacity_exceeded). Throws Error naming the argument.
-  void validate(const KvCache& cache, const AttendCall& call) const;
+  // create(); at most max_pages_per_pair pages per pair and max_row_chunks row chunks in all
+  // (capacity_exceeded). Throws Error naming the argument.
+  void validate(const KvCache& cache, const AttendCall& call) const override;
 
   // Writes call.out exactly as DecodeAttention::run would (to fp32 rounding) for a call that
   // validate() accepted against the same cache state. Blocks until the output is in call.out.
   // Returns Status::ok, or Status::internal with last_error() set when a CUDA call failed (then
   // call.out is unspecified and the stream has drained).
   Status run(const KvCache& cache, const AttendCall& call) noexcept;
+  // run(), with a failure thrown as Error{internal} (AttentionBackend).
+  void attend(const KvCache& cache, const AttendCall& call) override;
+  const AttendStats& last_stats() const noexcept override { return attend_stats_; }
+  const char* name() const noexcept override { return name_.c_str(); }
 
-  // A whole layer step: selector.prepare() and select() on call's layer, sequences and q (timed
-  // as select_us), then validate() and run() over selection's page lists. call.pages and
-  // call.rows are ignored. selection: reserved by selector.reserve_selection(). Throws Error: what
-  // validate() or prepare() throws, or internal when run() fails.
+  // A whole layer step: per part of the batch (options().step_parts), selector.prepare() and
+  // select() on call's layer, the part's sequences and q (timed as select_us), then validate() and
+  // the part's transfers and attention, enqueued without waiting; one wait at the end. call.pages
+  // and call.rows are ignored. selection: reserved by selector.reserve_selection(); it holds the
+  // last part's choice afterwards. Throws Error: what validate() or prepare() throws, or internal
+  // when a device call fails.
   void step(select::Selector& selector, select::Selection& selection, const KvCache& cache,
             const AttendCall& call);
 
@@ -124,7 +153,7 @@ class OffloadAttention : public SealListener {
   const OffloadStats& totals() const noexcept { return totals_; }
   const std::string& last_error() const noexcept { return error_; }
 
-  // What the last run() attended, in the call's pairs (sequence-major, as PageLists): offsets
+  // What the last run() (or the last part of step()) attended, in its pairs (sequence-major, as PageLists): offsets
   // [pairs + 1], and per listed page its host pool slot and the device cache slot read.
   std::span<const uint32_t> attended_offsets() const noexcept;
   std::span<const uint32_t> attended_host_slots() const noexcept;
@@ -140,26 +169,60 @@ class OffloadAttention : public SealListener {
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;
+  void on_pages_released(int32_t seq_id, uint32_t layer) noexcept override;
 
  private:
+  static constexpr uint32_t kMaxParts = 4;
+  // The pinned (mapped) and device buffers of one part of a step, so that a part's host buffers
+  // are not rewritten while an earlier part's copies are in flight. Pinned: refresh moves
+  // [max_listed_]; page lists (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device
+  // slots [max_listed_]); with rows, token lists (offsets [max_pairs_ + 1], then TokenAddress
+  // [max_tokens_]) and the row staging [max_row_chunks, slot_bytes]. The device block mirrors
+  // both lists; each goes over in one copy.
+  struct Part {
+    gpu::PageMove* refresh = nullptr;
+    const gpu::PageMove* refresh_device = nullptr;  // the mapped view the refresh kernel reads
+    uint32_t* lists = nullptr;
+    uint32_t* token_lists = nullptr;
+    std::byte* rows = nullptr;
+    uint32_t* lists_device = nullptr;
+    uint32_t* token_lists_device = nullptr;
+  };
+  // What enqueue() moved, for the stats.
+  struct PartCounts {
+    uint64_t listed = 0, hits = 0, misses = 0, evictions = 0, refreshed = 0;
+    uint64_t bytes_h2d = 0, page_bytes_h2d = 0, tokens = 0;
+  };
+
   OffloadAttention(KvCache& cache, const OffloadOptions& options);
+  // Enqueues one part: q rows [row0, row0 + call.n_seqs) to the device, the listed pages made
+  // resident and refreshed, the rows staged, the lists, the attention into the device output at
+  // row0; records events 3 * part .. 3 * part + 2. Waits for nothing on the device.
+  gpu::Result enqueue(const KvCache& cache, const AttendCall& call, uint32_t part, uint32_t row0,
+                      PartCounts& counts) noexcept;
+  // Copies the output rows [0, n_seqs) back, waits, and writes out. Event kDone.
+  gpu::Result finish(uint32_t n_seqs, float* out) noexcept;
+  void record(uint32_t parts, const PartCounts& counts, double host_us, double total_us,
+              uint32_t n_seqs) noexcept;
+  void add_to_totals() noexcept;
+  // Keeps r's message for last_error() and waits for what was enqueued, so that the buffers are
+  // free for the next call.
   void fail_run(const gpu::Result& r) noexcept;
+  void drain() noexcept;
 
   KvCache& cache_;
   OffloadOptions options_;
   CacheGeometry geometry_;
+  std::string name_;
   uint32_t max_pairs_ = 0;
   uint64_t max_listed_ = 0;  // max_pairs_ * max_pages_per_pair
+  uint64_t max_tokens_ = 0;  // (max_listed_ + max_row_chunks) * page_tokens; 0 without rows
   DecodeAttention checker_;  // validate()'s shared checks; its workspace is never run
   gpu::StepStream stream_;
   std::vector<gpu::DevicePageCache> caches_;  // [n_layers]
   gpu::SparseDecodeAttention attention_;
   const void* host_pool_device_ = nullptr;  // the cache pool's mapped device view
 
-  // One pinned (mapped) block: refresh moves [max_listed_], then the lists as the kernel reads
-  // them (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device slots [max_listed_]),
-  // then q and out [max_batch, n_query_heads, head_dim]. The device block mirrors the lists, q and
-  // out. The lists go over in one copy.
   struct PinnedFree {
     void operator()(void* p) const noexcept { gpu::pinned_free(p); }
   };
@@ -168,25 +231,24 @@ class OffloadAttention : public SealListener {
   };
   std::unique_ptr<void, PinnedFree> pinned_;
   std::unique_ptr<void, DeviceFree> device_;
-  gpu::PageMove* refresh_ = nullptr;
-  const gpu::PageMove* refresh_device_ = nullptr;  // the mapped view the refresh kernel reads
-  uint32_t* lists_ = nullptr;
-  float* q_host_ = nullptr;
+  Part parts_[kMaxParts];
+  float* q_host_ = nullptr;  // pinned [max_batch, n_query_heads, head_dim], and out after it
   float* out_host_ = nullptr;
-  uint32_t* lists_device_ = nullptr;
   float* q_device_ = nullptr;
   float* out_device_ = nullptr;
   std::vector<uint32_t> host_slots_;  // [max_listed_] the listed pages' host slots
 
-  // Per layer and device slot: the free_sequence() epoch and the page's token count when its
-  // copy was made (kFresh: moved by this call's ensure()).
+  // Per layer and device slot: the stale-copy epoch and the page's token count when its copy was
+  // made (kFresh: moved by this call's ensure()). free_sequence() and release_pages() advance the
+  // epoch.
   static constexpr uint32_t kFresh = UINT32_MAX;
   uint64_t epoch_ = 0;
   std::vector<uint64_t> copied_epoch_;   // [n_layers * cache_pages]
   std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]
 
-  uint32_t last_pairs_ = 0;
+  uint32_t last_part_ = 0, last_pairs_ = 0;
   OffloadStats last_{}, totals_{};
+  AttendStats attend_stats_{};
   std::string error_;
 };
 
