@@ -7,6 +7,51 @@
 #include "lib/core/error.hpp"
 
 namespace kvsift::select {
+namespace {
+
+// A pair's pages and the tokens its range search is aimed at: mandatory pages [0, sink_end) and
+// [window_first, n_pages); query_tokens = 0 when the mandatory pages use up the budget.
+struct PairPlan {
+  uint64_t n_pages, sink_end, window_first, query_tokens;
+};
+
+PairPlan plan_pair(const Policy& policy, uint32_t page_tokens, uint64_t length) noexcept {
+  PairPlan p;
+  p.n_pages = (length + page_tokens - 1) / page_tokens;
+  p.sink_end = std::min<uint64_t>(policy.sink_pages, p.n_pages);
+  p.window_first =
+      std::max(p.sink_end, p.n_pages - std::min<uint64_t>(policy.window_pages, p.n_pages));
+  const uint64_t mandatory_tokens = std::min(length, p.sink_end * page_tokens) +
+                                    (length - std::min(length, p.window_first * page_tokens));
+  const uint64_t budget = policy.budget_tokens(length);
+  p.query_tokens = budget > mandatory_tokens ? budget - mandatory_tokens : 0;
+  return p;
+}
+
+LouverQuery query_for(uint64_t tokens) noexcept {
+  LouverQuery query;
+  query.tau_mode = LouverTau::token_budget;
+  query.budget_tokens = tokens;
+  return query;
+}
+
+}  // namespace
+
+gpu::LouverIndexView louver_device_view(const LouverIndex& index) noexcept {
+  gpu::LouverIndexView view;
+  view.head_dim = index.params().head_dim;
+  view.n_subspaces = index.n_subspaces();
+  for (uint32_t s = 0; s < view.n_subspaces; ++s) {
+    view.offset[s + 1] = index.subspace_offset(s) + index.subspace_width(s);
+    view.centers[s] = index.centers_data(s);
+    view.radii[s] = index.radii_data(s);
+    view.assignments[s] = index.assignments_data(s);
+  }
+  view.n_clusters = index.n_clusters();
+  view.n_indexed = static_cast<uint32_t>(index.indexed());
+  view.isa = index.kernels().isa;
+  return view;
+}
 
 LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
                                uint64_t max_pages, int n_threads)
@@ -18,11 +63,38 @@ LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t ma
   params_.max_group = g.group_size;
   params_.isa = cache.kernels().isa;
   key_.resize(g.head_dim);
+  require(policy.louver_device >= -1, "policy.louver_device=", policy.louver_device,
+          " is not a device index or -1");
+  if (policy.louver_device >= 0) {
+    gpu::LouverFilterShape shape;
+    shape.head_dim = g.head_dim;
+    shape.max_group = g.group_size;
+    shape.max_items = max_batch * g.n_kv_heads;
+    filter_ = std::make_unique<gpu::LouverFilter>();
+    const gpu::Result r = filter_->init(policy.louver_device, shape);
+    if (!r.ok)
+      fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
+           "the louver device filter on device ", policy.louver_device, ": ", r.message);
+    items_.resize(shape.max_items);
+    q_norms_.resize(std::size_t{shape.max_items} * g.group_size * simd::kLouverMaxSubspaces);
+    taus_.resize(std::size_t{shape.max_items} * g.group_size);
+    item_of_pair_.resize(shape.max_items);
+  }
+}
+
+uint32_t LouverSelector::slot_of(int32_t seq, uint32_t layer, uint32_t kv_head) const noexcept {
+  const CacheGeometry& g = cache_.geometry();
+  return (static_cast<uint32_t>(seq) * g.n_layers + layer) * g.n_kv_heads + kv_head;
 }
 
 void LouverSelector::on_sequence_freed(int32_t seq_id) noexcept {
-  if (static_cast<std::size_t>(seq_id) < indexes_.size())
-    indexes_[static_cast<std::size_t>(seq_id)].clear();
+  if (static_cast<std::size_t>(seq_id) >= indexes_.size()) return;
+  if (filter_) {
+    const CacheGeometry& g = cache_.geometry();
+    for (uint32_t layer = 0; layer < g.n_layers; ++layer)
+      for (uint32_t h = 0; h < g.n_kv_heads; ++h) filter_->release(slot_of(seq_id, layer, h));
+  }
+  indexes_[static_cast<std::size_t>(seq_id)].clear();
 }
 
 uint64_t LouverSelector::held_bytes() const noexcept {
@@ -50,20 +122,59 @@ void LouverSelector::prepare(const SelectCall& call, Selection& out) {
       std::optional<LouverIndex>& index = indexes_[s][std::size_t{call.layer} * H + h];
       if (!index) {
         index.emplace(LouverIndex::from_cache(cache_, seq, call.layer, h, params_));
-        LouverQuery query;  // the form select() asks, so that its query() cannot fail
-        query.tau_mode = LouverTau::token_budget;
-        query.budget_tokens = 1;
-        index->validate(g.group_size, query);
-        continue;
+        // The form select() asks, so that its query() cannot fail.
+        index->validate(g.group_size, query_for(1));
+      } else {
+        // The keys stored since the last step (one per decode step).
+        for (uint64_t t = index->size(); t < length; ++t) {
+          cache_.read_tokens(seq, call.layer, h, t, 1, key_.data(), nullptr);
+          index->append(key_.data());
+        }
       }
-      // The keys stored since the last step (one per decode step).
-      for (uint64_t t = index->size(); t < length; ++t) {
-        cache_.read_tokens(seq, call.layer, h, t, 1, key_.data(), nullptr);
-        index->append(key_.data());
+      if (filter_) {
+        // The device copy follows the index: only a flush (or the first build) uploads anything.
+        const gpu::Result r =
+            filter_->sync(slot_of(seq, call.layer, h), louver_device_view(*index));
+        if (!r.ok)
+          fail(r.unsupported ? Status::unsupported : Status::internal,
+               "louver device filter: ", r.message);
       }
     }
   }
   out.reserve_rows(chunks, g.page_tokens, g.slot_bytes());
+}
+
+void LouverSelector::run_device_filter(const SelectCall& call) noexcept {
+  const CacheGeometry& g = cache_.geometry();
+  const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim;
+  uint32_t n_items = 0;
+  LouverGateTerms terms[simd::kLouverMaxGroup];
+  for (uint32_t i = 0; i < call.n_seqs; ++i) {
+    const int32_t seq = call.seq_ids[i];
+    const PairPlan plan =
+        plan_pair(policy_, g.page_tokens, cache_.length_unchecked(seq, call.layer));
+    for (uint32_t h = 0; h < H; ++h) {
+      const uint32_t pair = i * H + h;
+      item_of_pair_[pair] = -1;
+      if (plan.query_tokens == 0) continue;
+      LouverIndex& index =
+          *indexes_[static_cast<std::size_t>(seq)][std::size_t{call.layer} * H + h];
+      const float* q = call.q + std::size_t{pair} * G * d;
+      index.begin_query(q, G, query_for(plan.query_tokens), terms);
+      float* q_norm = q_norms_.data() + std::size_t{n_items} * G * simd::kLouverMaxSubspaces;
+      float* t = taus_.data() + std::size_t{n_items} * G;
+      for (uint32_t head = 0; head < G; ++head) {
+        std::copy_n(terms[head].q_norm, simd::kLouverMaxSubspaces,
+                    q_norm + std::size_t{head} * simd::kLouverMaxSubspaces);
+        t[head] = terms[head].t;
+      }
+      items_[n_items] = gpu::LouverFilterItem{slot_of(seq, call.layer, h), G, q, q_norm, t};
+      item_of_pair_[pair] = static_cast<int32_t>(n_items++);
+    }
+  }
+  device_ok_ = n_items == 0 || (filter_->validate(items_.data(), n_items).ok &&
+                                filter_->run(items_.data(), n_items).ok);
+  device_fallbacks_ += !device_ok_;
 }
 
 void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
@@ -72,31 +183,29 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
   const std::size_t row_bytes = std::size_t{d} * sizeof(uint16_t);
   const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
   const float nan = std::numeric_limits<float>::quiet_NaN();
+  if (filter_) run_device_filter(call);
   out.begin_pairs(call.n_seqs * H);
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const int32_t seq = call.seq_ids[i];
-    const uint64_t length = cache_.length_unchecked(seq, call.layer);
-    const uint64_t n_pages = g.pages_for(length);
-    // Mandatory pages: [0, sink_end) and [window_first, n_pages).
-    const uint64_t sink_end = std::min<uint64_t>(policy_.sink_pages, n_pages);
-    const uint64_t window_first =
-        std::max(sink_end, n_pages - std::min<uint64_t>(policy_.window_pages, n_pages));
-    const uint64_t mandatory_tokens =
-        std::min(length, sink_end * B) + (length - std::min(length, window_first * B));
-    const uint64_t budget = policy_.budget_tokens(length);
+    const PairPlan plan = plan_pair(policy_, B, cache_.length_unchecked(seq, call.layer));
+    const uint64_t sink_end = plan.sink_end, window_first = plan.window_first;
     for (uint32_t h = 0; h < H; ++h) {
       const uint32_t pair = i * H + h;
-      out.list_pages_outside(pair, n_pages, sink_end, window_first);
+      out.list_pages_outside(pair, plan.n_pages, sink_end, window_first);
       out.kept_estimate[pair] = nan;
       out.dropped_bound[pair] = nan;
       uint32_t rows = 0;
-      if (budget > mandatory_tokens) {
+      if (plan.query_tokens > 0) {
         LouverIndex& index =
             *indexes_[static_cast<std::size_t>(seq)][std::size_t{call.layer} * H + h];
-        LouverQuery query;
-        query.tau_mode = LouverTau::token_budget;
-        query.budget_tokens = budget - mandatory_tokens;
-        const LouverResult found = index.query(call.q + std::size_t{pair} * G * d, G, query);
+        const LouverQuery query = query_for(plan.query_tokens);
+        const float* q = call.q + std::size_t{pair} * G * d;
+        // The device's candidates, or (CPU mode, or the device failed) the CPU filter's.
+        const LouverResult found =
+            filter_ && device_ok_
+                ? index.finish_query(q, G, query,
+                                     filter_->mask(static_cast<uint32_t>(item_of_pair_[pair])))
+                : index.query(q, G, query);
         out.index_bytes_read += found.bytes_read;
         // Gather the found tokens outside the mandatory pages, K and V rows in storage form.
         const uint32_t* table = cache_.page_table(seq, call.layer, h);

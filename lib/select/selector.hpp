@@ -63,6 +63,11 @@ struct Policy {
   double compression = 2.5;
   uint32_t s4r_window = 32;
   bool s4r_per_head_bases = false;
+  // louver: the CUDA device whose resident copy of the indexes' centers, radii and assignments
+  // runs the filter pass (gpu/louver_filter.hpp), or -1 for the CPU. The same tokens are chosen
+  // either way; creating the selector fails with unsupported where the build has no CUDA or the
+  // device is not usable.
+  int32_t louver_device = -1;
 
   // Throws Error(invalid_argument) naming the first bad field.
   void validate() const;
