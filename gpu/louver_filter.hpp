@@ -24,9 +24,10 @@
 //   ((c / 16) * w + j) * 16 + c % 16), so a flush's new clusters upload as whole blocks;
 // - radii: float32 [S][cluster_capacity];
 // - assignments: uint32 [S][key_capacity].
-// Capacities grow by half when outgrown (everything is then uploaded again). The per-call
-// workspace (bounds [item][group][S][clusters], masks [item][words]) is shared by the slots and
-// sized to the largest slot seen by sync().
+// Capacities are the index's sizes plus a quarter when first needed or outgrown (everything is
+// then uploaded again). The per-call workspace (bounds [item][group][S][clusters], masks packed
+// item after item) is shared by the slots and sized for max_items items of the largest slot seen
+// by sync(): at 128K keys, d = 128, S = 4, G = 8 about 5 MiB of bounds per item.
 #pragma once
 
 #include <cstddef>
