@@ -86,6 +86,13 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const Mode
 
 namespace {
 
+// The device model's failures: no device is "unsupported", the rest internal.
+void device_check(const gpu::Result& r, const char* what) {
+  if (!r.ok)
+    fail(r.unsupported ? Status::unsupported : Status::internal, "device model: ", what, ": ",
+         r.message);
+}
+
 uint32_t context_for(const LlamaConfig& config, const ModelOptions& options) {
   const uint32_t n = options.n_ctx == 0 ? config.n_ctx_train : options.n_ctx;
   require(n <= config.n_ctx_train, "n_ctx=", n, " is beyond the model's ", config.n_ctx_train,
@@ -202,6 +209,36 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   ffn_.resize(rows * config.n_ff);
   x_bf16_.resize(rows * std::max({E, qdim, config.n_ff}));
   x_rounded_.resize(simd::kMaxVectors * std::max({E, qdim, config.n_ff}));
+
+  if (options.device >= 0) {
+    require(options.weight_type == MatType::bf16,
+            "the offload mode (device >= 0) runs bf16 weights; weight_type f32 is CPU only");
+    gpu::LlamaShape shape;
+    shape.n_layers = config.n_layers;
+    shape.n_embd = E;
+    shape.n_ff = config.n_ff;
+    shape.n_heads = config.n_heads;
+    shape.n_kv_heads = config.n_kv_heads;
+    shape.head_dim = config.head_dim;
+    shape.n_vocab = config.n_vocab;
+    shape.rope_theta = config.rope_theta;
+    shape.rms_eps = config.rms_eps;
+    shape.max_rows = max_rows_;
+    shape.max_positions = n_ctx_;
+    shape.max_prefill_tokens = n_ctx_;
+    shape.kv_dtype = options.kv_dtype;
+    gpu::LlamaWeights weights;
+    for (const Layer& L : layers_)
+      weights.layers.push_back({L.wqkv.bf16.data(), L.wo.bf16.data(), L.w_gate_up.bf16.data(),
+                                L.w_down.bf16.data(), L.attn_norm.data(), L.ffn_norm.data()});
+    // The embedding rows come from the CPU's dequantisation (load_embeddings), exact where bf16
+    // is not; the table is passed for the output head, which is the same tensor when tied.
+    weights.token_embd = output_.bf16.data();
+    weights.output = output_.bf16.data();
+    weights.output_norm = output_norm_.data();
+    device_ = std::make_unique<gpu::DeviceLlama>();
+    device_check(device_->init(shape, weights, options.device), "init");
+  }
 }
 
 LlamaModel::Linear LlamaModel::load_linear(
@@ -286,6 +323,16 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
   const uint32_t E = config_.n_embd, F = config_.n_ff;
   const uint32_t qdim = config_.n_heads * config_.head_dim,
                  kvdim = config_.n_kv_heads * config_.head_dim;
+  if (device_ != nullptr) {
+    device_check(device_->load_embeddings(x_.data(), rows), "load_embeddings");
+    for (uint32_t l = 0; l < config_.n_layers; ++l) {
+      device_check(device_->attention_inputs(l, positions, rows), "attention_inputs");
+      const bool host = attend(l, device_->q_host(), device_->k_host(), device_->v_host(),
+                               device_->attn_host());
+      device_check(device_->finish_layer(l, host), "finish_layer");
+    }
+    return;
+  }
   for (uint32_t l = 0; l < config_.n_layers; ++l) {
     Layer& L = layers_[l];
     rms_norm(x_.data(), L.attn_norm, rows, h_.data());
@@ -299,7 +346,7 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
       std::copy_n(row + qdim + kvdim, kvdim, v_.data() + std::size_t{r} * kvdim);
       rope_.rotate(q, config_.n_heads, positions[r]);
     }
-    attend(l);
+    attend(l, q_.data(), k_.data(), v_.data(), attn_.data());
     project(L.wo, attn_.data(), rows, h_.data());
     for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
     rms_norm(x_.data(), L.ffn_norm, rows, h_.data());
@@ -319,6 +366,43 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
 void LlamaModel::output_logits(const float* hidden, uint32_t rows, float* logits) {
   rms_norm(hidden, output_norm_, rows, h_.data());
   project(output_, h_.data(), rows, logits);
+}
+
+void LlamaModel::pass_logits(uint32_t first, uint32_t rows, float* out) {
+  if (device_ == nullptr) {
+    output_logits(x_.data() + std::size_t{first} * config_.n_embd, rows, out);
+    return;
+  }
+  std::vector<uint32_t> index(rows);
+  for (uint32_t r = 0; r < rows; ++r) index[r] = first + r;
+  device_check(device_->logits(index.data(), rows, out), "logits");
+}
+
+void LlamaModel::restore_prefill_scratch(int32_t seq_id, uint64_t pos0) {
+  if (prefill_seq_ != seq_id) {
+    device_->reset_prefill();
+    prefill_seq_ = seq_id;
+  }
+  const uint32_t H = config_.n_kv_heads, d = config_.head_dim, kvdim = H * d;
+  std::vector<float> k, v, head_k, head_v;
+  for (uint32_t l = 0; l < config_.n_layers; ++l) {
+    const uint64_t held = std::min(device_->prefill_held(l), pos0);
+    if (held == pos0) continue;
+    // Positions appended since (decode steps) or never held (another sequence's prefill since).
+    const uint64_t n = pos0 - held;
+    k.resize(n * kvdim);
+    v.resize(n * kvdim);
+    head_k.resize(n * d);
+    head_v.resize(n * d);
+    for (uint32_t h = 0; h < H; ++h) {
+      cache_.read_tokens(seq_id, l, h, held, n, head_k.data(), head_v.data(), KeyForm::post_rope);
+      for (uint64_t t = 0; t < n; ++t) {
+        std::copy_n(head_k.data() + t * d, d, k.data() + t * kvdim + h * d);
+        std::copy_n(head_v.data() + t * d, d, v.data() + t * kvdim + h * d);
+      }
+    }
+    device_check(device_->load_prefix(l, held, k.data(), v.data(), n), "load_prefix");
+  }
 }
 
 int32_t LlamaModel::create_sequence() {
@@ -379,18 +463,25 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
       embed(tokens[done + t], x_.data() + std::size_t{t} * E);
       positions[t] = pos0 + t;
     }
-    blocks(T, positions.data(), [&](uint32_t l) {
-      cache_.append(seq_id, l, T, k_.data(), v_.data());
-      prefill_attention_.run(cache_, seq_id, l, pos0, T, q_.data(), attn_.data(), matmul_);
-    });
+    if (device_ != nullptr) restore_prefill_scratch(seq_id, pos0);
+    blocks(T, positions.data(),
+           [&](uint32_t l, const float* q, const float* k, const float* v, float* attn) {
+             cache_.append(seq_id, l, T, k, v);
+             if (device_ != nullptr) {
+               device_check(device_->prefill_attention(l, pos0, T), "prefill_attention");
+               return false;
+             }
+             prefill_attention_.run(cache_, seq_id, l, pos0, T, q, attn, matmul_);
+             return true;
+           });
     done += T;
     if (all_logits != nullptr) {
-      output_logits(x_.data(), T, all_logits + (done - T) * config_.n_vocab);
+      pass_logits(0, T, all_logits + (done - T) * config_.n_vocab);
       if (done == tokens.size())
         std::copy_n(all_logits + (done - 1) * config_.n_vocab, config_.n_vocab,
                     logits_[seq_id].begin());
     } else if (done == tokens.size()) {
-      output_logits(x_.data() + std::size_t{T - 1} * E, 1, logits_[seq_id].data());
+      pass_logits(T - 1, 1, logits_[seq_id].data());
     }
     if (progress) progress(done, tokens.size(), user);
   }
@@ -428,18 +519,18 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   AttendCall call;
   call.n_seqs = n;
   call.seq_ids = seq_ids.data();
-  call.q = q_.data();
-  call.out = attn_.data();
   PageLists lists;
   RowChunks rows;
   StepStats step;
   double kept_sum = 0.0;
-  blocks(n, positions.data(), [&](uint32_t l) {
+  blocks(n, positions.data(),
+         [&](uint32_t l, const float* q, const float* k, const float* v, float* attn) {
     const auto a0 = Clock::now();
     for (uint32_t r = 0; r < n; ++r)
-      cache_.append(seq_ids[r], l, 1, k_.data() + std::size_t{r} * kvdim,
-                    v_.data() + std::size_t{r} * kvdim);
+      cache_.append(seq_ids[r], l, 1, k + std::size_t{r} * kvdim, v + std::size_t{r} * kvdim);
     call.layer = l;
+    call.q = q;
+    call.out = attn;
     if (offload_ != nullptr && observer_ == nullptr) {
       // Selection of one part of the batch overlaps the device's work on the previous part. An
       // observer needs the whole batch's selection at once, so it gets the sequential path.
@@ -453,7 +544,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
       step.select_us += s.select_us;
       step.overlap_us += s.overlap_us;
     } else {
-      const select::SelectCall select_call{l, n, seq_ids.data(), q_.data()};
+      const select::SelectCall select_call{l, n, seq_ids.data(), q};
       const auto s0 = Clock::now();
       selector_->prepare(select_call, selection_);
       selector_->select(select_call, selection_);
@@ -484,10 +575,10 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
       step.cache_misses += s.misses;
     }
     attention_seconds += seconds_since(a0);
-    if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q_.data(), selection_, attn_.data());
+    if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q, selection_, attn);
+    return true;
   });
-  for (uint32_t r = 0; r < n; ++r)
-    output_logits(x_.data() + std::size_t{r} * E, 1, logits_[seq_ids[r]].data());
+  for (uint32_t r = 0; r < n; ++r) pass_logits(r, 1, logits_[seq_ids[r]].data());
   stats_.decode_tokens += n;
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;

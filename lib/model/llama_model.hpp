@@ -23,6 +23,7 @@
 #include "lib/core/matmul.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/tokenizer.hpp"
+#include "gpu/device_llama.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
 
@@ -51,9 +52,11 @@ struct ModelOptions {
   uint32_t page_tokens = 16;
   int n_threads = 0;  // 0 = OpenMP default
   simd::Isa isa = simd::Isa::avx512;
-  // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the KV cache stays in
-  // host memory (pinned), selection runs on the CPU and decode attention runs on the device over
-  // the selected pages and rows (lib/offload/offload_attention.hpp).
+  // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the weights live and
+  // the products, norms, RoPE, SwiGLU and the prefill's attention run there (gpu/device_llama.hpp;
+  // weight_type must be bf16), while the KV cache stays in host memory (pinned): each layer's K/V
+  // go to the host cache, selection runs on the CPU, and decode attention runs on the device over
+  // the selected pages and rows only (lib/offload/offload_attention.hpp).
   int device = -1;
   // Device page cache slots per layer; 0 holds every page the sequences can reach (the KV of
   // max_seqs * n_ctx tokens per layer), so that after the prompt only the pages that change move.
@@ -161,8 +164,18 @@ class LlamaModel {
   void rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows, float* y) const;
   // The transformer blocks over `rows` tokens in x_; attend(layer) appends the layer's K/V from
   // k_, v_ and writes attn_ from q_ (prefill and decode differ only there).
+  //
+  // attend(l, q, k, v, attn): q [rows, q_dim] (RoPE'd, unscaled), k, v [rows, kv_dim] (pre-RoPE);
+  // it writes attn [rows, q_dim] and returns true, or returns false when the device computed the
+  // attention itself (device prefill). On the CPU the buffers are q_, k_, v_, attn_; in offload
+  // mode the device model's pinned ones.
   template <class Attend>
   void blocks(uint32_t rows, const uint64_t* positions, Attend&& attend);
+  // Next-token logits of rows [first, first + rows) of the last blocks() pass into out.
+  void pass_logits(uint32_t first, uint32_t rows, float* out);
+  // Offload mode, before a prefill of seq_id from pos0: the device's prefill scratch must hold the
+  // sequence's positions [0, pos0), reloaded from the host cache where it does not.
+  void restore_prefill_scratch(int32_t seq_id, uint64_t pos0);
   void output_logits(const float* hidden, uint32_t rows, float* logits);
   void check_sequence(int32_t seq_id) const;
 
@@ -181,6 +194,8 @@ class LlamaModel {
   DecodeAttention decode_attention_;
   std::unique_ptr<OffloadAttention> offload_;  // offload mode; after cache_, which it listens to
   AttentionBackend* attention_ = nullptr;      // decode_attention_ or offload_
+  std::unique_ptr<gpu::DeviceLlama> device_;   // offload mode: the weights and the compute
+  int32_t prefill_seq_ = -1;                   // the sequence the device's prefill scratch holds
   std::unique_ptr<select::Selector> selector_;
   select::Selection selection_;
   DecodeObserver* observer_ = nullptr;
