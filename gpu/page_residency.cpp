@@ -254,4 +254,17 @@ void PageResidency::forget_moves() noexcept {
   moves_.clear();
 }
 
+// The replacement policy keeps its state: it is asked for a victim only once every slot holds a
+// page again, and each of those pages was used (on_use) after this call, so what it remembers of
+// earlier pages no longer decides anything.
+void PageResidency::clear() noexcept {
+  std::fill(keys_.begin(), keys_.end(), kNone);
+  std::fill(values_.begin(), values_.end(), kNone);
+  std::fill(host_of_.begin(), host_of_.end(), kNone);
+  free_.resize(capacity_);  // init() sized it to capacity_: no allocation
+  for (uint32_t s = 0; s < capacity_; ++s) free_[s] = capacity_ - 1 - s;
+  missed_.clear();
+  moves_.clear();
+}
+
 }  // namespace kvsift::gpu

@@ -84,6 +84,10 @@ class PageResidency {
   // pages are misses again next time.
   void forget_moves() noexcept;
 
+  // Forgets every resident page, as if the cache were new: every slot is free and every page is
+  // a miss at its next plan() (a benchmark's cold step). Allocates nothing.
+  void clear() noexcept;
+
   // The device slot holding a host page, or kNone.
   uint32_t find(uint32_t host_slot) const noexcept;
   uint32_t capacity() const noexcept { return capacity_; }

@@ -124,6 +124,10 @@ class DevicePageCache {
   const PageResidency& residency() const noexcept { return residency_; }
   const TransferStats& last_step() const noexcept { return last_; }
   const TransferStats& totals() const noexcept { return totals_; }
+  // Forgets every resident page (PageResidency::clear), so that the next ensure() moves every page
+  // it names: a benchmark's cold step. The device pool's bytes stay; later moves overwrite slots in
+  // stream order, as after evictions. Both builds define it; allocates nothing.
+  void clear() noexcept { residency_.clear(); }
 
  private:
   struct Device;  // the CUDA resources (gpu/page_transfer.cu), freed with it
