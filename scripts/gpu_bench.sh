@@ -1,0 +1,174 @@
+#!/usr/bin/env bash
+# The offload benchmark (issue 8 item 6) in one device call: one Llama-3.1-8B layer, contexts x
+# batches, (a) HBM-resident dense attention (torch SDPA and our kernel), (b) dense offload, (c)
+# kvsift offload at a 2% LOCKS budget; one table printed last.
+#
+#   scripts/gpu_bench.sh stage   Here, where the project's dependencies are installed: configure
+#                                build-bench with CUDA, build kvsift-bench-offload (-j2), and stage
+#                                it with the shared libraries the GPU machine lacks in
+#                                build-bench/stage.
+#   scripts/gpu_bench.sh [run]   On the GPU machine (device tool: carry ["build-bench/stage"]):
+#                                tools/sdpa_baseline.py (torch), then the staged binary, each under
+#                                a timeout; logs and CSVs in $OUT (or build-bench/out); the table
+#                                last (also in table.txt).
+#
+# Environment (run mode):
+#   BENCH_CONTEXTS  tokens per sequence, default "32768 131072 524288 1048576"
+#   BENCH_BATCHES   sequences per step, default "1 8"
+#   BENCH_ARGS      more kvsift-bench-offload flags (--c-steps 32 --b-steps 3 --a-reps 20 ...)
+#   BENCH_TIMEOUT   seconds for kvsift-bench-offload (default 270); rows finish smallest first and
+#                   each is in the CSV as soon as it is done, so a cut run keeps its early rows
+#   SDPA_TIMEOUT    seconds for the torch baseline (default 75)
+#   GPU_BENCH_BUILD build folder of both modes (default build-bench)
+#
+# Staging follows scripts/gpu_check.sh: the GPU machine's image has CUDA (cuBLAS included), CMake
+# and python3 with torch, but not oneDNN, the OpenCL loader or this build's libstdc++/libgomp, so
+# every library ldd names is staged except glibc's own and cuBLAS (about 600 MB, in the image).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-run}
+build=${GPU_BENCH_BUILD:-build-bench}
+stage=$build/stage
+target=kvsift-bench-offload
+
+if [[ $mode == stage ]]; then
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" >/dev/null
+  cmake --build "$build" -j2 --target "$target"
+  rm -rf "$stage" && mkdir -p "$stage"
+  cp "$build/bench/$target" "$stage/"
+  ldd "$stage/$target" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
+    grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
+    while read -r path; do cp -L "$path" "$stage/"; done
+  ls -l "$stage"
+  du -sh "$stage"
+  # Here there is no device: the binary must say so and exit 0.
+  LD_LIBRARY_PATH=$PWD/$stage "$stage/$target" --contexts 32768 --batches 1
+  exit 0
+fi
+
+out=${OUT:-$build/out}
+mkdir -p "$out"
+contexts=${BENCH_CONTEXTS:-32768 131072 524288 1048576}
+batches=${BENCH_BATCHES:-1 8}
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,clocks.sm,clocks.mem \
+  --format=csv 2>&1 | tee "$out/gpu.txt" || true
+echo "host: $(nproc) CPUs, $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)"
+
+if [[ -x $stage/$target ]]; then
+  bin=$stage/$target
+  export LD_LIBRARY_PATH=$PWD/$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+elif [[ -x $build/bench/$target ]]; then
+  bin=$build/bench/$target
+else
+  echo "no $target in $stage or $build/bench (run 'scripts/gpu_bench.sh stage' first)" >&2
+  exit 1
+fi
+if missing=$(ldd "$bin" | grep 'not found'); then
+  echo "shared libraries missing for $bin:" >&2
+  echo "$missing" >&2
+fi
+
+status=0
+rm -f "$out/sdpa.csv" "$out/offload.csv"
+# Torch first: quick and predictable; then ours, whose largest row comes last.
+timeout "${SDPA_TIMEOUT:-75}" python3 tools/sdpa_baseline.py --contexts "$contexts" \
+  --batches "$batches" --csv "$out/sdpa.csv" 2>&1 | tee "$out/sdpa.log" || {
+  echo "sdpa_baseline: exit ${PIPESTATUS[0]} (124: timed out)"
+  status=1
+}
+# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+timeout "${BENCH_TIMEOUT:-270}" "$bin" --contexts "${contexts// /,}" --batches "${batches// /,}" \
+  --csv "$out/offload.csv" ${BENCH_ARGS:-} 2>&1 | tee "$out/offload.log" || {
+  echo "$target: exit ${PIPESTATUS[0]} (124: timed out, 2: a row failed)"
+  status=1
+}
+
+echo
+python3 - "$out/offload.csv" "$out/sdpa.csv" <<'PY' | tee "$out/table.txt"
+import csv, math, os, sys
+
+def num(x):
+    try:
+        v = float(x)
+        return v if math.isfinite(v) else None
+    except (TypeError, ValueError):
+        return None
+
+ours = list(csv.DictReader(open(sys.argv[1]))) if os.path.exists(sys.argv[1]) else []
+torch = {}
+if os.path.exists(sys.argv[2]):
+    for r in csv.DictReader(open(sys.argv[2])):
+        us = num(r["us"])
+        key = (int(r["context"]), int(r["batch"]))
+        if us is not None and (key not in torch or us < torch[key][0]):
+            torch[key] = (us, r["form"])
+
+def f(v, fmt):
+    return format(v, fmt) if v is not None else "-"
+
+def ratio(a, b):
+    return a / b if a is not None and b else None
+
+cols = [("ctx", 8), ("B", 2), ("a_torch", 8), ("a_ours", 8), ("b_us", 10), ("b_floor", 10),
+        ("c_us", 8), ("select", 8), ("xfer", 7), ("attend", 7), ("MB/step", 8), ("hit", 5),
+        ("b/c", 6), ("bf/c", 6), ("c/a", 5), ("b_GB/s", 6), ("of_cp", 5), ("c_GB/s", 6),
+        ("of_cp", 5)]
+print(" ".join(f"{n:>{w}}" for n, w in cols))
+goals, notes = [], []
+for r in ours:
+    T, B = int(r["context"]), int(r["batch"])
+    g = {k: num(v) for k, v in r.items()}
+    a_t = torch.get((T, B), (None, ""))[0]
+    a = a_t if a_t is not None else g["a_us"]
+    b_floor = g["copy_b_us"] + g["a_us"] if g["copy_b_us"] and g["a_us"] else None
+    cells = [str(T), str(B), f(a_t, ".1f"), f(g["a_us"], ".1f"), f(g["b_us"], ".0f"),
+             f(b_floor, ".0f"), f(g["c_us"], ".1f"), f(g["c_select_us"], ".1f"),
+             f(g["c_transfer_us"], ".1f"), f(g["c_attend_us"], ".1f"), f(g["c_page_mb"], ".2f"),
+             f(g["c_hit"], ".3f"), f(ratio(g["b_us"], g["c_us"]), ".1f"),
+             f(ratio(b_floor, g["c_us"]), ".1f"), f(ratio(g["c_us"], a), ".2f"),
+             f(g["b_gbps"], ".1f"), f(ratio(g["b_gbps"], g["copy_b_gbps"]), ".2f"),
+             f(g["c_gbps"], ".1f"), f(ratio(g["c_gbps"], g["copy_c_gbps"]), ".2f")]
+    print(" ".join(f"{c:>{w}}" for c, (_, w) in zip(cells, cols)))
+    if r["status"] != "ok":
+        notes.append(f"ctx {T} B {B}: {r['status']}")
+    def goal(name, value, ok):
+        goals.append(f"  {name:44} {f(value, '.2f'):>8}  {'met' if ok else 'NOT met'}"
+                     if value is not None else f"  {name:44} {'-':>8}  not measured")
+    if T == 1048576:
+        goal(f"(b)/(c) >= 10 at 1M, B={B}", ratio(g["b_us"], g["c_us"]),
+             (ratio(g["b_us"], g["c_us"]) or 0) >= 10)
+        goal(f"(b floor)/(c) >= 10 at 1M, B={B}", ratio(b_floor, g["c_us"]),
+             (ratio(b_floor, g["c_us"]) or 0) >= 10)
+    if T == 131072:
+        v = ratio(g["c_us"], a)
+        goal(f"(c)/(a{'' if a_t is not None else ' ours'}) <= 1.5 at 128K, B={B}", v,
+             v is not None and v <= 1.5)
+    for name, share in (("(b)", ratio(g["b_gbps"], g["copy_b_gbps"])),
+                        ("(c)", ratio(g["c_gbps"], g["copy_c_gbps"]))):
+        if T in (131072, 1048576):
+            label = "1M" if T == 1048576 else f"{T // 1024}K"
+            goal(f"{name} moves >= 0.8 of a plain copy, {label} B={B}", share,
+                 (share or 0) >= 0.8)
+print("""
+a_torch  torch SDPA, K/V resident in HBM, median us (the faster of enable_gqa and grouped rows)
+a_ours   our kernel over every page resident in device memory, median us (events)
+b_us     dense offload: every page moved by the transfer engine, then our kernel; median wall us
+b_floor  a plain pinned copy of the same bytes + a_ours: the ceiling of any dense offload
+c_us     kvsift offload step, 2% LOCKS, drifting query, one token appended per step; median wall us
+select   CPU selection us; xfer: q, page moves, refreshes and lists, the CPU's planning
+         inside (events); attend: the kernel (events); all three medians per step
+MB/step  page bytes moved per step (misses + refreshed open pages); hit: hits/(hits+misses)
+b/c, bf/c  b_us / c_us and b_floor / c_us;  c/a: c_us / a_torch (a_ours where torch is missing)
+b_GB/s   (b) page bytes / move interval (planning included); c_GB/s: (c) page bytes / xfer;
+of_cp    each over a plain pinned cudaMemcpy of the same byte count, measured in the same run""")
+if goals:
+    print("goals:")
+    print("\n".join(goals))
+for n in notes:
+    print("note:", n)
+if not ours:
+    print("no rows from kvsift-bench-offload (see offload.log)")
+PY
+exit $status
