@@ -1,134 +1,184 @@
 #!/usr/bin/env bash
-# The GPU check: build, test (attention against the float64 reference, the transfer engine against
-# the host pages), benchmark (attention, transfer paths and page cache), in one call.
+# The GPU check: every GPU test binary, the offload demo against the CPU demo, and the GPU
+# benchmarks, in as few device calls as the carry limit allows.
 #
-#   scripts/gpu_check.sh stage   Here, where the project's dependencies are installed: configure
-#                                build-gpu with CUDA, build the GPU test and benchmark (-j2), and
-#                                stage them with the libraries the GPU machine lacks in
-#                                build-gpu/stage.
-#   scripts/gpu_check.sh [run]   On the GPU machine (device tool: carry build-gpu/stage): build
-#                                there when the project's dependencies are installed, else use the
-#                                staged binaries; then the tests (label gpu), compute-sanitizer
-#                                memcheck and racecheck on a few small cases, and the benchmarks.
-#                                Logs go to $OUT (or build-gpu/out); short tables come last.
-#                                GPU_CHECK_BENCHES (default "attend transfer") picks the benchmarks,
-#                                GPU_CHECK_TESTS (default "gpu offload") the test binaries: gpu is
-#                                kvsift_gpu_tests, offload kvsift_offload_tests (the offload step
-#                                against the CPU kernel; it links the whole library).
-#   GPU_CHECK_BUILD (default build-gpu) is the build folder of both modes; carry its stage folder.
+#   scripts/gpu_check.sh stage   Here, where the project's dependencies are installed: build the GPU
+#                                targets in build-gpu (CUDA on, -j2) and pack them, the shared
+#                                libraries the GPU machine lacks and the demo's document into
+#                                build-gpu/stage.tar.xz; split the model file ($KVSIFT_MODEL) into
+#                                build-gpu/model.part.* of 30 MiB each.
+#   scripts/gpu_check.sh run     On the GPU machine. Carry build-gpu/stage.tar.xz and the model
+#                                parts over several calls (each call carries at most 64 MiB;
+#                                ignored files stay on a warm machine between calls; a call may run
+#                                `true` just to carry a part). Unpacks, joins the model, then runs
+#                                what GPU_CHECK picks (default "tests demo"):
+#                                  tests    the gpu-labelled test binaries (attention, transfer,
+#                                           device Llama, Louver filter, offload step and the model
+#                                           in offload mode), compute-sanitizer on small cases
+#                                  demo     kvsift-demo on the CPU and with --device cuda: dense
+#                                           greedy tokens compared over 64 tokens, LOCKS at 5%
+#                                  benches  the attention, transfer and Louver filter benchmarks
+#                                  throughput  decode tokens/s of the model at 1K and 8K context,
+#                                           batch 1 and 8, dense and LOCKS at 5%, on the CPU's
+#                                           cores and in offload mode (kvsift-bench-decode)
+#                                Logs go to $OUT (or build-gpu/out); short summaries come last.
 #
-# The H200 machine's image has CUDA, CMake and ninja but not the Debian packages the project's
-# configure requires (xsimd, ICU, oneDNN, GoogleTest, Google Benchmark), hence the staging. The
-# gpu binaries link only the gpu objects, the float64 reference, GoogleTest (static) and Google
-# Benchmark; kvsift_offload_tests links the whole library, so its shared libraries (oneDNN, OpenMP,
-# OpenCL) are staged too: every library ldd names except glibc's own, which the GPU machine has.
+# Why staging: the GPU machine's image has CUDA, CMake and ninja but not the Debian packages the
+# project's configure requires (xsimd, ICU, oneDNN, GoogleTest, Google Benchmark). Every library
+# ldd names is staged except glibc's own and cuBLAS (0.6 GB; the image's CUDA 13 has it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 mode=${1:-run}
 build=${GPU_CHECK_BUILD:-build-gpu}
 stage=$build/stage
-benches=${GPU_CHECK_BENCHES-attend transfer}
-tests=${GPU_CHECK_TESTS-gpu offload}
-targets=()
-[[ " $tests " == *" gpu "* ]] && targets+=(kvsift_gpu_tests)
-[[ " $tests " == *" offload "* ]] && targets+=(kvsift_offload_tests)
-[[ " $benches " == *" attend "* ]] && targets+=(kvsift-bench-gpu-attend)
-[[ " $benches " == *" transfer "* ]] && targets+=(kvsift-bench-gpu-transfer)
-# Where each target lands in the build folder.
-target_path() { case $1 in kvsift-bench-*) echo "$build/bench/$1" ;; *) echo "$build/tests/$1" ;; esac; }
+targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_offload_tests
+  kvsift-demo kvsift-bench-gpu-attend kvsift-bench-gpu-transfer kvsift-bench-gpu-louver
+  kvsift-bench-offload kvsift-bench-decode)
+target_path() {
+  case $1 in
+    kvsift-bench-*) echo "$build/bench/$1" ;;
+    kvsift-demo) echo "$build/apps/$1" ;;
+    *) echo "$build/tests/$1" ;;
+  esac
+}
+dictionary=/usr/share/dictd/devil.dict.dz
 
-configure_and_build() {
+if [[ $mode == stage ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" >/dev/null
   cmake --build "$build" -j2 --target "${targets[@]}"
-}
-
-if [[ $mode == stage ]]; then
-  configure_and_build
   rm -rf "$stage" && mkdir -p "$stage"
   for t in "${targets[@]}"; do cp "$(target_path "$t")" "$stage/"; done
-  # Shared libraries the binaries need beyond glibc: the GPU machine has no Google Benchmark,
-  # oneDNN or OpenCL loader, and its own libcudart and libstdc++ may differ from the ones linked
-  # here. glibc's libraries stay behind: a newer one is there.
   for t in "${targets[@]}"; do ldd "$stage/$t"; done |
     awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
-    grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' |
+    grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
     while read -r path; do cp -L "$path" "$stage/"; done
-  ls -l "$stage"
+  cp "$dictionary" "$stage/"
+  cp tools/sdpa_baseline.py scripts/gpu_bench.sh "$stage/" 2>/dev/null || true
+  tar -cJf "$build/stage.tar.xz" -C "$build" stage
+  rm -f "$build"/model.part.*
+  if [[ -n ${KVSIFT_MODEL:-} && -f $KVSIFT_MODEL ]]; then
+    split -b 30M -d "$KVSIFT_MODEL" "$build/model.part."
+  fi
+  ls -l "$build/stage.tar.xz" "$build"/model.part.* 2>/dev/null
   exit 0
 fi
 
 out=${OUT:-$build/out}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv |
-  tee "$out/gpu.txt"
-
-if [[ -f /usr/include/gtest/gtest.h && -f /usr/include/benchmark/benchmark.h &&
-  -d /usr/include/xsimd ]] && configure_and_build >"$out/build.log" 2>&1; then
-  bin_test=$build/tests/kvsift_gpu_tests
-  bin_offload=$build/tests/kvsift_offload_tests
-  bin_bench=$build/bench/kvsift-bench-gpu-attend
-  bin_transfer=$build/bench/kvsift-bench-gpu-transfer
-  echo "built here"
-elif [[ -x $stage/${targets[0]} ]]; then
-  export LD_LIBRARY_PATH=$PWD/$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-  bin_test=$stage/kvsift_gpu_tests
-  bin_offload=$stage/kvsift_offload_tests
-  bin_bench=$stage/kvsift-bench-gpu-attend
-  bin_transfer=$stage/kvsift-bench-gpu-transfer
-  echo "project dependencies missing here: running the staged binaries"
-else
-  echo "cannot build here and no staged binaries in $stage (run 'scripts/gpu_check.sh stage')" >&2
-  exit 1
+checks=${GPU_CHECK-tests demo}
+if [[ -f $build/stage.tar.xz ]]; then
+  rm -rf "$stage" && tar -xJf "$build/stage.tar.xz" -C "$build"
 fi
+[[ -x $stage/kvsift_gpu_tests ]] || {
+  echo "no staged binaries in $stage (run 'scripts/gpu_check.sh stage' here and carry them)" >&2
+  exit 1
+}
+# cuBLAS from the image's CUDA (or from PyTorch's wheel when the toolkit's folder lacks it).
+cublas=$(ls /usr/local/cuda/lib64/libcublas.so.13 2>/dev/null ||
+  find / -name 'libcublas.so.13' -not -path '/proc/*' -print -quit 2>/dev/null || true)
+export LD_LIBRARY_PATH=$PWD/$stage${cublas:+:$(dirname "$cublas")}
+if compgen -G "$build/model.part.*" >/dev/null; then
+  cat "$build"/model.part.* >"$build/model.gguf"
+  export KVSIFT_MODEL=$PWD/$build/model.gguf
+fi
+mkdir -p "$(dirname "$dictionary")" && cp -n "$stage/devil.dict.dz" "$dictionary" 2>/dev/null || true
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+nproc | sed 's/^/cpu cores: /'
+echo "model: ${KVSIFT_MODEL:-absent} $(stat -c %s "${KVSIFT_MODEL:-/dev/null}" 2>/dev/null)"
 
 status=0
-if [[ " $tests " == *" gpu "* ]]; then
-  # The kernels' machine code, for reading without device time (this machine has no cuobjdump).
-  if command -v cuobjdump >/dev/null && [[ -x $bin_bench ]]; then
-    cuobjdump -sass "$bin_bench" | gzip >"$out/kernels.sass.gz" || true
-  fi
-  "$bin_test" --gtest_brief=1 2>&1 | tee "$out/test.log" || status=1
-
-  small='*b1_g4_d128_p16_bf16_pages:*b4_g4_d64_p16_f16_tokens:*g12*:*short_selection*:*nothing_listed*'
-  small+=':*GpuTransferCase*staged_4096*:*GpuTransferCase*mapped_8192*'
+if [[ " $checks " == *" tests "* ]]; then
+  for t in kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_offload_tests; do
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" --gtest_brief=1 >"$out/$t.log" 2>&1 ||
+      status=1
+    echo "$t: $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED|Failure|error' "$out/$t.log" | head -20 || true
+  done
   if command -v compute-sanitizer >/dev/null; then
-    for tool in memcheck racecheck; do
-      compute-sanitizer --tool "$tool" --error-exitcode 9 "$bin_test" --gtest_filter="$small" \
-        --gtest_brief=1 >"$out/sanitizer_$tool.log" 2>&1 || status=1
-      echo "compute-sanitizer $tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' \
-        "$out/sanitizer_$tool.log" | tail -1)"
-    done
-  fi
-fi
-if [[ " $tests " == *" offload "* ]]; then
-  # Prints a per-call table (pages, hits, misses, refreshes, bytes, the time split) per case.
-  "$bin_offload" 2>&1 | tee "$out/offload.log" || status=1
-  if command -v compute-sanitizer >/dev/null; then
-    compute-sanitizer --tool memcheck --error-exitcode 9 "$bin_offload" \
-      --gtest_filter='*oracle_f16_b3*:OffloadTest.*' --gtest_brief=1 \
-      >"$out/sanitizer_offload_memcheck.log" 2>&1 || status=1
-    echo "compute-sanitizer memcheck (offload): $(grep -E 'ERROR SUMMARY' \
-      "$out/sanitizer_offload_memcheck.log" | tail -1)"
+    run_sanitizer() {  # tool binary filter
+      compute-sanitizer --tool "$1" --error-exitcode 9 "$stage/$2" --gtest_filter="$3" \
+        --gtest_brief=1 >"$out/sanitizer_$1_$2.log" 2>&1 || status=1
+      echo "compute-sanitizer $1 $2: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' \
+        "$out/sanitizer_$1_$2.log" | tail -2 | tr '\n' ' ')"
+    }
+    run_sanitizer memcheck kvsift_gpu_llama_tests '*'
+    run_sanitizer racecheck kvsift_gpu_llama_tests '*whole*'
+    run_sanitizer memcheck kvsift_gpu_louver_tests 'LouverFilter.*'
+    run_sanitizer racecheck kvsift_gpu_louver_tests 'LouverFilter.device*'
+    run_sanitizer memcheck kvsift_offload_tests 'OffloadTest.token_rows*:OffloadTest.a_step*'
   fi
 fi
 
-if [[ " $benches " == *" attend "* ]]; then
-  "$bin_bench" --benchmark_repetitions=5 --benchmark_min_time=0.1 \
+if [[ " $checks " == *" demo "* ]]; then
+  demo() {  # name args...
+    local name=$1
+    shift
+    "$stage/kvsift-demo" "$@" >"$out/demo_$name.txt" 2>"$out/demo_$name.err" || status=1
+  }
+  demo cpu_dense --max-new 64 --ignore-end --print-tokens
+  demo cuda_dense --max-new 64 --ignore-end --print-tokens --device cuda
+  demo cuda_locks --selector locks --budget 0.05 --device cuda
+  for f in cpu_dense cuda_dense; do
+    grep -E '^answer token ids' "$out/demo_$f.txt" | sed "s/^/$f /" >"$out/tokens_$f.txt" || true
+  done
+  if cmp -s <(cut -d' ' -f2- "$out/tokens_cpu_dense.txt") \
+    <(cut -d' ' -f2- "$out/tokens_cuda_dense.txt"); then
+    echo "demo dense: the same 64 greedy tokens on the CPU and with --device cuda"
+  else
+    echo "demo dense: the tokens DIFFER between the CPU and --device cuda"
+    status=1
+  fi
+  for f in cpu_dense cuda_dense cuda_locks; do
+    echo "--- demo $f"
+    grep -E '^A:|^prefill|^decode|^attention on|^last step|^PCIe|^KV read' "$out/demo_$f.txt" ||
+      tail -3 "$out/demo_$f.err"
+  done
+fi
+
+if [[ " $checks " == *" throughput "* ]]; then
+  for device in cpu cuda; do
+    "$stage/kvsift-bench-decode" --model "$KVSIFT_MODEL" --device "$device" \
+      >"$out/throughput_$device.jsonl" 2>"$out/throughput_$device.err" || status=1
+  done
+  # One row per (selector, context, batch): tokens/s in both modes (median step; the spread is the
+  # fastest and slowest step's), the offload/CPU ratio, and the offload step's split.
+  python3 - "$out/throughput_cpu.jsonl" "$out/throughput_cuda.jsonl" <<'PY' ||
+import json, sys
+rows = [{}, {}]
+for i, path in enumerate(sys.argv[1:3]):
+    for line in open(path):
+        if line.startswith("{"):
+            r = json.loads(line)
+            rows[i][(r["selector"], r["context"], r["batch"])] = r
+print(f"{'selector':8} {'ctx':>5} {'batch':>5} {'cpu tok/s':>14} {'cuda tok/s':>16} {'x':>6} "
+      f"{'select_us':>9} {'xfer_us':>8} {'attend_us':>9} {'MB/step':>8} {'hit':>5}")
+for key, c in rows[0].items():
+    g = rows[1].get(key)
+    if g is None:
+        continue
+    spread = lambda r: f"{r['tok_s']:.1f} ({r['batch'] * 1e3 / r['step_ms_max']:.0f}-{r['batch'] * 1e3 / r['step_ms_min']:.0f})"
+    print(f"{key[0]:8} {key[1]:5} {key[2]:5} {spread(c):>14} {spread(g):>16} "
+          f"{g['tok_s'] / c['tok_s']:6.2f} {g['select_us']:9.0f} {g['transfer_us']:8.0f} "
+          f"{g['attend_us']:9.0f} {g['h2d_MB']:8.2f} {g['hit_rate']:5.3f}")
+PY
+    { cat "$out"/throughput_*.err; status=1; }
+fi
+
+if [[ " $checks " == *" benches "* ]]; then
+  "$stage/kvsift-bench-gpu-louver" --benchmark_repetitions=3 --benchmark_min_time=0.05 \
+    --benchmark_report_aggregates_only=true >"$out/bench_louver.txt" 2>&1 || status=1
+  grep -E 'median' "$out/bench_louver.txt" | head -40 || true
+  "$stage/kvsift-bench-gpu-attend" --benchmark_repetitions=5 --benchmark_min_time=0.1 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/bench.json" \
     --benchmark_out_format=json >"$out/bench.txt" 2>&1 || status=1
-fi
-if [[ " $benches " == *" transfer "* ]]; then
-  "$bin_transfer" --benchmark_repetitions=5 --benchmark_min_time=0.05 \
+  "$stage/kvsift-bench-gpu-transfer" --benchmark_repetitions=5 --benchmark_min_time=0.05 \
     --benchmark_report_aggregates_only=true --benchmark_out="$out/transfer.json" \
     --benchmark_out_format=json >"$out/transfer.txt" 2>&1 || status=1
 fi
 
 echo
-for log in "$out/test.log" "$out/offload.log"; do
-  [[ -f $log ]] && grep -E '^\[  (PASSED|FAILED)|tests? ran|worst relative error' "$log" || true
-done
 if [[ -f $out/bench.json ]]; then
   # Median and spread per case: time per call, TB/s of K+V, and the share of copy bandwidth.
   python3 - "$out/bench.json" <<'PY' || cat "$out/bench.txt"

@@ -307,7 +307,12 @@ TEST_F(OffloadTest, refuses_oversized_lists_and_row_chunks_beyond_the_reserve) {
   test::expect_error([&] { offload->validate(model.cache(), call); }, Status::capacity_exceeded,
                      "max_row_chunks");
   OffloadOptions small = options;
-  small.cache_pages = 3;
+  small.cache_pages = 1;
+  auto tiny = OffloadAttention::create(model.cache(), small);
+  call.rows = nullptr;
+  test::expect_error([&] { tiny->validate(model.cache(), call); }, Status::capacity_exceeded,
+                     "cache_pages");
+  small.cache_pages = 0;
   test::expect_error([&] { OffloadAttention::create(model.cache(), small); },
                      Status::invalid_argument, "cache_pages");
   OffloadOptions parts = options;

@@ -60,10 +60,8 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
   require(listed <= UINT32_MAX,
           "OffloadOptions: max_batch * n_kv_heads * max_pages_per_pair=", listed,
           " does not fit 32-bit list offsets");
-  require(options.cache_pages >= listed && options.cache_pages <= (1u << 31),
-          "OffloadOptions.cache_pages=", options.cache_pages, " is not in ", listed,
-          "..2^31 (at least max_batch * n_kv_heads * max_pages_per_pair, so that a call never "
-          "needs more pages than the device cache holds)");
+  require(options.cache_pages >= 1 && options.cache_pages <= (1u << 31),
+          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 1..2^31");
   require(options.step_parts >= 1 && options.step_parts <= kMaxParts, "OffloadOptions.step_parts=",
           options.step_parts, " is not in 1..", kMaxParts);
   require(options.max_row_chunks <= (uint64_t{1} << 31) - options.cache_pages,
@@ -187,6 +185,7 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
   if (chunks > options_.max_row_chunks)
     fail(Status::capacity_exceeded, "OffloadAttention: the call's row chunks (", chunks,
          ") exceed OffloadOptions.max_row_chunks=", options_.max_row_chunks);
+  uint64_t listed = 0;
   for (uint32_t pair = 0; pair < pairs; ++pair) {
     const uint64_t n = call.pages ? call.pages->offsets[pair + 1] - call.pages->offsets[pair]
                                   : geometry_.pages_for(cache.length_unchecked(
@@ -194,7 +193,13 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
     if (n > options_.max_pages_per_pair)
       fail(Status::capacity_exceeded, "OffloadAttention: pair ", pair, " lists ", n,
            " pages, more than OffloadOptions.max_pages_per_pair=", options_.max_pages_per_pair);
+    listed += n;
   }
+  // Every page of a call must be resident at once (pages of different pairs are distinct).
+  if (listed > options_.cache_pages)
+    fail(Status::capacity_exceeded, "OffloadAttention: the call lists ", listed,
+         " pages, more than the device cache holds (OffloadOptions.cache_pages=",
+         options_.cache_pages, ")");
 }
 
 void OffloadAttention::fail_run(const gpu::Result& r) noexcept {

@@ -61,9 +61,8 @@ struct OffloadOptions {
   // Most row chunks (page_tokens token rows each, summed over the pairs) one call attends; 0
   // refuses calls with rows. Reserves as many device slots per layer, and pinned staging.
   uint64_t max_row_chunks = 0;
-  // Device page cache slots per layer; at least max_batch * n_kv_heads * max_pages_per_pair, so
-  // that no call needs more distinct pages than the cache holds. Each slot is
-  // geometry.slot_bytes() of device memory, times n_layers.
+  // Device page cache slots per layer, 1..2^31; a call listing more pages than this is refused
+  // (capacity_exceeded). Each slot is geometry.slot_bytes() of device memory, times n_layers.
   uint32_t cache_pages = 0;
   gpu::EvictionPolicy eviction = gpu::EvictionPolicy::clock;
   // automatic: the mapped-memory gather kernel (measured faster than staging at every size on
@@ -126,8 +125,8 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   OffloadAttention& operator=(const OffloadAttention&) = delete;
 
   // DecodeAttention::validate's checks, then this path's limits: the cache is the one given to
-  // create(); at most max_pages_per_pair pages per pair and max_row_chunks row chunks in all
-  // (capacity_exceeded). Throws Error naming the argument.
+  // create(); at most max_pages_per_pair pages per pair, cache_pages pages and max_row_chunks row
+  // chunks in all (capacity_exceeded). Throws Error naming the argument.
   void validate(const KvCache& cache, const AttendCall& call) const override;
 
   // Writes call.out exactly as DecodeAttention::run would (to fp32 rounding) for a call that

@@ -1,0 +1,162 @@
+// kvsift-bench-decode: decode throughput of the model runner over a matrix of contexts, batch
+// sizes and selectors, on the CPU or in offload mode (--device cuda[:N]), through the public C
+// API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and prints the
+// table with the offload/CPU ratios.
+//
+// Per row: one sequence is prefilled with `context` tokens of The Devil's Dictionary (not timed),
+// forked to `batch` sequences, and decoded greedily for --warmup untimed and --steps timed steps
+// of all sequences together. tokens/s = batch / median step time; the spread is the fastest and
+// slowest step. The split (select, transfer, attend), the bytes sent host to device and the
+// device cache's hit rate are the medians of the timed steps' telemetry. One JSON object per row
+// on stdout, a table on stderr.
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/devils_dictionary.hpp"
+#include "kvsift/kvsift.h"
+
+namespace {
+
+void check(kvsift_status status, const char* what) {
+  if (status == KVSIFT_STATUS_OK) return;
+  std::fprintf(stderr, "kvsift-bench-decode: %s: %s: %s\n", what, kvsift_status_string(status),
+               kvsift_last_error());
+  std::exit(1);
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+int parse_device(const std::string& device) {
+  if (device == "cpu") return -1;
+  if (device == "cuda") return 0;
+  if (device.rfind("cuda:", 0) == 0) return std::stoi(device.substr(5));
+  std::fprintf(stderr, "kvsift-bench-decode: --device %s: expected cpu, cuda or cuda:N\n",
+               device.c_str());
+  std::exit(1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvsift-bench-decode: decode tokens/s over contexts x batches x selectors"};
+  std::string model_path, device = "cpu";
+  std::vector<uint32_t> contexts{1024, 8192}, batches{1, 8};
+  std::vector<std::string> selectors{"dense", "locks"};
+  double budget = 0.05;
+  uint32_t steps = 32, warmup = 4;
+  int threads = 0;
+  app.add_option("--model", model_path, "GGUF file")->required();
+  app.add_option("--device", device, "cpu or cuda[:N]")->capture_default_str();
+  app.add_option("--contexts", contexts, "prompt tokens per sequence")->capture_default_str();
+  app.add_option("--batches", batches, "sequences decoded together")->capture_default_str();
+  app.add_option("--selectors", selectors, "selector names")->capture_default_str();
+  app.add_option("--budget", budget, "budget of every selector but dense")->capture_default_str();
+  app.add_option("--steps", steps, "timed decode steps per row")->capture_default_str();
+  app.add_option("--warmup", warmup, "untimed decode steps first")->capture_default_str();
+  app.add_option("--threads", threads, "CPU threads (0: all)");
+  CLI11_PARSE(app, argc, argv);
+
+  const uint32_t max_context = *std::max_element(contexts.begin(), contexts.end());
+  const uint32_t max_batch = *std::max_element(batches.begin(), batches.end());
+  kvsift_model_params params;
+  kvsift_model_params_init(&params);
+  params.n_ctx = max_context + warmup + steps + 8;
+  params.max_seqs = max_batch;
+  params.n_threads = threads;
+  params.device = parse_device(device);
+  kvsift_model* model = nullptr;
+  check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
+  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+
+  std::string text = kvsift::apps::read_devils_dictionary();
+  std::vector<int32_t> book(text.size());
+  std::size_t n_book = 0;
+  check(kvsift_tokenize(model, text.data(), text.size(), 0, book.data(), book.size(), &n_book),
+        "tokenize");
+  if (n_book < max_context) {
+    std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n", n_book,
+                 max_context);
+    return 1;
+  }
+
+  std::fprintf(stderr, "%-6s %-6s %7s %5s %9s %9s %9s %9s %9s %9s %8s %6s\n", "device", "select",
+               "context", "batch", "tok/s", "step_ms", "min_ms", "max_ms", "select_us", "xfer_us",
+               "attend_us", "MB/step");
+  for (const std::string& name : selectors) {
+    kvsift_selector_policy policy;
+    kvsift_selector_policy_init(&policy);
+    check(kvsift_selector_from_name(name.c_str(), &policy.selector), "--selectors");
+    policy.budget = policy.selector == KVSIFT_SELECTOR_DENSE ? 0.0 : budget;
+    for (const uint32_t context : contexts)
+      for (const uint32_t batch : batches) {
+        check(kvsift_model_set_selector(model, &policy), "selector");
+        std::vector<int32_t> seqs(batch);
+        check(kvsift_model_sequence_create(model, &seqs[0]), "sequence");
+        check(kvsift_model_prefill(model, seqs[0], book.data(), context, nullptr, nullptr,
+                                   nullptr),
+              "prefill");
+        for (uint32_t b = 1; b < batch; ++b)
+          check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
+        std::vector<int32_t> next(batch);
+        std::vector<double> step_s, select_us, transfer_us, attend_us, h2d, hit;
+        for (uint32_t i = 0; i < warmup + steps; ++i) {
+          for (uint32_t b = 0; b < batch; ++b) {
+            const float* logits = nullptr;
+            std::size_t n = 0;
+            check(kvsift_model_logits(model, seqs[b], &logits, &n), "logits");
+            next[b] = static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
+          }
+          const auto t0 = std::chrono::steady_clock::now();
+          check(kvsift_model_decode(model, batch, seqs.data(), next.data()), "decode");
+          const double s =
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+          if (i < warmup) continue;
+          kvsift_model_stats stats;
+          check(kvsift_model_get_stats(model, &stats), "stats");
+          step_s.push_back(s);
+          select_us.push_back(stats.last_step_select_us);
+          transfer_us.push_back(stats.last_step_transfer_us);
+          attend_us.push_back(stats.last_step_attend_us);
+          h2d.push_back(static_cast<double>(stats.last_step_h2d_bytes));
+          const uint64_t lookups = stats.last_step_cache_hits + stats.last_step_cache_misses;
+          hit.push_back(lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups
+                                    : 1.0);
+        }
+        for (int32_t id : seqs) check(kvsift_model_sequence_free(model, id), "free");
+        const double step = median(step_s);
+        const auto [lo, hi] = std::minmax_element(step_s.begin(), step_s.end());
+        nlohmann::json row = {{"device", device},
+                              {"selector", name},
+                              {"budget", policy.budget},
+                              {"context", context},
+                              {"batch", batch},
+                              {"tok_s", batch / step},
+                              {"step_ms", 1e3 * step},
+                              {"step_ms_min", 1e3 * *lo},
+                              {"step_ms_max", 1e3 * *hi},
+                              {"select_us", median(select_us)},
+                              {"transfer_us", median(transfer_us)},
+                              {"attend_us", median(attend_us)},
+                              {"h2d_MB", median(h2d) / 1e6},
+                              {"hit_rate", median(hit)},
+                              {"steps", steps}};
+        std::printf("%s\n", row.dump().c_str());
+        std::fflush(stdout);
+        std::fprintf(stderr, "%-6s %-6s %7u %5u %9.1f %9.2f %9.2f %9.2f %9.0f %9.0f %8.0f %6.2f\n",
+                     device.c_str(), name.c_str(), context, batch, batch / step, 1e3 * step,
+                     1e3 * *lo, 1e3 * *hi, median(select_us), median(transfer_us),
+                     median(attend_us), median(h2d) / 1e6);
+      }
+  }
+  return 0;
+}
