@@ -21,7 +21,7 @@
 #                                  throughput  decode tokens/s of the model at 1K and 8K context,
 #                                           batch 1 and 8, dense and LOCKS at 5%, on the CPU's
 #                                           cores and in offload mode (kvsift-bench-decode)
-#                                Logs go to $OUT (or build-gpu/out); short summaries come last.
+#                                Summaries are printed; the logs come back as $OUT/logs.tar.gz.
 #
 # Why staging: the GPU machine's image has CUDA, CMake and ninja but not the Debian packages the
 # project's configure requires (xsimd, ICU, oneDNN, GoogleTest, Google Benchmark). Every library
@@ -65,8 +65,12 @@ if [[ $mode == stage ]]; then
   exit 0
 fi
 
+# Logs go to $out/logs and come back packed (the device tool returns a few files per call): the
+# summaries printed here, then logs.tar.gz.
 out=${OUT:-$build/out}
-mkdir -p "$out"
+logs=$out/logs
+mkdir -p "$logs"
+trap 'tar -czf "$out/logs.tar.gz" -C "$out" logs && rm -rf "$logs"' EXIT
 checks=${GPU_CHECK-tests demo}
 if [[ -f $build/stage.tar.xz ]]; then
   rm -rf "$stage" && tar -xJf "$build/stage.tar.xz" -C "$build"
@@ -84,24 +88,24 @@ if compgen -G "$build/model.part.*" >/dev/null; then
   export KVSIFT_MODEL=$PWD/$build/model.gguf
 fi
 mkdir -p "$(dirname "$dictionary")" && cp -n "$stage/devil.dict.dz" "$dictionary" 2>/dev/null || true
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 nproc | sed 's/^/cpu cores: /'
 echo "model: ${KVSIFT_MODEL:-absent} $(stat -c %s "${KVSIFT_MODEL:-/dev/null}" 2>/dev/null)"
 
 status=0
 if [[ " $checks " == *" tests "* ]]; then
   for t in kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_offload_tests; do
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" --gtest_brief=1 >"$out/$t.log" 2>&1 ||
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" --gtest_brief=1 >"$logs/$t.log" 2>&1 ||
       status=1
-    echo "$t: $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')"
-    grep -E '^\[  FAILED|Failure|error' "$out/$t.log" | head -20 || true
+    echo "$t: $(grep -E '^\[  (PASSED|FAILED)' "$logs/$t.log" | tr '\n' ' ')"
+    grep -E '^\[  FAILED|Failure|error' "$logs/$t.log" | head -20 || true
   done
   if command -v compute-sanitizer >/dev/null; then
     run_sanitizer() {  # tool binary filter
       compute-sanitizer --tool "$1" --error-exitcode 9 "$stage/$2" --gtest_filter="$3" \
-        --gtest_brief=1 >"$out/sanitizer_$1_$2.log" 2>&1 || status=1
+        --gtest_brief=1 >"$logs/sanitizer_$1_$2.log" 2>&1 || status=1
       echo "compute-sanitizer $1 $2: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' \
-        "$out/sanitizer_$1_$2.log" | tail -2 | tr '\n' ' ')"
+        "$logs/sanitizer_$1_$2.log" | tail -2 | tr '\n' ' ')"
     }
     run_sanitizer memcheck kvsift_gpu_llama_tests '*'
     run_sanitizer racecheck kvsift_gpu_llama_tests '*whole*'
@@ -115,16 +119,16 @@ if [[ " $checks " == *" demo "* ]]; then
   demo() {  # name args...
     local name=$1
     shift
-    "$stage/kvsift-demo" "$@" >"$out/demo_$name.txt" 2>"$out/demo_$name.err" || status=1
+    "$stage/kvsift-demo" "$@" >"$logs/demo_$name.txt" 2>"$logs/demo_$name.err" || status=1
   }
   demo cpu_dense --max-new 64 --ignore-end --print-tokens
   demo cuda_dense --max-new 64 --ignore-end --print-tokens --device cuda
   demo cuda_locks --selector locks --budget 0.05 --device cuda
   for f in cpu_dense cuda_dense; do
-    grep -E '^answer token ids' "$out/demo_$f.txt" | sed "s/^/$f /" >"$out/tokens_$f.txt" || true
+    grep -E '^answer token ids' "$logs/demo_$f.txt" | sed "s/^/$f /" >"$logs/tokens_$f.txt" || true
   done
-  if cmp -s <(cut -d' ' -f2- "$out/tokens_cpu_dense.txt") \
-    <(cut -d' ' -f2- "$out/tokens_cuda_dense.txt"); then
+  if cmp -s <(cut -d' ' -f2- "$logs/tokens_cpu_dense.txt") \
+    <(cut -d' ' -f2- "$logs/tokens_cuda_dense.txt"); then
     echo "demo dense: the same 64 greedy tokens on the CPU and with --device cuda"
   else
     echo "demo dense: the tokens DIFFER between the CPU and --device cuda"
@@ -132,19 +136,19 @@ if [[ " $checks " == *" demo "* ]]; then
   fi
   for f in cpu_dense cuda_dense cuda_locks; do
     echo "--- demo $f"
-    grep -E '^A:|^prefill|^decode|^attention on|^last step|^PCIe|^KV read' "$out/demo_$f.txt" ||
-      tail -3 "$out/demo_$f.err"
+    grep -E '^A:|^prefill|^decode|^attention on|^last step|^PCIe|^KV read' "$logs/demo_$f.txt" ||
+      tail -3 "$logs/demo_$f.err"
   done
 fi
 
 if [[ " $checks " == *" throughput "* ]]; then
   for device in cpu cuda; do
     "$stage/kvsift-bench-decode" --model "$KVSIFT_MODEL" --device "$device" \
-      >"$out/throughput_$device.jsonl" 2>"$out/throughput_$device.err" || status=1
+      >"$logs/throughput_$device.jsonl" 2>"$logs/throughput_$device.err" || status=1
   done
   # One row per (selector, context, batch): tokens/s in both modes (median step; the spread is the
   # fastest and slowest step's), the offload/CPU ratio, and the offload step's split.
-  python3 - "$out/throughput_cpu.jsonl" "$out/throughput_cuda.jsonl" <<'PY' ||
+  python3 - "$logs/throughput_cpu.jsonl" "$logs/throughput_cuda.jsonl" <<'PY' ||
 import json, sys
 rows = [{}, {}]
 for i, path in enumerate(sys.argv[1:3]):
@@ -163,25 +167,25 @@ for key, c in rows[0].items():
           f"{g['tok_s'] / c['tok_s']:6.2f} {g['select_us']:9.0f} {g['transfer_us']:8.0f} "
           f"{g['attend_us']:9.0f} {g['h2d_MB']:8.2f} {g['hit_rate']:5.3f}")
 PY
-    { cat "$out"/throughput_*.err; status=1; }
+    { cat "$logs"/throughput_*.err; status=1; }
 fi
 
 if [[ " $checks " == *" benches "* ]]; then
   "$stage/kvsift-bench-gpu-louver" --benchmark_repetitions=3 --benchmark_min_time=0.05 \
-    --benchmark_report_aggregates_only=true >"$out/bench_louver.txt" 2>&1 || status=1
-  grep -E 'median' "$out/bench_louver.txt" | head -40 || true
+    --benchmark_report_aggregates_only=true >"$logs/bench_louver.txt" 2>&1 || status=1
+  grep -E 'median' "$logs/bench_louver.txt" | head -40 || true
   "$stage/kvsift-bench-gpu-attend" --benchmark_repetitions=5 --benchmark_min_time=0.1 \
-    --benchmark_report_aggregates_only=true --benchmark_out="$out/bench.json" \
-    --benchmark_out_format=json >"$out/bench.txt" 2>&1 || status=1
+    --benchmark_report_aggregates_only=true --benchmark_out="$logs/bench.json" \
+    --benchmark_out_format=json >"$logs/bench.txt" 2>&1 || status=1
   "$stage/kvsift-bench-gpu-transfer" --benchmark_repetitions=5 --benchmark_min_time=0.05 \
-    --benchmark_report_aggregates_only=true --benchmark_out="$out/transfer.json" \
-    --benchmark_out_format=json >"$out/transfer.txt" 2>&1 || status=1
+    --benchmark_report_aggregates_only=true --benchmark_out="$logs/transfer.json" \
+    --benchmark_out_format=json >"$logs/transfer.txt" 2>&1 || status=1
 fi
 
 echo
-if [[ -f $out/bench.json ]]; then
+if [[ -f $logs/bench.json ]]; then
   # Median and spread per case: time per call, TB/s of K+V, and the share of copy bandwidth.
-  python3 - "$out/bench.json" <<'PY' || cat "$out/bench.txt"
+  python3 - "$logs/bench.json" <<'PY' || cat "$logs/bench.txt"
 import json, sys
 runs = json.load(open(sys.argv[1]))["benchmarks"]
 by = {}
@@ -196,10 +200,10 @@ for name, agg in by.items():
           f"{med.get('TBps', 0):6.2f} {med.get('of_copy', 0):7.2f} {med.get('splits', 0):6.0f}")
 PY
 fi
-if [[ -f $out/transfer.json ]]; then
+if [[ -f $logs/transfer.json ]]; then
   # Transfer paths: median GB/s with its spread, against the plain pinned copy of the same bytes;
   # the smallest size from which staging beats the mapped kernel; then the page cache.
-  python3 - "$out/transfer.json" <<'PY' || cat "$out/transfer.txt"
+  python3 - "$logs/transfer.json" <<'PY' || cat "$logs/transfer.txt"
 import json, sys
 runs = json.load(open(sys.argv[1]))["benchmarks"]
 by = {}

@@ -330,6 +330,8 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
       const bool host = attend(l, device_->q_host(), device_->k_host(), device_->v_host(),
                                device_->attn_host());
       device_check(device_->finish_layer(l, host), "finish_layer");
+      // While the device runs the rest of the layer.
+      selector_->build_summaries();
     }
     return;
   }
@@ -360,6 +362,7 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
     }
     project(L.w_down, ffn_.data(), rows, h_.data());
     for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
+    selector_->build_summaries();
   }
 }
 

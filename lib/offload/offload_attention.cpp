@@ -119,10 +119,11 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const std::size_t list_bytes =
       round_up((2 * std::size_t{max_pairs_} + 1 + max_listed_) * sizeof(uint32_t), 256);
   const std::size_t token_list_bytes =
-      max_tokens_ == 0 ? 0
-                       : round_up((std::size_t{max_pairs_} + 1) * sizeof(uint32_t) +
-                                      max_tokens_ * sizeof(gpu::TokenAddress),
-                                  256);
+      max_tokens_ == 0
+          ? 0
+          : round_up(token_offset_words() * sizeof(uint32_t) +
+                         max_tokens_ * sizeof(gpu::TokenAddress),
+                     256);
   const std::size_t rows_bytes = options.max_row_chunks * slot_bytes;
   const std::size_t qo_bytes = round_up(qo_elems * sizeof(float), 256);
   const uint32_t parts = options.step_parts;
@@ -287,7 +288,7 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
     // Token form: each pair's page rows, then its chunks' rows from the reserved slots.
     const uint32_t row_base = layer_cache.capacity();
     uint32_t* token_offsets = part.token_lists;
-    auto* addresses = reinterpret_cast<gpu::TokenAddress*>(token_offsets + max_pairs_ + 1);
+    auto* addresses = reinterpret_cast<gpu::TokenAddress*>(token_offsets + token_offset_words());
     uint32_t t = 0;
     for (uint32_t pair = 0; pair < pairs; ++pair) {
       token_offsets[pair] = t;
@@ -302,7 +303,7 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
     token_offsets[pairs] = t;
     std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
     if (r.ok) r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
-    list_bytes = (std::size_t{max_pairs_} + 1) * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);
+    list_bytes = token_offset_words() * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);
     if (r.ok) r = stream_.copy_to_device(part.token_lists_device, part.token_lists, list_bytes);
     counts.tokens += t;
   }
@@ -331,10 +332,10 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
       attend.target = target;
       attend.host = gpu::TokenLists{
           token_offsets,
-          reinterpret_cast<const gpu::TokenAddress*>(token_offsets + max_pairs_ + 1)};
-      attend.device = gpu::TokenLists{
-          part.token_lists_device,
-          reinterpret_cast<const gpu::TokenAddress*>(part.token_lists_device + max_pairs_ + 1)};
+          reinterpret_cast<const gpu::TokenAddress*>(token_offsets + token_offset_words())};
+      attend.device = gpu::TokenLists{part.token_lists_device,
+                                      reinterpret_cast<const gpu::TokenAddress*>(
+                                          part.token_lists_device + token_offset_words())};
       r = attention_.run(attend);
     }
   }

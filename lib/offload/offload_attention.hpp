@@ -201,6 +201,9 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
                       PartCounts& counts) noexcept;
   // Copies the output rows [0, n_seqs) back, waits, and writes out. Event kDone.
   gpu::Result finish(uint32_t n_seqs, float* out) noexcept;
+  // The token lists' offsets take [max_pairs_ + 1] words, padded so that the addresses after them
+  // are 16-byte aligned (the kernel loads each as one 8-byte word).
+  std::size_t token_offset_words() const noexcept { return (std::size_t{max_pairs_} + 4) / 4 * 4; }
   void record(uint32_t parts, const PartCounts& counts, double host_us, double total_us,
               uint32_t n_seqs) noexcept;
   void add_to_totals() noexcept;

@@ -81,10 +81,10 @@ void PageSelector::summarise_existing() {
       }
     }
   }
-  build_pending();
+  build_summaries();
 }
 
-void PageSelector::build_pending() noexcept {
+void PageSelector::build_summaries() noexcept {
   if (n_pending_ == 0) return;
   const auto n = static_cast<int64_t>(n_pending_);
 #pragma omp parallel for schedule(dynamic, 16) num_threads(n_threads_)
@@ -126,7 +126,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
 }
 
 void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
-  build_pending();
+  build_summaries();
   const CacheGeometry& g = geometry();
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim;
   const uint32_t pairs = call.n_seqs * H;

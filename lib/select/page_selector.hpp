@@ -40,6 +40,7 @@ class PageSelector : public Selector {
   void on_page_sealed(const SealedPage& page) noexcept override;
   void on_sequence_freed(int32_t) noexcept override {}
   void select(const SelectCall& call, Selection& out) noexcept override;
+  void build_summaries() noexcept override;
 
   // Queues every page already sealed in the cache (called once, after registration).
   void summarise_existing();
@@ -69,7 +70,6 @@ class PageSelector : public Selector {
   float scale_;  // 1 / sqrt(head_dim)
 
  private:
-  void build_pending() noexcept;
   void select_pair(const PairView& pair, uint32_t pair_index, uint32_t first, Selection& out,
                    Scratch& s, uint64_t& bytes) const noexcept;
   // Ranks the selectable pages [first, last) into s.combined by the policy's GQA combine.

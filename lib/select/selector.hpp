@@ -154,6 +154,12 @@ class Selector : public SealListener {
   // pending summaries first.
   virtual void select(const SelectCall& call, Selection& out) noexcept = 0;
 
+  // Builds the per-page data (summaries) of the pages sealed since the last build, which select()
+  // otherwise builds first. The model runner calls it after each prefill layer, so the prompt's
+  // summaries are built as the prefill proceeds (in offload mode, while the device computes)
+  // rather than by the first decode step.
+  virtual void build_summaries() noexcept {}
+
   void reserve_selection(Selection& selection) const;
   const Policy& policy() const noexcept { return policy_; }
   // Bytes of per-page data kept per (page, KV head); 0 for dense and oracle.
