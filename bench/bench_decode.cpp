@@ -3,9 +3,10 @@
 // API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and prints the
 // table with the offload/CPU ratios.
 //
-// Per row: one sequence is prefilled with `context` tokens of The Devil's Dictionary (not timed),
-// forked to `batch` sequences, and decoded greedily for --warmup untimed and --steps timed steps
-// of all sequences together. tokens/s = batch / median step time; the spread is the fastest and
+// Per row: one sequence is prefilled with context - warmup - steps tokens of The Devil's
+// Dictionary (not timed), forked to `batch` sequences, and decoded greedily for --warmup untimed
+// and --steps timed steps of all sequences together, so that the last step reaches `context`
+// positions. tokens/s = batch / median step time; the spread is the fastest and
 // slowest step. The split (select, transfer, attend), the bytes sent host to device and the
 // device cache's hit rate are the medians of the timed steps' telemetry. One JSON object per row
 // on stdout, a table on stderr.
@@ -70,7 +71,7 @@ int main(int argc, char** argv) {
   const uint32_t max_batch = *std::max_element(batches.begin(), batches.end());
   kvsift_model_params params;
   kvsift_model_params_init(&params);
-  params.n_ctx = max_context + warmup + steps + 8;
+  params.n_ctx = max_context;
   params.max_seqs = max_batch;
   params.n_threads = threads;
   params.device = parse_device(device);
@@ -102,8 +103,12 @@ int main(int argc, char** argv) {
         check(kvsift_model_set_selector(model, &policy), "selector");
         std::vector<int32_t> seqs(batch);
         check(kvsift_model_sequence_create(model, &seqs[0]), "sequence");
-        check(kvsift_model_prefill(model, seqs[0], book.data(), context, nullptr, nullptr,
-                                   nullptr),
+        if (context <= warmup + steps) {
+          std::fprintf(stderr, "kvsift-bench-decode: context %u leaves no prompt\n", context);
+          return 1;
+        }
+        check(kvsift_model_prefill(model, seqs[0], book.data(), context - warmup - steps, nullptr,
+                                   nullptr, nullptr),
               "prefill");
         for (uint32_t b = 1; b < batch; ++b)
           check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
