@@ -96,9 +96,9 @@ std::unique_ptr<ReplacementPolicy> make_replacement_policy(EvictionPolicy policy
 }
 
 Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolicy policy) {
-  if (capacity == 0 || capacity > (uint32_t{1} << 31))
+  if (capacity == 0 || capacity >= (uint32_t{1} << 31))
     return invalid("page cache: capacity " + std::to_string(capacity) +
-                   " slots is outside 1..2^31");
+                   " slots is outside 1..2^31 - 1");
   if (host_slots == 0 || host_slots > kNone)
     return invalid("page cache: host_slots " + std::to_string(host_slots) +
                    " is outside 1..2^32 - 1");
@@ -110,10 +110,8 @@ Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolic
   // capacity + 1 distinct misses.
   const uint64_t table = std::bit_ceil(2 * (uint64_t{capacity} + 1));
   mask_ = static_cast<uint32_t>(table - 1);
-  keys_.assign(table, kNone);
-  values_.assign(table, kNone);
-  seen_keys_.assign(table, kNone);
-  seen_step_.assign(table, 0);
+  map_.assign(table, Entry{});
+  seen_.assign(table, Seen{});
   host_of_.assign(capacity, kNone);
   pinned_step_.assign(capacity, 0);
   free_.resize(capacity);
@@ -129,45 +127,43 @@ Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolic
 }
 
 uint32_t PageResidency::find(uint32_t host_slot) const noexcept {
-  if (keys_.empty()) return kNone;
+  if (map_.empty()) return kNone;
   for (uint32_t i = probe_start(host_slot);; i = (i + 1) & mask_) {
-    if (keys_[i] == host_slot) return values_[i];
-    if (keys_[i] == kNone) return kNone;
+    if (map_[i].key == host_slot) return map_[i].value;
+    if (map_[i].key == kNone) return kNone;
   }
 }
 
 void PageResidency::map_insert(uint32_t key, uint32_t value) noexcept {
   uint32_t i = probe_start(key);
-  while (keys_[i] != kNone) i = (i + 1) & mask_;
-  keys_[i] = key;
-  values_[i] = value;
+  while (map_[i].key != kNone) i = (i + 1) & mask_;
+  map_[i] = Entry{key, value};
 }
 
 void PageResidency::map_erase(uint32_t key) noexcept {
   uint32_t i = probe_start(key);
-  while (keys_[i] != key) i = (i + 1) & mask_;
+  while (map_[i].key != key) i = (i + 1) & mask_;
   // Backward shift: move later entries of the run into the hole when their home allows it.
-  for (uint32_t j = (i + 1) & mask_; keys_[j] != kNone; j = (j + 1) & mask_) {
-    const uint32_t home = probe_start(keys_[j]);
+  for (uint32_t j = (i + 1) & mask_; map_[j].key != kNone; j = (j + 1) & mask_) {
+    const uint32_t home = probe_start(map_[j].key);
     // j's entry may move to i when its home is not in (i, j] (cyclically).
     const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
     if (stays) continue;
-    keys_[i] = keys_[j];
-    values_[i] = values_[j];
+    map_[i] = map_[j];
     i = j;
   }
-  keys_[i] = kNone;
-  values_[i] = kNone;
+  map_[i] = Entry{};
 }
 
-bool PageResidency::seen_insert(uint32_t key) noexcept {
+uint32_t PageResidency::seen_insert(uint32_t key) noexcept {
   for (uint32_t i = probe_start(key);; i = (i + 1) & mask_) {
-    if (seen_step_[i] != step_) {
-      seen_step_[i] = step_;
-      seen_keys_[i] = key;
-      return true;
+    Seen& e = seen_[i];
+    if (e.step != step_) {
+      e = Seen{step_, key, static_cast<uint32_t>(missed_.size())};
+      missed_.push_back(key);
+      return e.missed;
     }
-    if (seen_keys_[i] == key) return false;
+    if (e.key == key) return e.missed;
   }
 }
 
@@ -199,17 +195,26 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
   counts_.requested = n;
   missed_.clear();
   moves_.clear();
+  // A miss is written as kMissed | its index in missed_ until its slot is known.
+  constexpr uint32_t kMissed = uint32_t{1} << 31;
+  // Millions of pages a step wait on their probes' cache lines: prefetch a few requests ahead.
+  constexpr std::size_t kAhead = 8;
   uint64_t hits = 0;
   for (std::size_t i = 0; i < n; ++i) {
+    if (i + kAhead < n) {
+      const uint32_t ahead = probe_start(host_slots[i + kAhead]);
+      __builtin_prefetch(&map_[ahead]);
+      __builtin_prefetch(&seen_[ahead]);
+    }
     const uint32_t s = find(host_slots[i]);
-    device_slots[i] = s;
     if (s != kNone) {
+      device_slots[i] = s;
       if (pinned_step_[s] != step_) {
         pinned_step_[s] = step_;
         ++hits;
       }
-    } else if (seen_insert(host_slots[i])) {
-      missed_.push_back(host_slots[i]);
+    } else {
+      device_slots[i] = kMissed | seen_insert(host_slots[i]);
       if (hits + missed_.size() > capacity_) break;
     }
   }
@@ -229,8 +234,10 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
   }
   // Hits first, so that no victim is chosen before every resident page of the step is used.
   for (std::size_t i = 0; i < n; ++i)
-    if (device_slots[i] != kNone) policy_->on_use(device_slots[i]);
-  for (const uint32_t host : missed_) {
+    if (!(device_slots[i] & kMissed)) policy_->on_use(device_slots[i]);
+  for (std::size_t j = 0; j < missed_.size(); ++j) {
+    if (j + kAhead < missed_.size()) __builtin_prefetch(&map_[probe_start(missed_[j + kAhead])]);
+    const uint32_t host = missed_[j];
     const uint32_t s = take_slot();
     host_of_[s] = host;
     pinned_step_[s] = step_;
@@ -238,8 +245,9 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
     policy_->on_use(s);
     moves_.push_back(PageMove{host, s});
   }
+  // Slots are below 2^31 (init), so the flag is unambiguous.
   for (std::size_t i = 0; i < n; ++i)
-    if (device_slots[i] == kNone) device_slots[i] = find(host_slots[i]);
+    if (device_slots[i] & kMissed) device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
   counts_.hits = hits;
   counts_.misses = missed_.size();
   return Result{};
@@ -258,8 +266,7 @@ void PageResidency::forget_moves() noexcept {
 // page again, and each of those pages was used (on_use) after this call, so what it remembers of
 // earlier pages no longer decides anything.
 void PageResidency::clear() noexcept {
-  std::fill(keys_.begin(), keys_.end(), kNone);
-  std::fill(values_.begin(), values_.end(), kNone);
+  std::fill(map_.begin(), map_.end(), Entry{});
   std::fill(host_of_.begin(), host_of_.end(), kNone);
   free_.resize(capacity_);  // init() sized it to capacity_: no allocation
   for (uint32_t s = 0; s < capacity_; ++s) free_[s] = capacity_ - 1 - s;

@@ -66,7 +66,7 @@ class PageResidency {
   PageResidency(PageResidency&&) noexcept = default;
   PageResidency& operator=(PageResidency&&) noexcept = default;
 
-  // capacity: device slots, 1..2^31. host_slots: ids accepted, 1..2^32 - 1. Allocates every
+  // capacity: device slots, 1..2^31 - 1. host_slots: ids accepted, 1..2^32 - 1. Allocates every
   // workspace plan() uses. Invalid arguments: Result{ok = false} naming the argument.
   Result init(uint32_t capacity, uint64_t host_slots, EvictionPolicy policy);
 
@@ -95,24 +95,33 @@ class PageResidency {
 
  private:
   // Open addressing with linear probing over a power-of-two table, at most half full; kNone keys
-  // are empty. Removal shifts the run back (no tombstones), so lookups stay short.
+  // are empty. Removal shifts the run back (no tombstones), so lookups stay short. A key and its
+  // value share an entry: one cache line per probe, which is what a step over millions of pages
+  // waits on.
+  struct Entry {
+    uint32_t key = kNone, value = kNone;
+  };
+  // This step's distinct misses, generation-stamped (no clearing between steps): the key and its
+  // index in missed_.
+  struct Seen {
+    uint64_t step = 0;
+    uint32_t key = kNone, missed = 0;
+  };
   uint32_t probe_start(uint32_t key) const noexcept {
     return static_cast<uint32_t>((key * 0x9e3779b97f4a7c15ull) >> 32) & mask_;
   }
   void map_insert(uint32_t key, uint32_t value) noexcept;
   void map_erase(uint32_t key) noexcept;
-  // This step's distinct misses (generation-stamped, so no clearing between steps); returns
-  // whether the key was new.
-  bool seen_insert(uint32_t key) noexcept;
+  // The index in missed_ of this step's miss `key`, appending it first when new.
+  uint32_t seen_insert(uint32_t key) noexcept;
   // A free slot, or the policy's victim with its page unmapped.
   uint32_t take_slot() noexcept;
 
   uint32_t capacity_ = 0;
   uint64_t host_slots_ = 0;
   uint32_t mask_ = 0;
-  std::vector<uint32_t> keys_, values_;  // host -> device map
-  std::vector<uint32_t> seen_keys_;      // this step's distinct misses
-  std::vector<uint64_t> seen_step_;      // the step that wrote each seen_keys_ entry
+  std::vector<Entry> map_;                // host -> device
+  std::vector<Seen> seen_;                // this step's distinct misses
   std::vector<uint32_t> host_of_;        // [capacity] the page a slot holds, or kNone
   std::vector<uint64_t> pinned_step_;    // [capacity] the last step that used the slot
   std::vector<uint32_t> free_;           // slots holding no page

@@ -375,7 +375,9 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
       }
     }
     EXPECT_GT(rows_attended, 0u) << "the selector returned no rows";
-    if (kind == Kind::s4r) EXPECT_TRUE(model.cache().has_released_pages());
+    if (kind == Kind::s4r) {
+      EXPECT_TRUE(model.cache().has_released_pages());
+    }
   }
 }
 

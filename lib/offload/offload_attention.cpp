@@ -60,8 +60,8 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
   require(listed <= UINT32_MAX,
           "OffloadOptions: max_batch * n_kv_heads * max_pages_per_pair=", listed,
           " does not fit 32-bit list offsets");
-  require(options.cache_pages >= 1 && options.cache_pages <= (1u << 31),
-          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 1..2^31");
+  require(options.cache_pages >= 1 && options.cache_pages < (1u << 31),
+          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 1..2^31 - 1");
   require(options.step_parts >= 1 && options.step_parts <= kMaxParts, "OffloadOptions.step_parts=",
           options.step_parts, " is not in 1..", kMaxParts);
   require(options.max_row_chunks <= (uint64_t{1} << 31) - options.cache_pages,
@@ -442,7 +442,7 @@ void OffloadAttention::step(select::Selector& selector, select::Selection& selec
   const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
   PartCounts counts;
   OffloadStats telemetry;
-  double select_us = 0.0, host_us = 0.0;
+  double select_us = 0.0, host_us = 0.0, part_select_us[kMaxParts] = {};
   for (uint32_t p = 0, row0 = 0; p < parts; ++p) {
     const uint32_t rows = call.n_seqs / parts + (p < call.n_seqs % parts ? 1 : 0);
     AttendCall part = call;
@@ -460,7 +460,8 @@ void OffloadAttention::step(select::Selector& selector, select::Selection& selec
     }
     selector.select(select_call, selection);
     const Clock::time_point s1 = Clock::now();
-    select_us += micros(s0, s1);
+    part_select_us[p] = micros(s0, s1);
+    select_us += part_select_us[p];
     telemetry.pairs += selection.n_pairs;
     telemetry.index_bytes_read += selection.index_bytes_read;
     telemetry.kept_estimate_sum += selection.kept_estimate_sum();
@@ -494,8 +495,10 @@ void OffloadAttention::step(select::Selector& selector, select::Selection& selec
   last_.kept_estimate_sum = telemetry.kept_estimate_sum;
   last_.dropped_bound = telemetry.dropped_bound;
   last_.select_us = select_us;
-  const double device_us = last_.transfer_us + last_.attend_us + last_.copy_out_us;
-  last_.overlap_us = std::max(0.0, select_us + device_us - total_us);
+  for (uint32_t p = 1; p < parts; ++p)
+    last_.overlap_us += std::min(
+        part_select_us[p],
+        1e3 * stream_.elapsed_ms(part_event(p - 1, 1), part_event(p - 1, 2)));
   add_to_totals();
 }
 

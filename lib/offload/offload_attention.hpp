@@ -61,7 +61,7 @@ struct OffloadOptions {
   // Most row chunks (page_tokens token rows each, summed over the pairs) one call attends; 0
   // refuses calls with rows. Reserves as many device slots per layer, and pinned staging.
   uint64_t max_row_chunks = 0;
-  // Device page cache slots per layer, 1..2^31; a call listing more pages than this is refused
+  // Device page cache slots per layer, 1..2^31 - 1; a call listing more pages than this is refused
   // (capacity_exceeded). Each slot is geometry.slot_bytes() of device memory, times n_layers.
   uint32_t cache_pages = 0;
   gpu::EvictionPolicy eviction = gpu::EvictionPolicy::clock;
@@ -93,8 +93,9 @@ struct OffloadStats {
   double kept_estimate_sum = 0.0;
   double dropped_bound = 0.0;
   double select_us = 0.0;       // CPU: the selector (step() only)
-  // step(): selection time the device spent busy with an earlier part of the batch, i.e. hidden
-  // (select_us + the device's busy time - what the step took, at least 0).
+  // step(): the device work hidden behind selection: per part after the first, the earlier
+  // part's attention kernel (enqueued last, so it runs while the CPU selects this part), up to
+  // this part's selection time. The earlier part's transfers overlap its own host planning.
   double overlap_us = 0.0;
   double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
   double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
