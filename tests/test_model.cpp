@@ -201,6 +201,21 @@ TEST_F(ModelTest, bad_files_and_options_are_clear_errors) {
   EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_INVALID_ARGUMENT);
   EXPECT_NE(std::string(kvsift_last_error()).find("8192"), std::string::npos)
       << kvsift_last_error();
+  params.n_ctx = 512;
+  params.device = -2;
+  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(kvsift_last_error()).find("device"), std::string::npos)
+      << kvsift_last_error();
+  // The offload mode without a usable device (a build without CUDA, or no driver, as here) says
+  // so before loading anything; where a device is present the offload tests run it.
+  int n_devices = 0;
+  if (kvsift_gpu_device_count(&n_devices) != KVSIFT_STATUS_OK) {
+    params.device = 0;
+    EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_UNSUPPORTED);
+    EXPECT_NE(std::string(kvsift_last_error()).find("offload mode"), std::string::npos)
+        << kvsift_last_error();
+  }
+  EXPECT_EQ(model, nullptr);
 }
 
 TEST_F(ModelTest, a_sequence_cannot_grow_past_its_context) {
