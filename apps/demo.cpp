@@ -190,7 +190,6 @@ int run(const Options& o) {
   std::fflush(stdout);
   std::vector<int32_t> answer, next(o.batch);
   std::size_t printed = 0;
-  double step_seconds = 0.0;
   for (uint32_t i = 0; i < o.max_new; ++i) {
     for (uint32_t b = 0; b < o.batch; ++b) {
       const float* logits = nullptr;

@@ -325,6 +325,8 @@ TEST(CApi, params_init_fills_the_documented_defaults) {
   EXPECT_EQ(params.max_batch, 64u);
   EXPECT_EQ(params.n_threads, 0);
   EXPECT_EQ(params.isa, KVSIFT_ISA_AUTO);
+  EXPECT_EQ(params.device, -1);
+  EXPECT_EQ(params.device_cache_pages, 0u);
 }
 
 TEST(CApi, params_init_ignores_null) {
@@ -1135,6 +1137,20 @@ TEST(CApi, pinned_cache_is_unsupported_without_a_gpu) {
     GTEST_SKIP() << "a GPU is present: pinned caches work";
   }
   expect_create_fails(params, KVSIFT_STATUS_UNSUPPORTED, "pinned");
+}
+
+TEST(CApi, offload_cache_is_unsupported_without_a_gpu_and_a_bad_device_is_refused) {
+  kvsift_cache_params params = small_params();
+  params.max_pages = 4;
+  params.device = -2;
+  expect_create_fails(params, KVSIFT_STATUS_INVALID_ARGUMENT, "device");
+  int n = 0;
+  if (kvsift_gpu_device_count(&n) == KVSIFT_STATUS_OK)
+    GTEST_SKIP() << "a GPU is present: the offload tests run the device mode";
+  params.device = 0;
+  kvsift_cache* cache = nullptr;
+  EXPECT_EQ(kvsift_cache_create(&params, &cache), KVSIFT_STATUS_UNSUPPORTED) << kvsift_last_error();
+  EXPECT_EQ(cache, nullptr);
 }
 
 // ---- Selectors through the C API ---------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "gpu/host_memory.hpp"
+#include "kvsift/kvsift.h"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
@@ -515,6 +516,64 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
                     static_cast<double>(gpu->stats().last_step.cache_hits +
                                         gpu->stats().last_step.cache_misses));
   }
+}
+
+// The C API's offload mode: two caches fed the same K/V, one attending on the CPU and one on the
+// device, through kvsift_attend_selected with a page selector and a token-level one.
+TEST_F(OffloadTest, the_c_api_offload_cache_attends_like_the_cpu_cache) {
+  kvsift_cache_params params;
+  kvsift_cache_params_init(&params);
+  params.n_layers = 2;
+  params.n_kv_heads = 2;
+  params.group_size = 4;
+  params.head_dim = 64;
+  params.max_pages = 2 * 2 * 2 * 128;
+  params.max_batch = 2;
+  params.n_threads = 2;
+  kvsift_cache* caches[2] = {nullptr, nullptr};
+  ASSERT_EQ(kvsift_cache_create(&params, &caches[0]), KVSIFT_STATUS_OK) << kvsift_last_error();
+  params.device = 0;
+  ASSERT_EQ(kvsift_cache_create(&params, &caches[1]), KVSIFT_STATUS_OK) << kvsift_last_error();
+  const uint32_t kv = 2 * 64, qdim = 8 * 64, prompt = 1500;
+  int32_t seqs[2][2];
+  for (kvsift_cache* cache : caches)
+    for (int b = 0; b < 2; ++b) {
+      int32_t& id = seqs[cache == caches[1]][b];
+      ASSERT_EQ(kvsift_sequence_create(cache, &id), KVSIFT_STATUS_OK);
+      for (uint32_t layer = 0; layer < 2; ++layer) {
+        const std::vector<float> k = test::random_floats(prompt * kv, 500 + 10 * b + layer);
+        const std::vector<float> v = test::random_floats(prompt * kv, 600 + 10 * b + layer);
+        ASSERT_EQ(kvsift_append(cache, id, layer, prompt, k.data(), v.data()), KVSIFT_STATUS_OK);
+      }
+    }
+  for (const kvsift_selector selector : {KVSIFT_SELECTOR_LOCKS, KVSIFT_SELECTOR_LOUVER}) {
+    kvsift_selector_policy policy;
+    kvsift_selector_policy_init(&policy);
+    policy.selector = selector;
+    policy.budget = 0.1;
+    for (kvsift_cache* cache : caches)
+      ASSERT_EQ(kvsift_cache_set_selector(cache, &policy), KVSIFT_STATUS_OK) << kvsift_last_error();
+    for (uint32_t step = 0; step < 3; ++step)
+      for (uint32_t layer = 0; layer < 2; ++layer) {
+        const std::vector<float> q = test::random_floats(2 * qdim, 700 + step * 2 + layer, 1.5f);
+        std::vector<float> out[2];
+        kvsift_selection_stats stats[2];
+        for (int mode = 0; mode < 2; ++mode) {
+          out[mode].assign(2 * qdim, std::numeric_limits<float>::quiet_NaN());
+          ASSERT_EQ(kvsift_attend_selected(caches[mode], layer, 2, seqs[mode], q.data(),
+                                           out[mode].data(), &stats[mode]),
+                    KVSIFT_STATUS_OK)
+              << kvsift_last_error();
+        }
+        EXPECT_EQ(stats[1].pages_chosen, stats[0].pages_chosen);
+        EXPECT_EQ(stats[1].kv_bytes_read, stats[0].kv_bytes_read);
+        EXPECT_LE(test::relative_error(out[1].data(), out[0].data(), out[0].size()), 1e-3);
+      }
+    kvsift_cache_stats cache_stats;
+    ASSERT_EQ(kvsift_cache_get_stats(caches[1], &cache_stats), KVSIFT_STATUS_OK);
+    EXPECT_GT(cache_stats.last_cache_hits + cache_stats.last_cache_misses, 0u);
+  }
+  for (kvsift_cache* cache : caches) kvsift_cache_free(cache);
 }
 
 // Runs everywhere: the refusal comes before any device is touched.

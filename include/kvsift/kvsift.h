@@ -161,6 +161,16 @@ typedef struct kvsift_cache_params {
   uint32_t max_batch; /* most sequences in one attention call. Default 64. */
   int n_threads;      /* OpenMP threads for attention; 0 = the OpenMP default. Default 0. */
   kvsift_isa isa;     /* ISA for this handle, capped by the process cap. Default AUTO. */
+  /* Offload mode: a CUDA device index, or -1 (default) for attention on the CPU. With a device the
+   * pool is pinned (whatever `pinned` says) and kvsift_attend / kvsift_attend_selected run on the
+   * device: the pages a call lists (and a token-level selector's rows) not already held by the
+   * device's page cache cross PCIe, then a sparse attention kernel attends; selection stays on the
+   * CPU. UNSUPPORTED without CUDA in the build or a usable device. */
+  int device;
+  /* Device page cache slots per layer; 0 (default) = max_pages / n_layers, rounded up (every page
+   * a layer holds when the layers fill evenly). A call listing more pages than this fails with
+   * CAPACITY_EXCEEDED. As many slots again are reserved per layer for token rows. */
+  uint32_t device_cache_pages;
 } kvsift_cache_params;
 
 /* Fills *params with the defaults above. params must not be NULL (a NULL is ignored). */
@@ -351,6 +361,11 @@ typedef struct kvsift_cache_stats {
   /* Bytes the selector holds for tokens whose pages it released (S4R: coefficients, bases and
    * query windows); bytes_in_use + selector_bytes_held is the cache's whole KV footprint. */
   uint64_t selector_bytes_held;
+  /* Offload mode, the last attention call: bytes host to device (pages, rows, q, lists) and the
+   * device page cache's hits and misses, in (page, KV head) units. Zero on the CPU. */
+  uint64_t last_h2d_bytes;
+  uint64_t last_cache_hits;
+  uint64_t last_cache_misses;
 } kvsift_cache_stats;
 
 /* Fills *stats. Errors: INVALID_ARGUMENT (NULL). */

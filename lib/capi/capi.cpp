@@ -14,6 +14,7 @@
 #include "lib/capi/guard.hpp"
 #include "lib/core/error.hpp"
 #include "lib/core/log.hpp"
+#include "lib/offload/offload_attention.hpp"
 #include "simd/isa.hpp"
 
 using kvsift::Error;
@@ -43,9 +44,16 @@ static_assert(static_cast<int>(kvsift::simd::Isa::avx512) == KVSIFT_ISA_AVX512);
 struct kvsift_cache {
   kvsift::KvCache cache;
   kvsift::DecodeAttention attention;
-  // After the cache: leaves it (as a seal listener) before it goes. Dense until set.
+  // After the cache, which both listen to (and leave before it goes). Offload mode only.
+  std::unique_ptr<kvsift::OffloadAttention> offload;
+  // Dense until set.
   std::unique_ptr<kvsift::select::Selector> selector;
   kvsift::select::Selection selection;
+
+  // Where attend calls run: the device in offload mode, else the CPU.
+  kvsift::AttentionBackend& backend() {
+    return offload ? static_cast<kvsift::AttentionBackend&>(*offload) : attention;
+  }
 };
 
 namespace {
@@ -144,6 +152,8 @@ void kvsift_cache_params_init(kvsift_cache_params* params) {
   params->max_batch = 64;
   params->n_threads = 0;
   params->isa = KVSIFT_ISA_AUTO;
+  params->device = -1;
+  params->device_cache_pages = 0;
 }
 
 kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out) {
@@ -171,14 +181,32 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     options.key_form = params->key_form == KVSIFT_KEYS_PRE_ROPE ? kvsift::KeyForm::pre_rope
                                                                 : kvsift::KeyForm::post_rope;
     options.rope_theta = params->rope_theta;
-    options.pinned = params->pinned != 0;
+    kvsift::require(params->device >= -1, "params->device=", params->device,
+                    " is neither -1 (CPU) nor a device index");
+    options.pinned = params->pinned != 0 || params->device >= 0;
     options.isa = to_supported_isa(params->isa, "params->isa");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
     std::unique_ptr<kvsift_cache> handle(
         new kvsift_cache{kvsift::KvCache(geometry, options),
                          kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads),
-                         nullptr, kvsift::select::Selection{}});
+                         nullptr, nullptr, kvsift::select::Selection{}});
+    if (params->device >= 0) {
+      // A decoder appends every layer alike, so one (sequence, layer, KV head) holds at most the
+      // pool's pages over n_layers * n_kv_heads.
+      const uint64_t per_layer = (params->max_pages + params->n_layers - 1) / params->n_layers;
+      kvsift::OffloadOptions o;
+      o.device = params->device;
+      o.max_batch = params->max_batch;
+      o.max_pages_per_pair = std::max<uint64_t>(1, params->max_pages /
+                                                       (uint64_t{params->n_layers} *
+                                                        params->n_kv_heads));
+      o.cache_pages = params->device_cache_pages != 0
+                          ? params->device_cache_pages
+                          : static_cast<uint32_t>(std::min<uint64_t>(per_layer, (1u << 31) - 1));
+      o.max_row_chunks = o.cache_pages;
+      handle->offload = kvsift::OffloadAttention::create(handle->cache, o);
+    }
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
                   std::string("cache created: isa=") +
@@ -251,8 +279,8 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
       lists.page_ids = pages->page_ids;
       call.pages = &lists;
     }
-    cache->attention.validate(cache->cache, call);
-    cache->attention.run(cache->cache, call);
+    cache->backend().validate(cache->cache, call);
+    cache->backend().attend(cache->cache, call);
   });
 }
 
@@ -341,8 +369,8 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
     const kvsift::RowChunks rows = sel.rows();
     call.pages = &lists;
     call.rows = sel.has_rows ? &rows : nullptr;
-    cache->attention.validate(cache->cache, call);
-    cache->attention.run(cache->cache, call);
+    cache->backend().validate(cache->cache, call);
+    cache->backend().attend(cache->cache, call);
     if (stats == nullptr) return;
     *stats = kvsift_selection_stats{};
     stats->pairs = sel.n_pairs;
@@ -352,7 +380,7 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
           cache->cache.geometry().n_kv_heads *
           cache->cache.geometry().pages_for(cache->cache.length_unchecked(seq_ids[i], layer));
     stats->index_bytes_read = sel.index_bytes_read;
-    stats->kv_bytes_read = cache->attention.last_stats().bytes_read;
+    stats->kv_bytes_read = cache->backend().last_stats().bytes_read;
     stats->kept_estimate = sel.n_pairs > 0 ? sel.kept_estimate_sum() / sel.n_pairs : 1.0;
     stats->dropped_bound = sel.worst_dropped_bound();
   });
@@ -363,7 +391,7 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     require_pointer(cache, "cache");
     require_pointer(stats, "stats");
     const kvsift::PagePool& pool = cache->cache.pool();
-    const kvsift::AttendStats& last = cache->attention.last_stats();
+    const kvsift::AttendStats& last = const_cast<kvsift_cache*>(cache)->backend().last_stats();
     *stats = kvsift_cache_stats{};
     stats->pages_capacity = pool.capacity();
     stats->pages_in_use = pool.in_use();
@@ -376,6 +404,12 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     stats->last_tokens_read = last.tokens_read;
     stats->last_bytes_read = last.bytes_read;
     stats->selector_bytes_held = cache->selector ? cache->selector->held_bytes() : 0;
+    if (cache->offload) {
+      const kvsift::OffloadStats& o = cache->offload->last_step();
+      stats->last_h2d_bytes = o.bytes_h2d;
+      stats->last_cache_hits = o.hits;
+      stats->last_cache_misses = o.misses;
+    }
   });
 }
 

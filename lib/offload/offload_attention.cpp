@@ -89,7 +89,9 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
       geometry_(cache.geometry()),
       name_("cuda:" + std::to_string(options.device)),
       max_pairs_(options.max_batch * geometry_.n_kv_heads),
-      max_listed_(uint64_t{max_pairs_} * options.max_pages_per_pair),
+      // Pairs hold distinct pages, so a call lists at most the pool's.
+      max_listed_(std::min<uint64_t>(uint64_t{max_pairs_} * options.max_pages_per_pair,
+                                     cache.pool().capacity())),
       max_tokens_(options.max_row_chunks == 0
                       ? 0
                       : (max_listed_ + options.max_row_chunks) * geometry_.page_tokens),
@@ -196,6 +198,9 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
            " pages, more than OffloadOptions.max_pages_per_pair=", options_.max_pages_per_pair);
     listed += n;
   }
+  if (listed > max_listed_)
+    fail(Status::capacity_exceeded, "OffloadAttention: the call lists ", listed,
+         " pages, more than its list buffers hold (", max_listed_, ")");
   // Every page of a call must be resident at once (pages of different pairs are distinct).
   if (listed > options_.cache_pages)
     fail(Status::capacity_exceeded, "OffloadAttention: the call lists ", listed,

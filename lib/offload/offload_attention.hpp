@@ -218,7 +218,7 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   CacheGeometry geometry_;
   std::string name_;
   uint32_t max_pairs_ = 0;
-  uint64_t max_listed_ = 0;  // max_pairs_ * max_pages_per_pair
+  uint64_t max_listed_ = 0;  // max_pairs_ * max_pages_per_pair, at most the pool's pages
   uint64_t max_tokens_ = 0;  // (max_listed_ + max_row_chunks) * page_tokens; 0 without rows
   DecodeAttention checker_;  // validate()'s shared checks; its workspace is never run
   gpu::StepStream stream_;
