@@ -22,6 +22,10 @@ constexpr uint32_t kRowThreads = 256;   // RMSNorm, embedding, RoPE, KV store: o
 constexpr uint32_t kFlatThreads = 256;  // elementwise kernels
 constexpr uint32_t kFlatMaxBlocks = 4096;
 constexpr uint32_t kAttentionWarps = 4;
+// cuBLAS's own recommendation for Hopper. Set by hand so that no product allocates while a graph
+// is captured, and the same in every call, so that the graphed and the ungraphed products choose
+// the same algorithm.
+constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
 
 // Returns the first failing step's Result from the enclosing function.
 #define KVSIFT_TRY(expr)                     \
@@ -270,6 +274,7 @@ enum Staging : uint32_t { kTokens, kPositions, kRowIndex, kEmbeddings, kPrefix, 
 
 struct DeviceLlama::Device {
   int ordinal = 0;
+  LlamaShape shape{};
   cudaStream_t stream = nullptr;
   cublasHandle_t cublas = nullptr;
   std::vector<void*> device_blocks;
@@ -303,9 +308,21 @@ struct DeviceLlama::Device {
   void* staging[kStagings] = {};
   cudaEvent_t staged[kStagings] = {};  // the last upload from each staging region
 
+  // Decode graphs of one rows value: execs[l] is finish_layer(l, true) then, below the last
+  // layer, layer l + 1's attention inputs; null until captured, on its second use (used[l]).
+  struct Graphs {
+    uint32_t rows;
+    std::vector<cudaGraphExec_t> execs;
+    std::vector<uint8_t> used;
+  };
+  std::vector<Graphs> graphs;  // at most kMaxGraphRows
+
   ~Device() {
     cudaSetDevice(ordinal);
     if (stream) cudaStreamSynchronize(stream);
+    for (const Graphs& g : graphs)
+      for (cudaGraphExec_t e : g.execs)
+        if (e) cudaGraphExecDestroy(e);
     for (cudaEvent_t e : staged)
       if (e) cudaEventDestroy(e);
     if (cublas) cublasDestroy(cublas);
@@ -314,7 +331,8 @@ struct DeviceLlama::Device {
     for (void* p : pinned_blocks) cudaFreeHost(p);
   }
 
-  Result build(const LlamaShape& shape, const LlamaWeights& w) {
+  Result build(const LlamaShape& s, const LlamaWeights& w) {
+    shape = s;
     const uint32_t E = shape.n_embd, F = shape.n_ff, V = shape.n_vocab, R = shape.max_rows;
     const uint32_t qdim = shape.q_dim(), kvdim = shape.kv_dim(), half = shape.head_dim / 2;
     const std::size_t widest = std::max({E, qdim, F});
@@ -322,6 +340,12 @@ struct DeviceLlama::Device {
     KVSIFT_TRY(from_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
     KVSIFT_TRY(from_cublas(cublasCreate(&cublas), "cublasCreate"));
     KVSIFT_TRY(from_cublas(cublasSetStream(cublas, stream), "cublasSetStream"));
+    // After cublasSetStream, which resets the workspace to cuBLAS's own pool.
+    char* workspace = nullptr;
+    KVSIFT_TRY(alloc(&workspace, kCublasWorkspaceBytes, "cuBLAS workspace"));
+    KVSIFT_TRY(from_cublas(cublasSetWorkspace(cublas, workspace, kCublasWorkspaceBytes),
+                           "cublasSetWorkspace"));
+    graphs.reserve(kMaxGraphRows);
     for (cudaEvent_t& e : staged)
       KVSIFT_TRY(from_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
 
@@ -464,6 +488,124 @@ struct DeviceLlama::Device {
     rms_norm_kernel<<<rows, kRowThreads, 0, stream>>>(in, row_index, weight, n, eps, x_bf16);
     return launched("rms_norm");
   }
+
+  // attention_inputs' device work, at the positions already in `positions`. Enqueues only (no
+  // staging, no wait), so that a graph can capture it.
+  Result inputs(uint32_t layer, uint32_t rows) {
+    const Layer& L = layers[layer];
+    const uint32_t E = shape.n_embd, qdim = shape.q_dim(), kvdim = shape.kv_dim();
+    const uint32_t stride = qdim + 2 * kvdim;
+    KVSIFT_TRY(rms_norm(x, nullptr, L.attn_norm, rows, E, shape.rms_eps));
+    KVSIFT_TRY(gemm(L.wqkv, stride, E, x_bf16, rows, qkv, false, "wqkv"));
+    rope_q_kernel<<<rows, kRowThreads, 0, stream>>>(qkv, stride, positions, cos_table, sin_table,
+                                                    shape.head_dim, shape.n_heads);
+    KVSIFT_TRY(launched("rope_q"));
+    const std::size_t pitch = std::size_t{stride} * sizeof(float);
+    const struct {
+      float* host;
+      uint32_t offset, width;
+    } parts[] = {{q_host, 0, qdim}, {k_host, qdim, kvdim}, {v_host, qdim + kvdim, kvdim}};
+    for (const auto& part : parts)
+      KVSIFT_TRY(from_cuda(
+          cudaMemcpy2DAsync(part.host, part.width * sizeof(float), qkv + part.offset, pitch,
+                            part.width * sizeof(float), rows, cudaMemcpyDeviceToHost, stream),
+          "cudaMemcpy2DAsync (q, k, v to the host)"));
+    return Result{};
+  }
+
+  // finish_layer's device work. Enqueues only.
+  Result finish(uint32_t layer, uint32_t rows, bool attn_from_host) {
+    const Layer& L = layers[layer];
+    const uint32_t E = shape.n_embd, F = shape.n_ff, qdim = shape.q_dim();
+    // The host writes attn_host only between attention_inputs (which waited for the stream) and
+    // finish_layer, so the plain pinned buffer needs no staging, and a graph may read it.
+    if (attn_from_host)
+      KVSIFT_TRY(
+          from_cuda(cudaMemcpyAsync(attn, attn_host, std::size_t{rows} * qdim * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream),
+                    "cudaMemcpyAsync (attention output)"));
+    const std::size_t n_attn = std::size_t{rows} * qdim, n_ffn = std::size_t{rows} * F;
+    to_bf16_kernel<<<flat_blocks(n_attn), kFlatThreads, 0, stream>>>(attn, n_attn, x_bf16);
+    KVSIFT_TRY(launched("to_bf16"));
+    KVSIFT_TRY(gemm(L.wo, E, qdim, x_bf16, rows, x, true, "wo"));
+    KVSIFT_TRY(rms_norm(x, nullptr, L.ffn_norm, rows, E, shape.rms_eps));
+    KVSIFT_TRY(gemm(L.w_gate_up, 2 * F, E, x_bf16, rows, gate_up, false, "w_gate_up"));
+    swiglu_kernel<<<flat_blocks(n_ffn), kFlatThreads, 0, stream>>>(gate_up, rows, F, x_bf16);
+    KVSIFT_TRY(launched("swiglu"));
+    return gemm(L.w_down, E, F, x_bf16, rows, x, true, "w_down");
+  }
+
+  // The decode graphs of rows, or null where rows would exceed kMaxGraphRows values.
+  Graphs* graphs_of(uint32_t rows) {
+    for (Graphs& g : graphs)
+      if (g.rows == rows) return &g;
+    if (graphs.size() == kMaxGraphRows) return nullptr;
+    graphs.push_back(Graphs{rows, std::vector<cudaGraphExec_t>(shape.n_layers, nullptr),
+                            std::vector<uint8_t>(shape.n_layers, 0)});
+    return &graphs.back();
+  }
+
+  // Captures what enqueue() enqueues on the stream into *exec. Returns why it failed, or "". The
+  // capture is thread-local: other threads' CUDA calls (the offload attention's) stay legal.
+  template <class Enqueue>
+  std::string capture(cudaGraphExec_t* exec, Enqueue&& enqueue) {
+    cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+    if (err != cudaSuccess) return from_cuda(err, "cudaStreamBeginCapture").message;
+    const Result enqueued = enqueue();
+    cudaGraph_t graph = nullptr;
+    err = cudaStreamEndCapture(stream, &graph);  // ends the capture, even an invalidated one
+    std::string why;
+    if (!enqueued.ok)
+      why = enqueued.message + " (while capturing a decode graph)";
+    else if (err != cudaSuccess)
+      why = from_cuda(err, "cudaStreamEndCapture").message;
+    else if (graph == nullptr)
+      why = "device llama: cudaStreamEndCapture returned no graph";
+    else if ((err = cudaGraphInstantiate(exec, graph, 0)) != cudaSuccess)
+      why = from_cuda(err, "cudaGraphInstantiate").message;
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (!why.empty()) {
+      cudaGetLastError();  // a failed launch inside the capture: not the next call's error
+      *exec = nullptr;
+    }
+    return why;
+  }
+
+  // Launches the decode graph of (layer, rows), capturing it from enqueue() on its second use;
+  // sets *launched. The first use is left to the caller, ungraphed: a warm-up, so that lazy
+  // module loading and cuBLAS's first-call setup happen outside any capture. Where graphs are
+  // off, rows has no slot, or the capture or launch fails (the graphs are then turned off, the
+  // reason kept in stats.off), launches nothing: nothing was enqueued, and the caller runs the
+  // work ungraphed.
+  template <class Enqueue>
+  void launch_graph(uint32_t layer, uint32_t rows, DecodeGraphStats& stats, bool* launched,
+                    Enqueue&& enqueue) {
+    *launched = false;
+    Graphs* g = stats.off.empty() ? graphs_of(rows) : nullptr;
+    cudaGraphExec_t* exec = nullptr;
+    if (g != nullptr && g->used[layer])
+      exec = &g->execs[layer];
+    else if (g != nullptr)
+      g->used[layer] = 1;
+    if (exec != nullptr && *exec == nullptr) {
+      std::string why = capture(exec, enqueue);
+      if (why.empty())
+        ++stats.captured;
+      else
+        stats.off = std::move(why);
+    }
+    if (exec != nullptr && *exec != nullptr) {
+      // A launch that fails has enqueued nothing: the runtime validates before it submits.
+      const cudaError_t err = cudaGraphLaunch(*exec, stream);
+      if (err == cudaSuccess) {
+        ++stats.replays;
+        *launched = true;
+        return;
+      }
+      stats.off = from_cuda(err, "cudaGraphLaunch").message;
+    }
+    ++stats.ungraphed;
+  }
 };
 
 namespace {
@@ -536,6 +678,8 @@ DeviceLlama& DeviceLlama::operator=(DeviceLlama&& other) noexcept {
     stage_ = std::exchange(other.stage_, Stage::idle);
     held_ = std::move(other.held_);
     positions_ = std::move(other.positions_);
+    inputs_ahead_ = std::exchange(other.inputs_ahead_, false);
+    graph_stats_ = std::exchange(other.graph_stats_, DecodeGraphStats{});
   }
   return *this;
 }
@@ -557,6 +701,7 @@ Result DeviceLlama::init(const LlamaShape& shape, const LlamaWeights& w, int dev
   shape_ = shape;
   held_.assign(shape.n_layers, 0);
   positions_.assign(shape.max_rows, 0);
+  graph_stats_ = DecodeGraphStats{};
   return r;
 }
 
@@ -564,6 +709,7 @@ void DeviceLlama::abandon() noexcept {
   rows_ = 0;
   next_layer_ = 0;
   stage_ = Stage::idle;
+  inputs_ahead_ = false;
 }
 
 Result DeviceLlama::check_layer_call(const char* what, uint32_t layer, Stage expected) const {
@@ -638,35 +784,26 @@ Result DeviceLlama::attention_inputs(uint32_t layer, const uint64_t* positions, 
       return refuse("attention_inputs: positions[" + std::to_string(i) +
                     "]=" + std::to_string(positions[i]) +
                     " is not below max_positions=" + std::to_string(shape_.max_positions));
+  // A decode graph computed this layer's inputs at the previous layer's positions: where they are
+  // these, the work is done (and the device's positions are these already).
+  bool ahead = inputs_ahead_;
+  for (uint32_t i = 0; i < rows && ahead; ++i) ahead = positions_[i] == positions[i];
+  inputs_ahead_ = false;
   for (uint32_t i = 0; i < rows; ++i) positions_[i] = static_cast<uint32_t>(positions[i]);
   Device& d = *device_;
-  const Device::Layer& L = d.layers[layer];
-  const uint32_t E = shape_.n_embd, qdim = shape_.q_dim(), kvdim = shape_.kv_dim();
-  const uint32_t stride = qdim + 2 * kvdim;
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
-    KVSIFT_TRY(d.stage(kPositions, d.positions, positions_.data(), rows * sizeof(uint32_t)));
-    KVSIFT_TRY(d.rms_norm(d.x, nullptr, L.attn_norm, rows, E, shape_.rms_eps));
-    KVSIFT_TRY(d.gemm(L.wqkv, stride, E, d.x_bf16, rows, d.qkv, false, "wqkv"));
-    rope_q_kernel<<<rows, kRowThreads, 0, d.stream>>>(d.qkv, stride, d.positions, d.cos_table,
-                                                      d.sin_table, shape_.head_dim, shape_.n_heads);
-    KVSIFT_TRY(launched("rope_q"));
-    const std::size_t pitch = std::size_t{stride} * sizeof(float);
-    const struct {
-      float* host;
-      uint32_t offset, width;
-    } parts[] = {{d.q_host, 0, qdim}, {d.k_host, qdim, kvdim}, {d.v_host, qdim + kvdim, kvdim}};
-    for (const auto& part : parts)
-      KVSIFT_TRY(from_cuda(
-          cudaMemcpy2DAsync(part.host, part.width * sizeof(float), d.qkv + part.offset, pitch,
-                            part.width * sizeof(float), rows, cudaMemcpyDeviceToHost, d.stream),
-          "cudaMemcpy2DAsync (q, k, v to the host)"));
+    if (!ahead) {
+      KVSIFT_TRY(d.stage(kPositions, d.positions, positions_.data(), rows * sizeof(uint32_t)));
+      KVSIFT_TRY(d.inputs(layer, rows));
+    }
     return from_cuda(cudaStreamSynchronize(d.stream), "cudaStreamSynchronize (attention inputs)");
   }();
   if (!r.ok) {
     abandon();
     return r;
   }
+  if (ahead) ++graph_stats_.inputs_reused;
   stage_ = Stage::have_inputs;
   return r;
 }
@@ -809,26 +946,19 @@ Result DeviceLlama::finish_layer(uint32_t layer, bool attn_from_host) {
   KVSIFT_TRY(check_layer_call("finish_layer", layer,
                               attn_from_host ? Stage::have_inputs : Stage::have_attention));
   Device& d = *device_;
-  const Device::Layer& L = d.layers[layer];
-  const uint32_t rows = rows_, E = shape_.n_embd, F = shape_.n_ff, qdim = shape_.q_dim();
+  const uint32_t rows = rows_;
+  const bool has_next = layer + 1 < shape_.n_layers;
+  bool graphed = false;
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
-    // The host writes attn_host only between attention_inputs (which waited for the stream) and
-    // this call, so the plain pinned buffer needs no staging.
-    if (attn_from_host)
-      KVSIFT_TRY(
-          from_cuda(cudaMemcpyAsync(d.attn, d.attn_host, std::size_t{rows} * qdim * sizeof(float),
-                                    cudaMemcpyHostToDevice, d.stream),
-                    "cudaMemcpyAsync (attention output)"));
-    const std::size_t n_attn = std::size_t{rows} * qdim, n_ffn = std::size_t{rows} * F;
-    to_bf16_kernel<<<flat_blocks(n_attn), kFlatThreads, 0, d.stream>>>(d.attn, n_attn, d.x_bf16);
-    KVSIFT_TRY(launched("to_bf16"));
-    KVSIFT_TRY(d.gemm(L.wo, E, qdim, d.x_bf16, rows, d.x, true, "wo"));
-    KVSIFT_TRY(d.rms_norm(d.x, nullptr, L.ffn_norm, rows, E, shape_.rms_eps));
-    KVSIFT_TRY(d.gemm(L.w_gate_up, 2 * F, E, d.x_bf16, rows, d.gate_up, false, "w_gate_up"));
-    swiglu_kernel<<<flat_blocks(n_ffn), kFlatThreads, 0, d.stream>>>(d.gate_up, rows, F, d.x_bf16);
-    KVSIFT_TRY(launched("swiglu"));
-    return d.gemm(L.w_down, E, F, d.x_bf16, rows, d.x, true, "w_down");
+    if (attn_from_host && shape_.decode_graphs) {
+      d.launch_graph(layer, rows, graph_stats_, &graphed, [&]() -> Result {
+        KVSIFT_TRY(d.finish(layer, rows, true));
+        return has_next ? d.inputs(layer + 1, rows) : Result{};
+      });
+      if (graphed) return Result{};
+    }
+    return d.finish(layer, rows, attn_from_host);
   }();
   if (!r.ok) {
     abandon();
@@ -836,6 +966,7 @@ Result DeviceLlama::finish_layer(uint32_t layer, bool attn_from_host) {
   }
   ++next_layer_;
   stage_ = Stage::need_inputs;
+  inputs_ahead_ = graphed && has_next;
   return r;
 }
 

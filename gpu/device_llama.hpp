@@ -17,6 +17,19 @@
 //             finish_layer(l, true)
 //   logits(rows_idx)                       final RMSNorm and output head of the chosen rows
 //
+// Decode graphs: a decode step's device work between two host attention calls is tens of small
+// launches a layer, the same sequence on every step with the same rows, and it took about 3.5 of
+// the 5.4 ms of a token (SmolLM2-135M, one sequence, on an H200), launch overhead for the most
+// part. So finish_layer(l, true) launches one CUDA graph for (l, rows): the rest of layer l, then
+// layer l + 1's attention_inputs work at layer l's positions (a pass's layers share them), which
+// attention_inputs(l + 1) then only waits for (or redoes, where its positions differ). A graph is
+// captured on the second use of its (l, rows) (the first is an ungraphed warm-up) and replayed on
+// every later one, for at most kMaxGraphRows distinct rows values (other rows run ungraphed).
+// Prefill chunks (finish_layer(l, false)) launch their kernels one by one. A failed capture turns
+// the graphs off for the handle (graph_stats() says why) and the step runs ungraphed. Graphed and
+// ungraphed results are the same bit for bit: the same kernels and cuBLAS calls, on the same
+// workspace.
+//
 // Numerics follow the CPU runner (lib/model/llama_model.cpp) step for step: bf16 weights, fp32
 // activations, every product's input rounded to bf16 (round to nearest even) with fp32
 // accumulation (cuBLAS, CUBLAS_COMPUTE_32F); RMSNorm's sum of squares in float64 and its scale
@@ -42,6 +55,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "gpu/host_memory.hpp"
@@ -65,6 +79,8 @@ struct LlamaShape {
   // prefill attention (prefill_attention and load_prefix are refused).
   uint32_t max_prefill_tokens = 0;
   simd::Dtype kv_dtype = simd::Dtype::f16;  // the host cache's storage dtype
+  // finish_layer(l, true) replays CUDA graphs (see the top of this file); false: never.
+  bool decode_graphs = true;
 
   uint32_t q_dim() const noexcept { return n_heads * head_dim; }
   uint32_t kv_dim() const noexcept { return n_kv_heads * head_dim; }
@@ -87,6 +103,21 @@ struct LlamaWeights {
   const float* output_norm = nullptr;     // [n_embd]
 };
 
+// How the decode graphs fared since init() (DeviceLlama::graph_stats()).
+struct DecodeGraphStats {
+  uint64_t captured = 0;       // graphs captured and instantiated (one per (layer, rows) used)
+  uint64_t replays = 0;        // graph launches, each graph's first launch included
+  uint64_t ungraphed = 0;      // finish_layer(l, true) calls with decode_graphs set run without
+                               // a graph (a warm-up, graphs turned off, or rows beyond
+                               // kMaxGraphRows values)
+  uint64_t inputs_reused = 0;  // attention_inputs calls whose work a graph had already done
+  std::string off;             // why the graphs were turned off; empty while they are on
+};
+
+// Distinct rows values a handle captures decode graphs for: a batch size or two in practice; a
+// cap so that an unusual caller cannot fill the device with graphs.
+inline constexpr uint32_t kMaxGraphRows = 8;
+
 // Owns a cuBLAS handle, a stream, the device copy of the weights, the activations of one forward
 // pass, the prefill scratch and pinned host buffers. Movable, not copyable.
 //
@@ -94,7 +125,8 @@ struct LlamaWeights {
 // about max_rows * (4 * (n_embd + 2 * q_dim + 4 * kv_dim + 2 * n_ff + n_vocab) + 2 * max(n_embd,
 // q_dim, n_ff)) bytes of activations (the logits dominate), plus 4 * n_layers *
 // max_prefill_tokens * kv_dim bytes of prefill scratch, plus 4 * max_positions * head_dim bytes of
-// RoPE table: device_bytes() says exactly.
+// RoPE table, plus a 32 MiB cuBLAS workspace, plus the decode graphs (small: one kernel node per
+// launch): device_bytes() says exactly, but for the graphs.
 //
 // Errors: a call with bad arguments, or out of order, returns ok=false naming the argument and
 // leaves the device untouched. A CUDA or cuBLAS failure returns ok=false naming the call
@@ -124,7 +156,8 @@ class DeviceLlama {
   // Layer `layer` (the next one of the pass): RMSNorm, the QKV product, RoPE on q at positions[r]
   // (host, [rows], each < max_positions; rows: the pass's). Blocks until q_host(), k_host(),
   // v_host() hold the layer's q (RoPE'd, unscaled), k (pre-RoPE: the host cache rotates its keys
-  // itself) and v; they stay valid until the next attention_inputs().
+  // itself) and v; they stay valid until the next finish_layer() (a decode graph computes the next
+  // layer's into them) or attention_inputs().
   Result attention_inputs(uint32_t layer, const uint64_t* positions, uint32_t rows);
   const float* q_host() const noexcept;  // pinned, [max_rows, q_dim]; the pass's rows are valid
   const float* k_host() const noexcept;  // pinned, [max_rows, kv_dim]
@@ -158,7 +191,8 @@ class DeviceLlama {
 
   // The rest of layer `layer`: attention output (from attn_host() when attn_from_host, else from
   // prefill_attention) -> wo product + residual -> RMSNorm -> gate_up product -> SwiGLU -> down
-  // product + residual. Enqueued; does not wait.
+  // product + residual. Enqueued; does not wait. With attn_from_host and decode_graphs, through a
+  // decode graph that also computes layer + 1's attention inputs (see the top of this file).
   Result finish_layer(uint32_t layer, bool attn_from_host);
 
   // After the last layer: final RMSNorm and the output head of rows rows_idx[0, n) (host, each
@@ -178,6 +212,7 @@ class DeviceLlama {
   uint32_t rows() const noexcept { return rows_; }  // the pass's rows; 0: no pass in flight
   void* stream() const noexcept;                    // the cudaStream_t all work is issued on
   std::size_t device_bytes() const noexcept;        // device memory held (weights included)
+  const DecodeGraphStats& graph_stats() const noexcept { return graph_stats_; }
 
  private:
   enum class Stage : uint8_t { idle, need_inputs, have_inputs, have_attention };
@@ -193,6 +228,9 @@ class DeviceLlama {
   Stage stage_ = Stage::idle;
   std::vector<uint64_t> held_;       // per layer: scratch positions held
   std::vector<uint32_t> positions_;  // the layer in flight's positions (host copy)
+  // A decode graph has enqueued layer next_layer_'s attention inputs at positions_.
+  bool inputs_ahead_ = false;
+  DecodeGraphStats graph_stats_;
 };
 
 }  // namespace kvsift::gpu
