@@ -3,7 +3,8 @@
 // layer, prefill attention across chunks, the output head), a whole 2-layer forward (a prefill of
 // 37 tokens in chunks, then 3 decode steps with the attention done here in float64, as the host
 // runner does it) against a float64 forward of the same tokens, a prefill continued through
-// load_prefix, and the argument and order checks.
+// load_prefix, decode graphs against the ungraphed path (bit for bit, and their cap on rows
+// values), and the argument and order checks.
 //
 // The references round where the device (and the CPU runner) rounds: every product's input to
 // bf16, stored keys (after RoPE) and values to the cache's dtype; everything else is float64.
@@ -666,6 +667,160 @@ TEST_F(GpuLlama, load_prefix_continues_a_prefill_as_if_never_interrupted) {
   // The restored keys are the device's own bit for bit (the same rotation, the same rounding), so
   // the same kernels give the same logits.
   EXPECT_LT(relative_error(resumed, uninterrupted), 1e-6);
+}
+
+// Bitwise equality of two traces, naming the first value that differs.
+void expect_same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (std::memcmp(&a[i], &b[i], sizeof(float)) != 0) {
+      ADD_FAILURE() << "value " << i << " of " << a.size() << ": " << a[i] << " vs " << b[i];
+      return;
+    }
+}
+
+// One decode pass of tokens.size() sequences (row r: caches[r], at positions[r]) with the
+// attention done here in float64, as the host runner does it; odd layers see the positions plus
+// odd_layer_shift (a caller whose layers' positions differ). Appends to trace each layer's q, k
+// and v, then the pass's hidden state and every row's logits.
+void decode_pass(gpu::DeviceLlama& llama, std::vector<HostCache>& caches,
+                 const std::vector<int32_t>& tokens, const std::vector<uint64_t>& positions,
+                 uint64_t odd_layer_shift, std::vector<float>& trace) {
+  const gpu::LlamaShape& s = llama.shape();
+  const uint32_t rows = static_cast<uint32_t>(tokens.size()), qdim = s.q_dim(), kvdim = s.kv_dim();
+  ASSERT_OK(llama.embed(tokens.data(), rows));
+  std::vector<double> attn(qdim);
+  for (uint32_t l = 0; l < s.n_layers; ++l) {
+    std::vector<uint64_t> at = positions;
+    if (l % 2 == 1)
+      for (uint64_t& p : at) p += odd_layer_shift;
+    ASSERT_OK(llama.attention_inputs(l, at.data(), rows));
+    trace.insert(trace.end(), llama.q_host(), llama.q_host() + std::size_t{rows} * qdim);
+    trace.insert(trace.end(), llama.k_host(), llama.k_host() + std::size_t{rows} * kvdim);
+    trace.insert(trace.end(), llama.v_host(), llama.v_host() + std::size_t{rows} * kvdim);
+    for (uint32_t r = 0; r < rows; ++r) {
+      caches[r].store(l, at[r], llama.k_host() + std::size_t{r} * kvdim,
+                      llama.v_host() + std::size_t{r} * kvdim);
+      caches[r].attend(l, llama.q_host() + std::size_t{r} * qdim, at[r] + 1, attn.data());
+      std::copy(attn.begin(), attn.end(), llama.attn_host() + std::size_t{r} * qdim);
+    }
+    ASSERT_OK(llama.finish_layer(l, true));
+  }
+  const std::vector<float> x = read_hidden(llama);
+  trace.insert(trace.end(), x.begin(), x.end());
+  std::vector<uint32_t> all(rows);
+  std::iota(all.begin(), all.end(), 0u);
+  std::vector<float> logits(std::size_t{rows} * s.n_vocab, kNaN);
+  ASSERT_OK(llama.logits(all.data(), rows, logits.data()));
+  trace.insert(trace.end(), logits.begin(), logits.end());
+}
+
+// The runner's use with decode graphs on and off: a prompt prefilled in chunks (device attention:
+// never graphed), then decode steps of one sequence, of three (the prompt's and two new ones), of
+// one again, and one step whose layers' positions differ. Every q, k, v, hidden state and logit is
+// the same bit for bit, and the counters say which steps replayed graphs: each rows value's first
+// step is the warm-up, its second captures, every later one replays.
+TEST_F(GpuLlama, decode_graphs_give_the_ungraphed_results_bit_for_bit) {
+  const gpu::LlamaShape base = shape_64();
+  const TinyModel m(base, 91, true);
+  const uint32_t kvdim = base.kv_dim(), V = base.n_vocab, L = base.n_layers, prompt = 21;
+  std::mt19937 rng(92);
+  const std::vector<int32_t> tokens = random_tokens(64, V, rng);
+
+  auto run = [&](bool graphs, std::vector<float>& trace, gpu::DecodeGraphStats& stats) {
+    gpu::LlamaShape shape = base;
+    shape.decode_graphs = graphs;
+    gpu::DeviceLlama llama;
+    ASSERT_OK(llama.init(shape, m.weights(), 0));
+    std::vector<HostCache> caches(3, HostCache(shape));
+    for (uint32_t pos0 = 0; pos0 < prompt; pos0 += shape.max_rows) {
+      const uint32_t rows = std::min(shape.max_rows, prompt - pos0);
+      std::vector<uint64_t> positions(rows);
+      std::iota(positions.begin(), positions.end(), uint64_t{pos0});
+      ASSERT_OK(llama.embed(tokens.data() + pos0, rows));
+      for (uint32_t l = 0; l < L; ++l) {
+        ASSERT_OK(llama.attention_inputs(l, positions.data(), rows));
+        for (uint32_t r = 0; r < rows; ++r)
+          caches[0].store(l, pos0 + r, llama.k_host() + std::size_t{r} * kvdim,
+                          llama.v_host() + std::size_t{r} * kvdim);
+        ASSERT_OK(llama.prefill_attention(l, pos0, rows));
+        ASSERT_OK(llama.finish_layer(l, false));
+      }
+      const std::vector<float> x = read_hidden(llama);
+      trace.insert(trace.end(), x.begin(), x.end());
+    }
+    EXPECT_EQ(
+        llama.graph_stats().captured + llama.graph_stats().replays + llama.graph_stats().ungraphed,
+        0u)
+        << "the prefill used the decode graphs";
+
+    uint64_t next[3] = {prompt, 0, 0};
+    auto step = [&](uint32_t rows, uint64_t odd_layer_shift) {
+      std::vector<int32_t> step_tokens(rows);
+      std::vector<uint64_t> positions(rows);
+      for (uint32_t r = 0; r < rows; ++r) {
+        step_tokens[r] = tokens[(next[r] * 3 + r) % tokens.size()];
+        positions[r] = next[r]++;
+      }
+      decode_pass(llama, caches, step_tokens, positions, odd_layer_shift, trace);
+    };
+    for (int i = 0; i < 4; ++i) ASSERT_NO_FATAL_FAILURE(step(1, 0));
+    for (int i = 0; i < 4; ++i) ASSERT_NO_FATAL_FAILURE(step(3, 0));
+    for (int i = 0; i < 2; ++i) ASSERT_NO_FATAL_FAILURE(step(1, 0));
+    ASSERT_NO_FATAL_FAILURE(step(1, 1));
+    stats = llama.graph_stats();
+  };
+
+  std::vector<float> off_trace, on_trace;
+  gpu::DecodeGraphStats off, on;
+  ASSERT_NO_FATAL_FAILURE(run(false, off_trace, off));
+  ASSERT_NO_FATAL_FAILURE(run(true, on_trace, on));
+  expect_same_bits(on_trace, off_trace);
+
+  EXPECT_EQ(off.captured + off.replays + off.ungraphed + off.inputs_reused, 0u);
+  EXPECT_EQ(on.off, "");
+  EXPECT_EQ(on.captured, 2 * L);  // rows 1 and 3, every layer
+  // Rows 1: 7 steps, the first a warm-up; rows 3: 4 steps, the first a warm-up.
+  EXPECT_EQ(on.replays, (6 + 3) * L);
+  EXPECT_EQ(on.ungraphed, 2 * L);
+  // Every replayed step's layers after the first, but the step whose positions differed.
+  EXPECT_EQ(on.inputs_reused, (6 + 3 - 1) * (L - 1));
+}
+
+// More rows values than kMaxGraphRows, each in two host-attention passes: the first values get
+// graphs, the rest run ungraphed, and every pass ends in the ungraphed handle's state bit for bit.
+TEST_F(GpuLlama, decode_graphs_are_kept_for_at_most_kMaxGraphRows_rows_values) {
+  gpu::LlamaShape shape = shape_64();
+  const TinyModel m(shape, 101, true);
+  const uint32_t L = shape.n_layers, qdim = shape.q_dim(), values = gpu::kMaxGraphRows + 2;
+  ASSERT_LE(values, shape.max_rows);
+  std::mt19937 rng(102);
+  const std::vector<int32_t> tokens = random_tokens(values, shape.n_vocab, rng);
+  gpu::DeviceLlama on, off;
+  ASSERT_OK(on.init(shape, m.weights(), 0));
+  shape.decode_graphs = false;
+  ASSERT_OK(off.init(shape, m.weights(), 0));
+  for (uint32_t rows = 1; rows <= values; ++rows)
+    for (int pass = 0; pass < 2; ++pass) {
+      SCOPED_TRACE("rows " + std::to_string(rows) + " pass " + std::to_string(pass));
+      std::vector<uint64_t> positions(rows);
+      for (uint32_t r = 0; r < rows; ++r) positions[r] = (r * 5 + 3 + pass) % shape.max_positions;
+      for (gpu::DeviceLlama* llama : {&on, &off}) {
+        ASSERT_OK(llama->embed(tokens.data(), rows));
+        for (uint32_t l = 0; l < L; ++l) {
+          ASSERT_OK(llama->attention_inputs(l, positions.data(), rows));
+          // Any attention output will do, as long as it is the handle's own.
+          std::copy_n(llama->q_host(), std::size_t{rows} * qdim, llama->attn_host());
+          ASSERT_OK(llama->finish_layer(l, true));
+        }
+      }
+      expect_same_bits(read_hidden(on), read_hidden(off));
+    }
+  const gpu::DecodeGraphStats& stats = on.graph_stats();
+  EXPECT_EQ(stats.off, "");
+  EXPECT_EQ(stats.captured, gpu::kMaxGraphRows * L);
+  EXPECT_EQ(stats.replays, gpu::kMaxGraphRows * L);
+  EXPECT_EQ(stats.ungraphed, 2 * values * L - stats.replays);
 }
 
 TEST_F(GpuLlama, refuses_out_of_order_calls_and_bad_arguments) {
