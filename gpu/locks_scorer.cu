@@ -616,7 +616,6 @@ Result LocksScorer::validate(const LocksPair* pairs, uint32_t n_pairs) const {
     const LocksPair& pair = pairs[i];
     // The message is built only on failure: select() validates every step.
     const auto which = [i] { return "pair " + std::to_string(i) + ": "; };
-    if (pair.tokens == 0) return invalid(which() + "no tokens");
     if (!pair.q || !pair.table) return invalid(which() + "a null pointer");
     if (pair.tokens % shape_.page_tokens != 0 && !pair.open_keys)
       return invalid(which() + "no keys for its open page");

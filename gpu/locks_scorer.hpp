@@ -64,7 +64,7 @@ struct LocksPair {
                                         // sealed ones must have uploaded records)
   const uint16_t* open_keys = nullptr;  // the open page's keys [tokens % page_tokens, head_dim]
                                         // in the shape's dtype; null when tokens % page_tokens == 0
-  uint64_t tokens = 0;                  // stored tokens, >= 1
+  uint64_t tokens = 0;                  // stored tokens (none: no pages)
   uint64_t budget_tokens = 0;           // Policy::budget_tokens(tokens)
 };
 
