@@ -6,7 +6,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <vector>
 
+#include "gpu/locks_scorer.hpp"
 #include "lib/core/error.hpp"
 #include "lib/select/locks_summary.hpp"
 
@@ -92,6 +94,7 @@ void PageSelector::build_summaries() noexcept {
     const uint32_t slot = pending_slots_[static_cast<std::size_t>(i)];
     summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
   }
+  summaries_built(pending_slots_.data(), n_pending_);
   n_pending_ = 0;
 }
 
@@ -443,6 +446,13 @@ class QuestSelector final : public PageSelector {
 // centroid, built when a page seals; a page scores the log-sum-exp of its reconstructed logits.
 // locks_certified also keeps each page's largest key norm, and bounds each page's log-mass by the
 // score +- scale |q| (residual + float margin * key norm), scoring with the exact query.
+//
+// Device mode (policy.locks_device >= 0; gpu/locks_scorer.hpp): the records are mirrored on the
+// device (the slots summarised since the last upload travel in prepare(), or in select() when
+// prepare() could not send them), and select() runs the scoring, combine and top-b of every pair
+// of the call there in one batch. Should the device fail at select time, the step runs on the CPU
+// (the records are still here) and device_fallbacks() counts it; a query that is not finite also
+// takes the CPU path (the device does not repeat the CPU's NaN handling), uncounted.
 class LocksSelector final : public PageSelector {
  public:
   LocksSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
@@ -453,6 +463,9 @@ class LocksSelector final : public PageSelector {
         records_(cache.pool().capacity() * record_bytes_),
         key_norms_(certified() ? cache.pool().capacity() : 0) {
     locks_check_shape(shape_);
+    require(policy.locks_device >= -1, "policy.locks_device=", policy.locks_device,
+            " is not a device index or -1");
+    if (policy.locks_device >= 0) start_device(max_batch, max_pages);
   }
 
   std::size_t summary_bytes_per_page() const noexcept override {
@@ -460,9 +473,32 @@ class LocksSelector final : public PageSelector {
     return locks_paper_bytes(shape_) + (certified() ? 2 * sizeof(float) : 0);
   }
 
+  uint64_t device_fallbacks() const noexcept override { return device_fallbacks_; }
+  uint64_t device_bytes() const noexcept override { return scorer_ ? scorer_->device_bytes() : 0; }
+
+  void prepare(const SelectCall&, Selection&) override {
+    if (!scorer_) return;
+    // A failed upload stays pending: select() tries again, and falls back to the CPU.
+    build_summaries();
+    upload_pending();
+  }
+
+  void select(const SelectCall& call, Selection& out) noexcept override {
+    if (!scorer_ || !select_on_device(call, out)) PageSelector::select(call, out);
+  }
+
  protected:
   bool summarises() const noexcept override { return true; }
   bool certified() const noexcept override { return policy_.kind == Kind::locks_certified; }
+
+  void summaries_built(const uint32_t* slots, std::size_t n) noexcept override {
+    if (!scorer_) return;
+    for (std::size_t i = 0; i < n; ++i) {
+      if (upload_marked_[slots[i]]) continue;
+      upload_marked_[slots[i]] = 1;
+      upload_slots_[n_upload_++] = slots[i];  // room for every slot: each is listed once
+    }
+  }
 
   void summarise(uint32_t slot, const uint16_t* k) noexcept override {
     locks_build(shape_, k, geometry().dtype, records_.data() + std::size_t{slot} * record_bytes_);
@@ -512,10 +548,105 @@ class LocksSelector final : public PageSelector {
   }
 
  private:
+  static_assert(static_cast<int>(gpu::LocksCombine::share_avg) ==
+                    static_cast<int>(GqaCombine::share_avg) &&
+                static_cast<int>(gpu::LocksCombine::nrm) == static_cast<int>(GqaCombine::nrm) &&
+                static_cast<int>(gpu::LocksCombine::max) == static_cast<int>(GqaCombine::max));
+
+  void start_device(uint32_t max_batch, uint64_t max_pages) {
+    require(!certified(), "policy.locks_device: certified LOCKS selection runs on the CPU only");
+    require(policy_.int8_query, "policy.locks_device: the device scores int8 queries only");
+    const CacheGeometry& g = geometry();
+    gpu::LocksScorerShape shape;
+    shape.head_dim = g.head_dim;
+    shape.page_tokens = g.page_tokens;
+    shape.rank = shape_.rank;
+    shape.group = g.group_size;
+    shape.dtype = g.dtype;
+    shape.combine = static_cast<gpu::LocksCombine>(combine_mode());
+    shape.scale = scale_;
+    const uint64_t slots = cache_.pool().capacity();
+    shape.slots = static_cast<uint32_t>(slots);
+    shape.max_pairs = max_batch * g.n_kv_heads;
+    shape.max_pages = std::min<uint64_t>(uint64_t{shape.max_pairs} * max_pages, slots);
+    shape.sink_pages = policy_.sink_pages;
+    shape.window_pages = policy_.window_pages;
+    scorer_ = std::make_unique<gpu::LocksScorer>();
+    const gpu::Result r = scorer_->init(policy_.locks_device, shape);
+    if (!r.ok)
+      fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
+           "the locks device scorer on device ", policy_.locks_device, ": ", r.message);
+    upload_slots_.resize(slots);
+    upload_marked_.assign(slots, 0);
+    pairs_.resize(shape.max_pairs);
+  }
+
+  // Sends the records summarised since the last upload; they stay pending on failure.
+  bool upload_pending() noexcept {
+    if (n_upload_ == 0) return true;
+    if (!scorer_->upload(records_.data(), upload_slots_.data(), n_upload_).ok) return false;
+    for (std::size_t i = 0; i < n_upload_; ++i) upload_marked_[upload_slots_[i]] = 0;
+    n_upload_ = 0;
+    return true;
+  }
+
+  // The whole call on the device; false (out untouched) when the CPU must run it.
+  bool select_on_device(const SelectCall& call, Selection& out) noexcept {
+    build_summaries();
+    if (!upload_pending()) {
+      ++device_fallbacks_;
+      return false;
+    }
+    const CacheGeometry& g = geometry();
+    const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
+    const uint32_t n_pairs = call.n_seqs * H;
+    if (n_pairs == 0) return false;
+    uint64_t bytes = 0;
+    for (uint32_t i = 0; i < n_pairs; ++i) {
+      const int32_t seq = call.seq_ids[i / H];
+      gpu::LocksPair& pair = pairs_[i];
+      pair.q = call.q + std::size_t{i} * G * d;
+      for (std::size_t c = 0; c < std::size_t{G} * d; ++c)
+        if (!std::isfinite(pair.q[c])) return false;
+      pair.table = cache_.page_table(seq, call.layer, i % H);
+      pair.tokens = cache_.length_unchecked(seq, call.layer);
+      pair.budget_tokens = policy_.budget_tokens(pair.tokens);
+      const uint64_t sealed = pair.tokens / B, open = pair.tokens % B;
+      pair.open_keys =
+          open == 0 ? nullptr
+                    : reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[sealed]));
+      // What the CPU path reports: the summaries and the open page's keys of the scored pairs.
+      if (!gpu::locks_pair_plan(scorer_->shape(), pair.tokens, pair.budget_tokens).whole)
+        bytes += sealed * summary_bytes_per_page() + open * d * sizeof(uint16_t);
+    }
+    if (!scorer_->validate(pairs_.data(), n_pairs).ok || !scorer_->run(pairs_.data(), n_pairs).ok) {
+      ++device_fallbacks_;
+      return false;
+    }
+    const uint32_t* offsets = scorer_->offsets();
+    const uint32_t total = offsets[n_pairs];
+    out.n_pairs = n_pairs;
+    std::copy_n(offsets, n_pairs + 1, out.offsets.data());
+    std::copy_n(scorer_->page_ids(), total, out.page_ids.data());
+    std::copy_n(scorer_->scores(), total, out.scores.data());
+    std::copy_n(scorer_->kept_estimate(), n_pairs, out.kept_estimate.data());
+    std::fill_n(out.dropped_bound.data(), n_pairs, std::numeric_limits<float>::quiet_NaN());
+    out.index_bytes_read = bytes;
+    return true;
+  }
+
   LocksShape shape_;
   std::size_t record_bytes_;
   AlignedVector<std::byte> records_;  // [pool slots, record_bytes_]
   AlignedVector<float> key_norms_;    // [pool slots] certified: the page's largest key norm
+  // Device mode: the scorer, the slots summarised since the last upload (each listed once), the
+  // call's pairs.
+  std::unique_ptr<gpu::LocksScorer> scorer_;
+  AlignedVector<uint32_t> upload_slots_;
+  std::vector<uint8_t> upload_marked_;
+  std::size_t n_upload_ = 0;
+  std::vector<gpu::LocksPair> pairs_;
+  uint64_t device_fallbacks_ = 0;
 };
 
 }  // namespace

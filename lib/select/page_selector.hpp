@@ -45,6 +45,11 @@ class PageSelector : public Selector {
   // Queues every page already sealed in the cache (called once, after registration).
   void summarise_existing();
 
+  // Device selection (locks with policy.locks_device >= 0): steps whose device selection failed
+  // and ran on the CPU instead, and the device bytes of the summaries' copy. 0 otherwise.
+  virtual uint64_t device_fallbacks() const noexcept { return 0; }
+  virtual uint64_t device_bytes() const noexcept { return 0; }
+
   PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
                int n_threads);
 
@@ -52,6 +57,8 @@ class PageSelector : public Selector {
   // Whether sealed pages need a summary at all.
   virtual bool summarises() const noexcept { return false; }
   virtual void summarise(uint32_t /*slot*/, const uint16_t* /*k*/) noexcept {}
+  // Called after each build with the slots just summarised (a device copy follows them).
+  virtual void summaries_built(const uint32_t* /*slots*/, std::size_t /*n*/) noexcept {}
   // Scores pages [0, pair.n_pages) for each of the G heads into s.head[g * max_pages + p] (log
   // scale: estimated log-mass, or for quest a logit bound). Certified selectors also fill
   // s.slack. Returns the index bytes read.

@@ -68,6 +68,12 @@ struct Policy {
   // either way; creating the selector fails with unsupported where the build has no CUDA or the
   // device is not usable.
   int32_t louver_device = -1;
+  // locks: the CUDA device that holds a copy of the pages' LOCKS records and selects there
+  // (gpu/locks_scorer.hpp), or -1 for the CPU. The same pages are chosen either way but at
+  // near-ties of the combined score (float rounding); int8 queries only, not locks_certified.
+  // Creating the selector fails with unsupported where the build has no CUDA or the device is not
+  // usable.
+  int32_t locks_device = -1;
 
   // Throws Error(invalid_argument) naming the first bad field.
   void validate() const;
