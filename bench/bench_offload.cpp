@@ -42,6 +42,7 @@
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
 #include "lib/offload/offload_attention.hpp"
+#include "lib/select/page_selector.hpp"
 #include "lib/select/selector.hpp"
 
 namespace {
@@ -219,6 +220,7 @@ struct Config {
   int threads = 0;
   bool host_only = false;
   std::string csv;
+  int locks_device = -1;  // (c): select on this CUDA device (policy.locks_device), -1 the CPU
 };
 
 // One row's numbers; NaN where a phase did not run. Times in microseconds.
@@ -555,12 +557,18 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
       copies.push_back(plain_copy_ms(stream, dst.get(), cache.pool().base(), bytes));
     row.copy_c_gbps = bytes / median(copies) * 1e-6;
   }
-  say("  (c) LOCKS %.0f%%: %.1f us (%.1f..%.1f): select %.1f (hidden %.1f), host %.1f, transfer "
-      "%.1f, attend %.1f, out %.1f; %.0f pages listed, %.0f moved (%.2f MB, %.2f MB in all H2D); "
-      "hit rate %.3f; moves %.1f GB/s against a plain copy's %.1f; kept estimate %.3f",
-      100 * policy.budget, row.c_us, row.c_min, row.c_max, row.c_select_us, row.c_overlap_us,
-      row.c_host_us, row.c_transfer_us, row.c_attend_us, row.c_out_us, row.c_pages, row.c_moved,
-      row.c_page_mb, row.c_h2d_mb, row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
+  say("  (c) LOCKS %.0f%% (%s selection): %.1f us (%.1f..%.1f): select %.1f (hidden %.1f), host "
+      "%.1f, transfer %.1f, attend %.1f, out %.1f; %.0f pages listed, %.0f moved (%.2f MB, %.2f "
+      "MB in all H2D); hit rate %.3f; moves %.1f GB/s against a plain copy's %.1f; kept estimate "
+      "%.3f",
+      100 * policy.budget, policy.locks_device >= 0 ? "device" : "CPU", row.c_us, row.c_min,
+      row.c_max, row.c_select_us, row.c_overlap_us, row.c_host_us, row.c_transfer_us,
+      row.c_attend_us, row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb, row.c_h2d_mb,
+      row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
+  if (const auto* page = dynamic_cast<const select::PageSelector*>(host.selector.get());
+      page != nullptr && policy.locks_device >= 0)
+    say("  (c) device selection: %lu steps fell back to the CPU",
+        static_cast<unsigned long>(page->device_fallbacks()));
 }
 
 // --host-only: (c)'s host half without a device (an unpinned cache): the selection's time per step
@@ -663,6 +671,7 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
     select::Policy policy;
     policy.kind = select::Kind::locks;
     policy.budget = cfg.budget;
+    policy.locks_device = cfg.locks_device;
     // Created before the fill, so that it sees every seal.
     host.selector =
         select::Selector::create(policy, *host.cache, batch, pages_per_head + 1, threads);
@@ -730,6 +739,8 @@ int main(int argc, char** argv) {
                  "compare (b)'s output with the CPU kernel on rows of at most this many tokens");
   app.add_option("--threads", cfg.threads, "CPU threads (0: OpenMP's default)");
   app.add_option("--csv", cfg.csv, "write one line per row here");
+  app.add_option("--locks-device", cfg.locks_device,
+                 "(c) selects on this CUDA device (the LOCKS records resident there); -1: the CPU");
   app.add_flag("--host-only", cfg.host_only,
                "no device: fill, summaries and (c)'s selections only, to check the workload");
   CLI11_PARSE(app, argc, argv);
