@@ -349,9 +349,18 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(RunView v) {
     const uint32_t shift = 56 - bits;
     for (uint32_t i = tid; i < 256; i += blockDim.x) hist[i] = 0;
     __syncthreads();
-    for (uint32_t q = first + tid; q < last; q += blockDim.x) {
-      const uint64_t key = page_key(comb[q], q);
-      if (bits == 0 || (key >> (64 - bits)) == prefix) atomicAdd(&hist[(key >> shift) & 255], 1u);
+    // Warp-aggregated: the scores of a long tail share their high bits, and 32 lanes adding to
+    // one shared counter would serialise.
+    for (uint32_t base = first; base < last; base += blockDim.x) {
+      const uint32_t q = base + tid;
+      uint32_t bin = 256;  // no bin: past the pages, or outside the prefix
+      if (q < last) {
+        const uint64_t key = page_key(comb[q], q);
+        if (bits == 0 || (key >> (64 - bits)) == prefix) bin = uint32_t(key >> shift) & 255;
+      }
+      const uint32_t same = __match_any_sync(kFull, bin);
+      if (bin < 256 && tid % 32 == uint32_t(__ffs(same) - 1))
+        atomicAdd(&hist[bin], uint32_t(__popc(same)));
     }
     __syncthreads();
     if (tid == 0) {
