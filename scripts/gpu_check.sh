@@ -13,11 +13,13 @@
 #                                `true` just to carry a part). Unpacks, joins the model, then runs
 #                                what GPU_CHECK picks (default "tests demo"):
 #                                  tests    the gpu-labelled test binaries (attention, transfer,
-#                                           device Llama, Louver filter, offload step and the model
-#                                           in offload mode), compute-sanitizer on small cases
+#                                           device Llama, Louver filter, LOCKS selection, offload
+#                                           step, the model and the C API in offload mode),
+#                                           compute-sanitizer on small cases
 #                                  demo     kvsift-demo on the CPU and with --device cuda: dense
 #                                           greedy tokens compared over 64 tokens, LOCKS at 5%
-#                                  benches  the attention, transfer and Louver filter benchmarks
+#                                  louver   Louver's filter pass, CPU against device
+#                                  kernels  the attention and transfer benchmarks
 #                                  throughput  decode tokens/s of the model at 1K and 8K context,
 #                                           batch 1 and 8, dense and LOCKS at 5%, on the CPU's
 #                                           cores and in offload mode (kvsift-bench-decode)
@@ -32,7 +34,8 @@ cd "$(dirname "$0")/.."
 mode=${1:-run}
 build=${GPU_CHECK_BUILD:-build-gpu}
 stage=$build/stage
-targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_offload_tests
+targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests
+  kvsift_offload_tests
   kvsift-demo kvsift-bench-gpu-attend kvsift-bench-gpu-transfer kvsift-bench-gpu-louver
   kvsift-bench-offload kvsift-bench-decode)
 target_path() {
@@ -95,7 +98,8 @@ echo "model: ${KVSIFT_MODEL:-absent} $(stat -c %s "${KVSIFT_MODEL:-/dev/null}" 2
 status=0
 if [[ " $checks " == *" tests "* ]]; then
   # GPU_CHECK_FILTER: a gtest filter for every binary (and no sanitizer runs).
-  for t in kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_offload_tests; do
+  for t in kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests \
+    kvsift_offload_tests; do
     OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" --gtest_brief=1 \
       --gtest_filter="${GPU_CHECK_FILTER:-*}" >"$logs/$t.log" 2>&1 ||
       status=1
@@ -114,6 +118,8 @@ if [[ " $checks " == *" tests "* ]]; then
     run_sanitizer memcheck kvsift_gpu_louver_tests 'LouverFilter.*'
     run_sanitizer racecheck kvsift_gpu_louver_tests 'LouverFilter.device*'
     run_sanitizer memcheck kvsift_offload_tests 'OffloadTest.token_rows*:OffloadTest.a_step*'
+    run_sanitizer memcheck kvsift_gpu_locks_tests '*'
+    run_sanitizer racecheck kvsift_gpu_locks_tests 'LocksScorer.*'
   fi
 fi
 
@@ -172,10 +178,12 @@ PY
     { cat "$logs"/throughput_*.err; status=1; }
 fi
 
-if [[ " $checks " == *" benches "* ]]; then
+if [[ " $checks " == *" louver "* ]]; then
   "$stage/kvsift-bench-gpu-louver" --benchmark_repetitions=3 --benchmark_min_time=0.05 \
     --benchmark_report_aggregates_only=true >"$logs/bench_louver.txt" 2>&1 || status=1
   grep -E 'median' "$logs/bench_louver.txt" | head -40 || true
+fi
+if [[ " $checks " == *" kernels "* ]]; then
   "$stage/kvsift-bench-gpu-attend" --benchmark_repetitions=5 --benchmark_min_time=0.1 \
     --benchmark_report_aggregates_only=true --benchmark_out="$logs/bench.json" \
     --benchmark_out_format=json >"$logs/bench.txt" 2>&1 || status=1
