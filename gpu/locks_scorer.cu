@@ -535,8 +535,13 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
     return invalid("max_pairs=" + num(shape.max_pairs) + " is not in 1..65535");
   if (shape.max_pages == 0 || shape.max_pages >= (uint64_t{1} << 31))
     return invalid("max_pages=" + num(shape.max_pages) + " is not in 1..2^31 - 1");
-  if (device < 0)
-    return invalid("device=" + num(static_cast<uint64_t>(-int64_t{device})) + " below zero");
+  // The ordinal is checked against the count first: cudaSetDevice with a bad one is an API
+  // error a sanitizer reports, and the message here is clearer.
+  int n_devices = 0;
+  if (Result r = device_count(&n_devices); !r.ok) return r;
+  if (device < 0 || device >= n_devices)
+    return invalid("device=" + std::to_string(device) + " is not in 0.." +
+                   std::to_string(n_devices - 1));
   delete std::exchange(device_, nullptr);
   Result r = from_cuda(cudaSetDevice(device), "cudaSetDevice");
   if (!r.ok) return r;

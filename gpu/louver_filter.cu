@@ -232,7 +232,13 @@ Result LouverFilter::init(int device, const LouverFilterShape& shape) {
     return invalid("max_group=" + std::to_string(shape.max_group) + " is not in 1..16");
   if (shape.max_items == 0 || shape.max_items > 65535)
     return invalid("max_items=" + std::to_string(shape.max_items) + " is not in 1..65535");
-  if (device < 0) return invalid("device=" + std::to_string(device) + " is negative");
+  // The ordinal is checked against the count first: cudaSetDevice with a bad one is an API
+  // error a sanitizer reports, and the message here is clearer.
+  int n_devices = 0;
+  if (Result r = device_count(&n_devices); !r.ok) return r;
+  if (device < 0 || device >= n_devices)
+    return invalid("device=" + std::to_string(device) + " is not in 0.." +
+                   std::to_string(n_devices - 1));
   delete std::exchange(device_, nullptr);
   Result r = from_cuda(cudaSetDevice(device), "cudaSetDevice");
   if (!r.ok) return r;
