@@ -537,9 +537,10 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
     return invalid("max_pages=" + num(shape.max_pages) + " is not in 1..2^31 - 1");
   // The ordinal is checked against the count first: cudaSetDevice with a bad one is an API
   // error a sanitizer reports, and the message here is clearer.
+  if (device < 0) return invalid("device=" + std::to_string(device) + " is negative");
   int n_devices = 0;
   if (Result r = device_count(&n_devices); !r.ok) return r;
-  if (device < 0 || device >= n_devices)
+  if (device >= n_devices)
     return invalid("device=" + std::to_string(device) + " is not in 0.." +
                    std::to_string(n_devices - 1));
   delete std::exchange(device_, nullptr);

@@ -234,9 +234,10 @@ Result LouverFilter::init(int device, const LouverFilterShape& shape) {
     return invalid("max_items=" + std::to_string(shape.max_items) + " is not in 1..65535");
   // The ordinal is checked against the count first: cudaSetDevice with a bad one is an API
   // error a sanitizer reports, and the message here is clearer.
+  if (device < 0) return invalid("device=" + std::to_string(device) + " is negative");
   int n_devices = 0;
   if (Result r = device_count(&n_devices); !r.ok) return r;
-  if (device < 0 || device >= n_devices)
+  if (device >= n_devices)
     return invalid("device=" + std::to_string(device) + " is not in 0.." +
                    std::to_string(n_devices - 1));
   delete std::exchange(device_, nullptr);
