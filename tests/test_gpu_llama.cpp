@@ -36,6 +36,7 @@
 
 #include "gpu/device_llama.hpp"
 #include "gpu/host_memory.hpp"
+#include "tests/gpu_skip.hpp"
 #include "simd/half.hpp"
 
 using namespace kvsift;
@@ -319,23 +320,11 @@ std::vector<int32_t> random_tokens(std::size_t n, uint32_t n_vocab, std::mt19937
   return out;
 }
 
-bool has_device(std::string* why) {
-#if KVSIFT_TEST_WITH_CUDA
-  int n = 0;
-  const gpu::Result r = gpu::device_count(&n);
-  if (!r.ok) *why = "no usable CUDA device: " + r.message;
-  return r.ok;
-#else
-  *why = "kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF)";
-  return false;
-#endif
-}
 
 class GpuLlama : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string why;
-    if (!has_device(&why)) GTEST_SKIP() << why;
+    KVSIFT_SKIP_WITHOUT_DEVICE();
   }
 };
 

@@ -26,25 +26,13 @@
 #include "simd/half.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
+#include "tests/gpu_skip.hpp"
 #include "tests/test_util.hpp"
 
 namespace kvsift {
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-bool device_usable(std::string* why) {
-  int n_devices = 0;
-  const gpu::Result r = gpu::device_count(&n_devices);
-  if (!r.ok) *why = r.message;
-  return r.ok;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                    \
-  do {                                                           \
-    std::string why;                                             \
-    if (!device_usable(&why)) GTEST_SKIP() << "no GPU: " << why; \
-  } while (0)
 
 // Keys with the structure real ones have (as bench/key_maker.hpp, for any head_dim): each page of
 // each head a rank-4 mixture of 32 topic directions plus noise, and two outlier channels.
@@ -325,7 +313,7 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
                      Status::invalid_argument, "int8");
   policy.int8_query = true;
   std::string why;
-  const bool usable = device_usable(&why);
+  const bool usable = test::device_usable(&why);
   policy.locks_device = usable ? 4096 : 0;
   try {
     select::Selector::create(policy, cache, 1, 64, 1);
@@ -350,7 +338,7 @@ TEST(LocksScorer, is_unsupported_without_a_device_and_refuses_bad_shapes_with_on
   shape.slots = 64;
   shape.max_pages = 64;
   std::string why;
-  if (!device_usable(&why)) {
+  if (!test::device_usable(&why)) {
     gpu::LocksScorer scorer;
     const gpu::Result r = scorer.init(0, shape);
     EXPECT_FALSE(r.ok);
@@ -410,7 +398,7 @@ TEST(LocksScorer, is_unsupported_without_a_device_and_refuses_bad_shapes_with_on
 // The device's per-head scores of every sealed page against the CPU kernel the selector uses (the
 // cache's table), and the open page's against its exact log-sum-exp.
 TEST(LocksScorer, head_scores_match_the_cpu_kernel) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   for (const Config& c : configs()) {
     Fixture f(c, 0, 17);
     const uint32_t H = f.g.n_kv_heads, G = c.group, d = c.head_dim, B = f.g.page_tokens;
@@ -518,7 +506,7 @@ TEST(LocksScorer, head_scores_match_the_cpu_kernel) {
 // configuration, GQA combine and budget, then over decode steps that seal new pages (uploaded in
 // prepare()) and a freed sequence whose slots are reused.
 TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   for (const Config& c : configs()) {
     Fixture f(c, 40, 29);
     const uint32_t n_seqs = static_cast<uint32_t>(f.seqs.size());
@@ -562,7 +550,7 @@ TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
 }
 
 TEST(LocksSelectorDevice, follows_decode_steps_that_seal_pages_and_reuse_slots) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   Config c{4, 128, simd::Dtype::bf16, {3000, 9001, 20000}};
   Fixture f(c, 80, 31);
   const uint32_t n_seqs = static_cast<uint32_t>(f.seqs.size());

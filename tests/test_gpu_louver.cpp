@@ -22,25 +22,13 @@
 #include "lib/select/louver_selector.hpp"
 #include "lib/select/selector.hpp"
 #include "simd/isa.hpp"
+#include "tests/gpu_skip.hpp"
 #include "tests/test_util.hpp"
 
 namespace kvsift {
 namespace {
 
 constexpr uint32_t kDim = 128;
-
-bool device_usable(std::string* why) {
-  int n_devices = 0;
-  const gpu::Result r = gpu::device_count(&n_devices);
-  if (!r.ok) *why = r.message;
-  return r.ok;
-}
-
-#define SKIP_WITHOUT_DEVICE()                                    \
-  do {                                                           \
-    std::string why;                                             \
-    if (!device_usable(&why)) GTEST_SKIP() << "no GPU: " << why; \
-  } while (0)
 
 // Keys of KV head h of a KeyMaker layer with `heads` KV heads: [n, kDim].
 std::vector<float> head_keys(uint32_t heads, uint32_t h, uint64_t first, uint32_t n,
@@ -170,7 +158,7 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
     EXPECT_EQ(e.status(), Status::invalid_argument) << e.what();
   }
   std::string why;
-  policy.louver_device = device_usable(&why) ? 4096 : 0;
+  policy.louver_device = test::device_usable(&why) ? 4096 : 0;
   try {
     select::Selector::create(policy, cache, 1, 64, 1);
     ADD_FAILURE() << "device " << policy.louver_device << " accepted";
@@ -275,7 +263,7 @@ void expect_device_matches(std::vector<std::unique_ptr<LouverIndex>>& indexes,
 }
 
 TEST(LouverFilter, device_candidates_equal_the_cpu_filters_and_hold_the_answer) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   std::vector<simd::Isa> isas{simd::Isa::scalar};
   if (simd::resolve_isa(simd::Isa::avx512) == simd::Isa::avx512) isas.push_back(simd::Isa::avx512);
   constexpr uint32_t kIndexes = 4, kPrompt = 20000;
@@ -330,7 +318,7 @@ TEST(LouverFilter, device_candidates_equal_the_cpu_filters_and_hold_the_answer) 
 }
 
 TEST(LouverFilter, refuses_bad_views_and_batches) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   auto index = make_index(4, simd::Isa::avx512, 0, 2000, 0, 5);
   gpu::LouverFilter filter;
   gpu::LouverFilterShape shape;
@@ -406,7 +394,7 @@ TEST(LouverFilter, refuses_bad_views_and_batches) {
 // lengths, and a sequence freed and replaced midway (its id reused: the device slots are released
 // and uploaded afresh).
 TEST(LouverSelectorDevice, chooses_the_cpu_modes_tokens_over_decode_steps_with_flushes) {
-  SKIP_WITHOUT_DEVICE();
+  KVSIFT_SKIP_WITHOUT_DEVICE();
   CacheGeometry g;
   g.n_layers = 2;
   g.n_kv_heads = 2;

@@ -20,6 +20,7 @@
 #include "lib/model/llama_model.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
+#include "tests/gpu_skip.hpp"
 #include "tests/model_handle.hpp"
 #include "tests/test_util.hpp"
 
@@ -29,13 +30,6 @@ namespace {
 using select::Kind;
 using select::Selection;
 using select::Selector;
-
-bool device_usable(std::string* why) {
-  int n_devices = 0;
-  const gpu::Result r = gpu::device_count(&n_devices);
-  if (!r.ok) *why = r.message;
-  return r.ok;
-}
 
 struct Case {
   const char* name;
@@ -117,8 +111,7 @@ class OffloadCase : public ::testing::TestWithParam<Case> {
   void SetUp() override {
     if (!gpu::built_with_cuda())
       GTEST_SKIP() << "kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF)";
-    std::string why;
-    if (!device_usable(&why)) GTEST_SKIP() << "no usable CUDA device: " << why;
+    KVSIFT_SKIP_WITHOUT_DEVICE();
   }
 };
 
