@@ -28,11 +28,11 @@
 // device: the query of layer l + 1 depends on layer l's output). One stream orders the parts, so a
 // later part's moves never overwrite slots an earlier part's kernel still reads.
 //
-// No CUDA graph: the static part of a call is one kernel launch, and it is not static either,
+// No CUDA graph here: the static part of a call is one kernel launch, and it is not static either,
 // since SparseDecodeAttention sizes its splits per call from the longest list, so a graph would be
-// re-captured or updated every call and cost what it saves. A graph pays once a whole step (every
-// layer's copies and launches) is captured; that needs the selection of every layer before the
-// step, which decode does not have.
+// re-captured or updated every call and cost what it saves. The static part of a decode step is
+// the device model's work between two attention calls, which gpu/device_llama replays as one
+// graph per (layer, batch size).
 #pragma once
 
 #include <cstddef>
