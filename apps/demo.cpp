@@ -109,6 +109,7 @@ struct Options {
   uint32_t batch = 1;
   bool ignore_end = false;
   bool print_tokens = false;
+  std::string select_on = "cpu";
   uint64_t seed = 0;
   float temperature = 0.0f;
   float top_p = 1.0f;
@@ -123,6 +124,7 @@ int run(const Options& o) {
   policy.budget = o.budget;
   policy.epsilon = o.epsilon;
   policy.compression = o.compression;
+  policy.device = parse_device(o.select_on);
   kvsift_model_params params;
   kvsift_model_params_init(&params);
   params.device = parse_device(o.device);
@@ -312,6 +314,10 @@ int main(int argc, char** argv) {
   app.add_option("--batch", o.batch, "sequences decoded together (copies of the prompt)")
       ->capture_default_str()
       ->check(CLI::Range(1, 64));
+  app.add_option("--select-on", o.select_on,
+                 "cpu, or cuda[:N]: LOCKS scores and selects, and Louver filters, on the GPU over "
+                 "its resident summaries (the KV stays in host memory)")
+      ->capture_default_str();
   app.add_flag("--ignore-end", o.ignore_end, "generate --max-new tokens even past an end token");
   app.add_flag("--print-tokens", o.print_tokens, "print the answer's token ids");
   app.add_option("--seed", o.seed, "sampling seed")->capture_default_str();

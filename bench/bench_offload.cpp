@@ -220,7 +220,7 @@ struct Config {
   int threads = 0;
   bool host_only = false;
   std::string csv;
-  int locks_device = -1;  // (c): select on this CUDA device (policy.locks_device), -1 the CPU
+  int locks_device = -1;  // (c): select on this CUDA device (policy.device), -1 the CPU
 };
 
 // One row's numbers; NaN where a phase did not run. Times in microseconds.
@@ -561,12 +561,12 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
       "%.1f, transfer %.1f, attend %.1f, out %.1f; %.0f pages listed, %.0f moved (%.2f MB, %.2f "
       "MB in all H2D); hit rate %.3f; moves %.1f GB/s against a plain copy's %.1f; kept estimate "
       "%.3f",
-      100 * policy.budget, policy.locks_device >= 0 ? "device" : "CPU", row.c_us, row.c_min,
+      100 * policy.budget, policy.device >= 0 ? "device" : "CPU", row.c_us, row.c_min,
       row.c_max, row.c_select_us, row.c_overlap_us, row.c_host_us, row.c_transfer_us,
       row.c_attend_us, row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb, row.c_h2d_mb,
       row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
   if (const auto* page = dynamic_cast<const select::PageSelector*>(host.selector.get());
-      page != nullptr && policy.locks_device >= 0)
+      page != nullptr && policy.device >= 0)
     say("  (c) device selection: %lu steps fell back to the CPU",
         static_cast<unsigned long>(page->device_fallbacks()));
 }
@@ -671,7 +671,7 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
     select::Policy policy;
     policy.kind = select::Kind::locks;
     policy.budget = cfg.budget;
-    policy.locks_device = cfg.locks_device;
+    policy.device = cfg.locks_device;
     // Created before the fill, so that it sees every seal.
     host.selector =
         select::Selector::create(policy, *host.cache, batch, pages_per_head + 1, threads);

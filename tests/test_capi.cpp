@@ -1178,7 +1178,25 @@ TEST(CApi, selector_policy_init_fills_the_documented_defaults) {
   EXPECT_EQ(policy.combine, KVSIFT_GQA_SHARE_AVG);
   EXPECT_EQ(policy.int8_query, 1);
   EXPECT_EQ(policy.epsilon, 1e-3);
+  EXPECT_EQ(policy.device, -1);
   kvsift_selector_policy_init(nullptr);
+}
+
+TEST(CApi, selection_on_a_device_is_refused_clearly_without_one) {
+  AttendFixture f;
+  kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_LOCKS, 0.1);
+  policy.device = -2;
+  EXPECT_FAILS(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "policy.device");
+  int n = 0;
+  if (kvsift_gpu_device_count(&n) == KVSIFT_STATUS_OK)
+    GTEST_SKIP() << "a GPU is present: the device selection tests run it";
+  for (kvsift_selector selector : {KVSIFT_SELECTOR_LOCKS, KVSIFT_SELECTOR_LOUVER}) {
+    policy = policy_for(selector, 0.1);
+    policy.device = 0;
+    EXPECT_EQ(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_UNSUPPORTED)
+        << kvsift_last_error();
+  }
 }
 
 TEST(CApi, attend_selected_with_the_whole_context_as_budget_equals_dense) {

@@ -1,6 +1,6 @@
 // LOCKS selection on the GPU (gpu/locks_scorer.hpp) against the CPU's: the device's per-head page
 // scores against simd's locks_score and the open page's exact log-sum-exp, and the LOCKS selector
-// with policy.locks_device against the CPU selector on one cache: the same page counts, the same
+// with policy.device against the CPU selector on one cache: the same page counts, the same
 // pages but at near-ties of the combined score, close scores and kept estimates, over contexts of
 // 1K..100K tokens, G = 1 and 4, d = 64 and 128, f16 and bf16, every GQA combine and several
 // budgets, then over decode steps that seal new pages. The pair plan against the CPU selector's
@@ -300,10 +300,10 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   select::Policy policy;
   policy.kind = select::Kind::locks;
   policy.budget = 0.1;
-  policy.locks_device = -2;
+  policy.device = -2;
   test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, 1); },
-                     Status::invalid_argument, "locks_device");
-  policy.locks_device = 0;
+                     Status::invalid_argument, "policy.device");
+  policy.device = 0;
   policy.kind = select::Kind::locks_certified;
   test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, 1); },
                      Status::invalid_argument, "certified");
@@ -314,10 +314,10 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   policy.int8_query = true;
   std::string why;
   const bool usable = test::device_usable(&why);
-  policy.locks_device = usable ? 4096 : 0;
+  policy.device = usable ? 4096 : 0;
   try {
     select::Selector::create(policy, cache, 1, 64, 1);
-    ADD_FAILURE() << "device " << policy.locks_device << " accepted";
+    ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
     if (!usable) {
       EXPECT_EQ(e.status(), Status::unsupported) << e.what();
@@ -325,9 +325,9 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
     EXPECT_NE(std::string(e.what()).find("locks device scorer"), std::string::npos) << e.what();
   }
   // Other kinds ignore the field; the CPU path takes no device.
-  policy.locks_device = -1;
+  policy.device = -1;
   EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, 1));
-  policy.locks_device = 0;
+  policy.device = 0;
   policy.kind = select::Kind::quest;
   EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, 1));
 }
@@ -519,7 +519,7 @@ TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
         policy.budget = budget;
         policy.combine = combine;
         auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
-        policy.locks_device = 0;
+        policy.device = 0;
         auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
         select::Selection sel_cpu, sel_dev;
         cpu->reserve_selection(sel_cpu);
@@ -558,7 +558,7 @@ TEST(LocksSelectorDevice, follows_decode_steps_that_seal_pages_and_reuse_slots) 
   policy.kind = select::Kind::locks;
   policy.budget = 0.05;
   auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
-  policy.locks_device = 0;
+  policy.device = 0;
   auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);

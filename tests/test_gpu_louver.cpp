@@ -150,7 +150,7 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
   select::Policy policy;
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
-  policy.louver_device = -2;
+  policy.device = -2;
   try {
     select::Selector::create(policy, cache, 1, 64, 1);
     ADD_FAILURE() << "device -2 accepted";
@@ -158,12 +158,12 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
     EXPECT_EQ(e.status(), Status::invalid_argument) << e.what();
   }
   std::string why;
-  policy.louver_device = test::device_usable(&why) ? 4096 : 0;
+  policy.device = test::device_usable(&why) ? 4096 : 0;
   try {
     select::Selector::create(policy, cache, 1, 64, 1);
-    ADD_FAILURE() << "device " << policy.louver_device << " accepted";
+    ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
-    if (policy.louver_device == 0) {
+    if (policy.device == 0) {
       EXPECT_EQ(e.status(), Status::unsupported) << e.what();
     }
     EXPECT_NE(std::string(e.what()).find("louver device filter"), std::string::npos) << e.what();
@@ -428,7 +428,7 @@ TEST(LouverSelectorDevice, chooses_the_cpu_modes_tokens_over_decode_steps_with_f
   policy.budget = 0.1;
   const uint64_t max_pages = g.pages_for(3100 + 300);
   auto cpu = select::Selector::create(policy, cache, 2, max_pages, 2);
-  policy.louver_device = 0;
+  policy.device = 0;
   auto dev = select::Selector::create(policy, cache, 2, max_pages, 2);
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);

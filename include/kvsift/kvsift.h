@@ -307,6 +307,12 @@ typedef struct kvsift_selector_policy {
   /* S4R: nonzero for one basis per KV head; 0 for one per layer over all KV heads (the paper's
    * default). Default 0. */
   int32_t s4r_per_head_bases;
+  /* Selection on a CUDA device, or -1 (default) for the CPU. LOUVER: the device holds a copy of
+   * the indexes' bounding balls and runs the filter pass (the same tokens are chosen). LOCKS: the
+   * device holds a copy of the page summaries and scores and selects there (the same pages but at
+   * near-ties of the score; int8 queries only). Others ignore it. UNSUPPORTED without CUDA in the
+   * build or a usable device; INVALID_ARGUMENT below -1 or with LOCKS_CERTIFIED. */
+  int32_t device;
 } kvsift_selector_policy;
 
 KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);

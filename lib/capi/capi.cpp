@@ -298,6 +298,7 @@ void kvsift_selector_policy_init(kvsift_selector_policy* policy) {
   policy->compression = defaults.compression;
   policy->s4r_window = defaults.s4r_window;
   policy->s4r_per_head_bases = defaults.s4r_per_head_bases ? 1 : 0;
+  policy->device = defaults.device;
 }
 
 namespace {

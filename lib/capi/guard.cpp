@@ -77,6 +77,7 @@ select::Policy to_policy(const kvsift_selector_policy& in) {
   out.compression = in.compression;
   out.s4r_window = in.s4r_window;
   out.s4r_per_head_bases = in.s4r_per_head_bases != 0;
+  out.device = in.device;
   out.validate();
   return out;
 }

@@ -63,18 +63,16 @@ LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t ma
   params_.max_group = g.group_size;
   params_.isa = cache.kernels().isa;
   key_.resize(g.head_dim);
-  require(policy.louver_device >= -1, "policy.louver_device=", policy.louver_device,
-          " is not a device index or -1");
-  if (policy.louver_device >= 0) {
+  if (policy.device >= 0) {
     gpu::LouverFilterShape shape;
     shape.head_dim = g.head_dim;
     shape.max_group = g.group_size;
     shape.max_items = max_batch * g.n_kv_heads;
     filter_ = std::make_unique<gpu::LouverFilter>();
-    const gpu::Result r = filter_->init(policy.louver_device, shape);
+    const gpu::Result r = filter_->init(policy.device, shape);
     if (!r.ok)
       fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
-           "the louver device filter on device ", policy.louver_device, ": ", r.message);
+           "the louver device filter on device ", policy.device, ": ", r.message);
     items_.resize(shape.max_items);
     q_norms_.resize(std::size_t{shape.max_items} * g.group_size * simd::kLouverMaxSubspaces);
     taus_.resize(std::size_t{shape.max_items} * g.group_size);

@@ -11,7 +11,7 @@
 // tokens outside the mandatory pages are gathered from the cache, in storage form, into row
 // chunks. Louver proves no bound on the dropped mass and makes no estimate of it (NaN).
 //
-// Device filter (policy.louver_device >= 0): each index's centers, radii and assignments are
+// Device filter (policy.device >= 0): each index's centers, radii and assignments are
 // mirrored on that CUDA device (gpu/louver_filter.hpp; prepare() uploads what a flush added), and
 // select() runs the filter pass of every queried (sequence, KV head) of the call there in one
 // batch; the host then scores the candidates and the buffered keys exactly
@@ -37,7 +37,7 @@ gpu::LouverIndexView louver_device_view(const LouverIndex& index) noexcept;
 
 class LouverSelector final : public Selector {
  public:
-  // With policy.louver_device >= 0, throws Error(unsupported) when the build has no CUDA or the
+  // With policy.device >= 0, throws Error(unsupported) when the build has no CUDA or the
   // device cannot be used, and Error(invalid_argument) for a device below -1.
   LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
                  int n_threads);

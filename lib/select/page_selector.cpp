@@ -447,7 +447,7 @@ class QuestSelector final : public PageSelector {
 // locks_certified also keeps each page's largest key norm, and bounds each page's log-mass by the
 // score +- scale |q| (residual + float margin * key norm), scoring with the exact query.
 //
-// Device mode (policy.locks_device >= 0; gpu/locks_scorer.hpp): the records are mirrored on the
+// Device mode (policy.device >= 0; gpu/locks_scorer.hpp): the records are mirrored on the
 // device (the slots summarised since the last upload travel in prepare(), or in select() when
 // prepare() could not send them), and select() runs the scoring, combine and top-b of every pair
 // of the call there in one batch. Should the device fail at select time, the step runs on the CPU
@@ -463,9 +463,7 @@ class LocksSelector final : public PageSelector {
         records_(cache.pool().capacity() * record_bytes_),
         key_norms_(certified() ? cache.pool().capacity() : 0) {
     locks_check_shape(shape_);
-    require(policy.locks_device >= -1, "policy.locks_device=", policy.locks_device,
-            " is not a device index or -1");
-    if (policy.locks_device >= 0) start_device(max_batch, max_pages);
+    if (policy.device >= 0) start_device(max_batch, max_pages);
   }
 
   std::size_t summary_bytes_per_page() const noexcept override {
@@ -554,8 +552,8 @@ class LocksSelector final : public PageSelector {
                 static_cast<int>(gpu::LocksCombine::max) == static_cast<int>(GqaCombine::max));
 
   void start_device(uint32_t max_batch, uint64_t max_pages) {
-    require(!certified(), "policy.locks_device: certified LOCKS selection runs on the CPU only");
-    require(policy_.int8_query, "policy.locks_device: the device scores int8 queries only");
+    require(!certified(), "policy.device: certified LOCKS selection runs on the CPU only");
+    require(policy_.int8_query, "policy.device: the device scores int8 queries only");
     const CacheGeometry& g = geometry();
     gpu::LocksScorerShape shape;
     shape.head_dim = g.head_dim;
@@ -572,10 +570,10 @@ class LocksSelector final : public PageSelector {
     shape.sink_pages = policy_.sink_pages;
     shape.window_pages = policy_.window_pages;
     scorer_ = std::make_unique<gpu::LocksScorer>();
-    const gpu::Result r = scorer_->init(policy_.locks_device, shape);
+    const gpu::Result r = scorer_->init(policy_.device, shape);
     if (!r.ok)
       fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
-           "the locks device scorer on device ", policy_.locks_device, ": ", r.message);
+           "the locks device scorer on device ", policy_.device, ": ", r.message);
     upload_slots_.resize(slots);
     upload_marked_.assign(slots, 0);
     pairs_.resize(shape.max_pairs);

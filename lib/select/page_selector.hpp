@@ -45,7 +45,7 @@ class PageSelector : public Selector {
   // Queues every page already sealed in the cache (called once, after registration).
   void summarise_existing();
 
-  // Device selection (locks with policy.locks_device >= 0): steps whose device selection failed
+  // Device selection (locks with policy.device >= 0): steps whose device selection failed
   // and ran on the CPU instead, and the device bytes of the summaries' copy. 0 otherwise.
   virtual uint64_t device_fallbacks() const noexcept { return 0; }
   virtual uint64_t device_bytes() const noexcept { return 0; }

@@ -53,6 +53,7 @@ void Policy::validate() const {
           " must be a finite number >= 1");
   require(s4r_window >= 1 && s4r_window <= 4096, "policy.s4r_window=", s4r_window,
           " is not in 1..4096");
+  require(device >= -1, "policy.device=", device, " is not a device index or -1");
 }
 
 void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, bool rows) {

@@ -63,17 +63,14 @@ struct Policy {
   double compression = 2.5;
   uint32_t s4r_window = 32;
   bool s4r_per_head_bases = false;
-  // louver: the CUDA device whose resident copy of the indexes' centers, radii and assignments
-  // runs the filter pass (gpu/louver_filter.hpp), or -1 for the CPU. The same tokens are chosen
-  // either way; creating the selector fails with unsupported where the build has no CUDA or the
+  // Selection on a CUDA device, or -1 for the CPU. louver: the device holds a copy of the indexes'
+  // centers, radii and assignments and runs the filter pass (gpu/louver_filter.hpp); the same
+  // tokens are chosen either way. locks: the device holds a copy of the pages' LOCKS records and
+  // scores and selects there (gpu/locks_scorer.hpp); the same pages are chosen but at near-ties of
+  // the combined score (float rounding); int8 queries only, not locks_certified. Other selectors
+  // ignore it. Creating the selector fails with unsupported where the build has no CUDA or the
   // device is not usable.
-  int32_t louver_device = -1;
-  // locks: the CUDA device that holds a copy of the pages' LOCKS records and selects there
-  // (gpu/locks_scorer.hpp), or -1 for the CPU. The same pages are chosen either way but at
-  // near-ties of the combined score (float rounding); int8 queries only, not locks_certified.
-  // Creating the selector fails with unsupported where the build has no CUDA or the device is not
-  // usable.
-  int32_t locks_device = -1;
+  int32_t device = -1;
 
   // Throws Error(invalid_argument) naming the first bad field.
   void validate() const;
