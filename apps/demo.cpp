@@ -264,18 +264,19 @@ int run(const Options& o) {
     std::printf("dropped mass (proven):  <= %.4g (last step, worst layer and head)\n",
                 stats.last_step_dropped_bound);
   if (stats.decode_tokens > 0) {
-    std::printf("last step, per token:   select %.0f us, transfer %.0f us, attend %.0f us "
-                "(summed over layers)\n",
-                stats.last_step_select_us, stats.last_step_transfer_us,
-                stats.last_step_attend_us);
+    std::printf(
+        "last step, per token:   select %.0f us, transfer %.0f us, attend %.0f us "
+        "(summed over layers)\n",
+        stats.last_step_select_us, stats.last_step_transfer_us, stats.last_step_attend_us);
     if (params.device >= 0) {
       const uint64_t lookups = stats.last_step_cache_hits + stats.last_step_cache_misses;
-      std::printf("PCIe host to device:    %.2f MiB (last step); device cache hit rate %.3f "
-                  "(%llu of %llu pages)\n",
-                  stats.last_step_h2d_bytes / 1048576.0,
-                  lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups : 1.0,
-                  static_cast<unsigned long long>(stats.last_step_cache_hits),
-                  static_cast<unsigned long long>(lookups));
+      std::printf(
+          "PCIe host to device:    %.2f MiB (last step); device cache hit rate %.3f "
+          "(%llu of %llu pages)\n",
+          stats.last_step_h2d_bytes / 1048576.0,
+          lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups : 1.0,
+          static_cast<unsigned long long>(stats.last_step_cache_hits),
+          static_cast<unsigned long long>(lookups));
     }
   }
   return 0;

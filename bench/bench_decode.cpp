@@ -1,7 +1,7 @@
 // kvsift-bench-decode: decode throughput of the model runner over a matrix of contexts, batch
 // sizes and selectors, on the CPU or in offload mode (--device cuda[:N]), through the public C
-// API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and prints the
-// table with the offload/CPU ratios.
+// API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and
+// prints the table with the offload/CPU ratios.
 //
 // Per row: one sequence is prefilled with context - warmup - steps tokens of The Devil's
 // Dictionary (not timed), forked to `batch` sequences, and decoded greedily for --warmup untimed

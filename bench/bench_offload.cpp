@@ -561,10 +561,10 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
       "%.1f, transfer %.1f, attend %.1f, out %.1f; %.0f pages listed, %.0f moved (%.2f MB, %.2f "
       "MB in all H2D); hit rate %.3f; moves %.1f GB/s against a plain copy's %.1f; kept estimate "
       "%.3f",
-      100 * policy.budget, policy.device >= 0 ? "device" : "CPU", row.c_us, row.c_min,
-      row.c_max, row.c_select_us, row.c_overlap_us, row.c_host_us, row.c_transfer_us,
-      row.c_attend_us, row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb, row.c_h2d_mb,
-      row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
+      100 * policy.budget, policy.device >= 0 ? "device" : "CPU", row.c_us, row.c_min, row.c_max,
+      row.c_select_us, row.c_overlap_us, row.c_host_us, row.c_transfer_us, row.c_attend_us,
+      row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb, row.c_h2d_mb, row.c_hit, row.c_gbps,
+      row.copy_c_gbps, row.c_kept);
   if (const auto* page = dynamic_cast<const select::PageSelector*>(host.selector.get());
       page != nullptr && policy.device >= 0)
     say("  (c) device selection: %lu steps fell back to the CPU",

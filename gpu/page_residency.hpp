@@ -120,12 +120,12 @@ class PageResidency {
   uint32_t capacity_ = 0;
   uint64_t host_slots_ = 0;
   uint32_t mask_ = 0;
-  std::vector<Entry> map_;                // host -> device
-  std::vector<Seen> seen_;                // this step's distinct misses
-  std::vector<uint32_t> host_of_;        // [capacity] the page a slot holds, or kNone
-  std::vector<uint64_t> pinned_step_;    // [capacity] the last step that used the slot
-  std::vector<uint32_t> free_;           // slots holding no page
-  std::vector<uint32_t> missed_;         // this step's distinct missing ids
+  std::vector<Entry> map_;             // host -> device
+  std::vector<Seen> seen_;             // this step's distinct misses
+  std::vector<uint32_t> host_of_;      // [capacity] the page a slot holds, or kNone
+  std::vector<uint64_t> pinned_step_;  // [capacity] the last step that used the slot
+  std::vector<uint32_t> free_;         // slots holding no page
+  std::vector<uint32_t> missed_;       // this step's distinct missing ids
   std::vector<PageMove> moves_;
   std::unique_ptr<ReplacementPolicy> policy_;
   uint64_t step_ = 0;

@@ -36,8 +36,8 @@
 
 #include "gpu/device_llama.hpp"
 #include "gpu/host_memory.hpp"
-#include "tests/gpu_skip.hpp"
 #include "simd/half.hpp"
+#include "tests/gpu_skip.hpp"
 
 using namespace kvsift;
 
@@ -320,12 +320,9 @@ std::vector<int32_t> random_tokens(std::size_t n, uint32_t n_vocab, std::mt19937
   return out;
 }
 
-
 class GpuLlama : public ::testing::Test {
  protected:
-  void SetUp() override {
-    KVSIFT_SKIP_WITHOUT_DEVICE();
-  }
+  void SetUp() override { KVSIFT_SKIP_WITHOUT_DEVICE(); }
 };
 
 std::vector<float> read_hidden(gpu::DeviceLlama& llama) {

@@ -46,8 +46,7 @@ struct Case {
 // query keeps choosing many of the same pages (hits) and some new ones (misses).
 class Model {
  public:
-  Model(const Case& c, uint32_t seed, KeyForm key_form = KeyForm::post_rope)
-      : c_(c), seed_(seed) {
+  Model(const Case& c, uint32_t seed, KeyForm key_form = KeyForm::post_rope) : c_(c), seed_(seed) {
     geometry_.n_layers = c.n_layers;
     geometry_.n_kv_heads = c.n_kv_heads;
     geometry_.group_size = c.group_size;
@@ -353,8 +352,8 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
         const RowChunks rows = selection.rows();
         ASSERT_TRUE(selection.has_rows);
         rows_attended += selection.chunk_offsets[selection.n_pairs];
-        AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(),
-                        out_cpu.data(), &lists, &rows};
+        AttendCall call{layer,  c.batch, model.seq_ids().data(), model.q().data(), out_cpu.data(),
+                        &lists, &rows};
         cpu.validate(model.cache(), call);
         cpu.run(model.cache(), call);
         call.out = out_gpu.data();
@@ -425,11 +424,11 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
       }
     }
     const OffloadStats& t = offload->totals();
-    std::printf("parts %u: %lu calls, mean us per call: select %.1f (hidden %.1f) host %.1f "
-                "transfer %.1f attend %.1f total %.1f\n",
-                parts, static_cast<unsigned long>(t.calls), t.select_us / t.calls,
-                t.overlap_us / t.calls, t.host_us / t.calls, t.transfer_us / t.calls,
-                t.attend_us / t.calls, t.total_us / t.calls);
+    std::printf(
+        "parts %u: %lu calls, mean us per call: select %.1f (hidden %.1f) host %.1f "
+        "transfer %.1f attend %.1f total %.1f\n",
+        parts, static_cast<unsigned long>(t.calls), t.select_us / t.calls, t.overlap_us / t.calls,
+        t.host_us / t.calls, t.transfer_us / t.calls, t.attend_us / t.calls, t.total_us / t.calls);
   }
 }
 
@@ -476,8 +475,8 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
         int32_t next[2];
         for (int b = 0; b < 2; ++b) {
           const auto logits = m.logits(seqs[mode][b]);
-          next[b] = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
-                                         logits.begin());
+          next[b] =
+              static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
         }
         tokens[mode].push_back(next[0]);
         EXPECT_EQ(next[0], next[1]) << "the two copies of the prompt diverged";
@@ -502,12 +501,13 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
     } else {
       EXPECT_GE(agree, 4u);
     }
-    std::printf("%s: the first %zu of %zu tokens equal in both modes; last logits relative error "
-                "%.2e; hit rate of the last step %.3f\n",
-                std::string(select::kind_name(policy.kind)).c_str(), agree, tokens[0].size(), worst,
-                static_cast<double>(gpu->stats().last_step.cache_hits) /
-                    static_cast<double>(gpu->stats().last_step.cache_hits +
-                                        gpu->stats().last_step.cache_misses));
+    std::printf(
+        "%s: the first %zu of %zu tokens equal in both modes; last logits relative error "
+        "%.2e; hit rate of the last step %.3f\n",
+        std::string(select::kind_name(policy.kind)).c_str(), agree, tokens[0].size(), worst,
+        static_cast<double>(gpu->stats().last_step.cache_hits) /
+            static_cast<double>(gpu->stats().last_step.cache_hits +
+                                gpu->stats().last_step.cache_misses));
   }
 }
 

@@ -198,9 +198,8 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
       kvsift::OffloadOptions o;
       o.device = params->device;
       o.max_batch = params->max_batch;
-      o.max_pages_per_pair = std::max<uint64_t>(1, params->max_pages /
-                                                       (uint64_t{params->n_layers} *
-                                                        params->n_kv_heads));
+      o.max_pages_per_pair = std::max<uint64_t>(
+          1, params->max_pages / (uint64_t{params->n_layers} * params->n_kv_heads));
       o.cache_pages = params->device_cache_pages != 0
                           ? params->device_cache_pages
                           : static_cast<uint32_t>(std::min<uint64_t>(per_layer, (1u << 31) - 1));

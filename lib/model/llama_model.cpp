@@ -74,7 +74,8 @@ LlamaConfig read_config(const GgufFile& file) {
 }  // namespace
 
 std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const ModelOptions& options) {
-  require(options.device >= -1, "device=", options.device, " is neither -1 (CPU) nor a device index");
+  require(options.device >= -1, "device=", options.device,
+          " is neither -1 (CPU) nor a device index");
   if (options.device >= 0) {
     // Before anything is allocated: the offload mode's first need is a device.
     int n_devices = 0;
@@ -82,8 +83,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const Mode
     if (!r.ok)
       fail(r.unsupported || !gpu::built_with_cuda() ? Status::unsupported : Status::internal,
            "device=", options.device, " (offload mode): ", r.message);
-    require(options.device < n_devices, "device=", options.device, " is not in 0..",
-            n_devices - 1);
+    require(options.device < n_devices, "device=", options.device, " is not in 0..", n_devices - 1);
   }
   GgufFile file = GgufFile::open(path);
   const LlamaConfig config = read_config(file);
@@ -338,8 +338,8 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
     device_check(device_->load_embeddings(x_.data(), rows), "load_embeddings");
     for (uint32_t l = 0; l < config_.n_layers; ++l) {
       device_check(device_->attention_inputs(l, positions, rows), "attention_inputs");
-      const bool host = attend(l, device_->q_host(), device_->k_host(), device_->v_host(),
-                               device_->attn_host());
+      const bool host =
+          attend(l, device_->q_host(), device_->k_host(), device_->v_host(), device_->attn_host());
       device_check(device_->finish_layer(l, host), "finish_layer");
       // While the device runs the rest of the layer.
       selector_->build_summaries();
@@ -539,59 +539,60 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   double kept_sum = 0.0;
   blocks(n, positions.data(),
          [&](uint32_t l, const float* q, const float* k, const float* v, float* attn) {
-    const auto a0 = Clock::now();
-    for (uint32_t r = 0; r < n; ++r)
-      cache_.append(seq_ids[r], l, 1, k + std::size_t{r} * kvdim, v + std::size_t{r} * kvdim);
-    call.layer = l;
-    call.q = q;
-    call.out = attn;
-    if (offload_ != nullptr && observer_ == nullptr) {
-      // Selection of one part of the batch overlaps the device's work on the previous part. An
-      // observer needs the whole batch's selection at once, so it gets the sequential path.
-      offload_->step(*selector_, selection_, cache_, call);
-      const OffloadStats& s = offload_->last_step();
-      step.index_bytes_read += s.index_bytes_read;
-      step.pairs += s.pairs;
-      kept_sum += s.kept_estimate_sum;
-      step.dropped_bound =
-          select::worse_bound(step.dropped_bound, s.dropped_bound);
-      step.select_us += s.select_us;
-      step.overlap_us += s.overlap_us;
-    } else {
-      const select::SelectCall select_call{l, n, seq_ids.data(), q};
-      const auto s0 = Clock::now();
-      selector_->prepare(select_call, selection_);
-      selector_->select(select_call, selection_);
-      step.select_us += 1e6 * seconds_since(s0);
-      // After prepare(): it may have grown the row storage.
-      lists = selection_.lists();
-      rows = selection_.rows();
-      call.pages = &lists;
-      call.rows = selection_.has_rows ? &rows : nullptr;
-      attention_->validate(cache_, call);
-      const auto t0 = Clock::now();
-      attention_->attend(cache_, call);
-      if (offload_ == nullptr) step.attend_us += 1e6 * seconds_since(t0);
-      step.index_bytes_read += selection_.index_bytes_read;
-      step.pairs += selection_.n_pairs;
-      kept_sum += selection_.kept_estimate_sum();
-      step.dropped_bound =
-          select::worse_bound(step.dropped_bound, selection_.worst_dropped_bound());
-    }
-    step.kv_bytes_read += attention_->last_stats().bytes_read;
-    step.tokens_read += attention_->last_stats().tokens_read;
-    if (offload_ != nullptr) {
-      const OffloadStats& s = offload_->last_step();
-      step.transfer_us += s.transfer_us;
-      step.attend_us += s.attend_us;
-      step.h2d_bytes += s.bytes_h2d;
-      step.cache_hits += s.hits;
-      step.cache_misses += s.misses;
-    }
-    attention_seconds += seconds_since(a0);
-    if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q, selection_, attn);
-    return true;
-  });
+           const auto a0 = Clock::now();
+           for (uint32_t r = 0; r < n; ++r)
+             cache_.append(seq_ids[r], l, 1, k + std::size_t{r} * kvdim,
+                           v + std::size_t{r} * kvdim);
+           call.layer = l;
+           call.q = q;
+           call.out = attn;
+           if (offload_ != nullptr && observer_ == nullptr) {
+             // Selection of one part of the batch overlaps the device's work on the previous part.
+             // An observer needs the whole batch's selection at once, so it gets the sequential
+             // path.
+             offload_->step(*selector_, selection_, cache_, call);
+             const OffloadStats& s = offload_->last_step();
+             step.index_bytes_read += s.index_bytes_read;
+             step.pairs += s.pairs;
+             kept_sum += s.kept_estimate_sum;
+             step.dropped_bound = select::worse_bound(step.dropped_bound, s.dropped_bound);
+             step.select_us += s.select_us;
+             step.overlap_us += s.overlap_us;
+           } else {
+             const select::SelectCall select_call{l, n, seq_ids.data(), q};
+             const auto s0 = Clock::now();
+             selector_->prepare(select_call, selection_);
+             selector_->select(select_call, selection_);
+             step.select_us += 1e6 * seconds_since(s0);
+             // After prepare(): it may have grown the row storage.
+             lists = selection_.lists();
+             rows = selection_.rows();
+             call.pages = &lists;
+             call.rows = selection_.has_rows ? &rows : nullptr;
+             attention_->validate(cache_, call);
+             const auto t0 = Clock::now();
+             attention_->attend(cache_, call);
+             if (offload_ == nullptr) step.attend_us += 1e6 * seconds_since(t0);
+             step.index_bytes_read += selection_.index_bytes_read;
+             step.pairs += selection_.n_pairs;
+             kept_sum += selection_.kept_estimate_sum();
+             step.dropped_bound =
+                 select::worse_bound(step.dropped_bound, selection_.worst_dropped_bound());
+           }
+           step.kv_bytes_read += attention_->last_stats().bytes_read;
+           step.tokens_read += attention_->last_stats().tokens_read;
+           if (offload_ != nullptr) {
+             const OffloadStats& s = offload_->last_step();
+             step.transfer_us += s.transfer_us;
+             step.attend_us += s.attend_us;
+             step.h2d_bytes += s.bytes_h2d;
+             step.cache_hits += s.hits;
+             step.cache_misses += s.misses;
+           }
+           attention_seconds += seconds_since(a0);
+           if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q, selection_, attn);
+           return true;
+         });
   for (uint32_t r = 0; r < n; ++r) pass_logits(r, 1, logits_[seq_ids[r]].data());
   stats_.decode_tokens += n;
   stats_.decode_seconds += seconds_since(t0);

@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "gpu/device_llama.hpp"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/attend/prefill_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
@@ -23,7 +24,6 @@
 #include "lib/core/matmul.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/tokenizer.hpp"
-#include "gpu/device_llama.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
 

@@ -62,8 +62,8 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
           " does not fit 32-bit list offsets");
   require(options.cache_pages >= 1 && options.cache_pages < (1u << 31),
           "OffloadOptions.cache_pages=", options.cache_pages, " is not in 1..2^31 - 1");
-  require(options.step_parts >= 1 && options.step_parts <= kMaxParts, "OffloadOptions.step_parts=",
-          options.step_parts, " is not in 1..", kMaxParts);
+  require(options.step_parts >= 1 && options.step_parts <= kMaxParts,
+          "OffloadOptions.step_parts=", options.step_parts, " is not in 1..", kMaxParts);
   require(options.max_row_chunks <= (uint64_t{1} << 31) - options.cache_pages,
           "OffloadOptions.max_row_chunks=", options.max_row_chunks,
           " with cache_pages does not fit 2^31 device slots");
@@ -120,12 +120,11 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const std::size_t refresh_bytes = round_up(max_listed_ * sizeof(gpu::PageMove), 256);
   const std::size_t list_bytes =
       round_up((2 * std::size_t{max_pairs_} + 1 + max_listed_) * sizeof(uint32_t), 256);
-  const std::size_t token_list_bytes =
-      max_tokens_ == 0
-          ? 0
-          : round_up(token_offset_words() * sizeof(uint32_t) +
-                         max_tokens_ * sizeof(gpu::TokenAddress),
-                     256);
+  const std::size_t token_list_bytes = max_tokens_ == 0
+                                           ? 0
+                                           : round_up(token_offset_words() * sizeof(uint32_t) +
+                                                          max_tokens_ * sizeof(gpu::TokenAddress),
+                                                      256);
   const std::size_t rows_bytes = options.max_row_chunks * slot_bytes;
   const std::size_t qo_bytes = round_up(qo_elems * sizeof(float), 256);
   const uint32_t parts = options.step_parts;
@@ -217,8 +216,9 @@ void OffloadAttention::drain() noexcept {
   if (stream_.mark(kDone).ok) stream_.wait(kDone);
 }
 
-gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& call, uint32_t part_index,
-                                      uint32_t row0, PartCounts& counts) noexcept {
+gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& call,
+                                      uint32_t part_index, uint32_t row0,
+                                      PartCounts& counts) noexcept {
   Part& part = parts_[part_index];
   const uint32_t H = geometry_.n_kv_heads, B = geometry_.page_tokens;
   const uint32_t pairs = call.n_seqs * H;
@@ -307,7 +307,8 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
     }
     token_offsets[pairs] = t;
     std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
-    if (r.ok) r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
+    if (r.ok)
+      r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
     list_bytes = token_offset_words() * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);
     if (r.ok) r = stream_.copy_to_device(part.token_lists_device, part.token_lists, list_bytes);
     counts.tokens += t;
@@ -335,9 +336,8 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
       const uint32_t* token_offsets = part.token_lists;
       gpu::TokenAttendCall attend;
       attend.target = target;
-      attend.host = gpu::TokenLists{
-          token_offsets,
-          reinterpret_cast<const gpu::TokenAddress*>(token_offsets + token_offset_words())};
+      attend.host = gpu::TokenLists{token_offsets, reinterpret_cast<const gpu::TokenAddress*>(
+                                                       token_offsets + token_offset_words())};
       attend.device = gpu::TokenLists{part.token_lists_device,
                                       reinterpret_cast<const gpu::TokenAddress*>(
                                           part.token_lists_device + token_offset_words())};
@@ -502,8 +502,7 @@ void OffloadAttention::step(select::Selector& selector, select::Selection& selec
   last_.select_us = select_us;
   for (uint32_t p = 1; p < parts; ++p)
     last_.overlap_us += std::min(
-        part_select_us[p],
-        1e3 * stream_.elapsed_ms(part_event(p - 1, 1), part_event(p - 1, 2)));
+        part_select_us[p], 1e3 * stream_.elapsed_ms(part_event(p - 1, 1), part_event(p - 1, 2)));
   add_to_totals();
 }
 
@@ -523,8 +522,8 @@ std::span<const uint32_t> OffloadAttention::attended_device_slots() const noexce
 void OffloadAttention::read_device_slot(uint32_t layer, uint32_t device_slot, void* out) {
   require(layer < geometry_.n_layers, "layer=", layer,
           " is out of range (n_layers=", geometry_.n_layers, ")");
-  require(device_slot < options_.cache_pages + options_.max_row_chunks, "device_slot=",
-          device_slot, " is out of range (cache_pages + max_row_chunks=",
+  require(device_slot < options_.cache_pages + options_.max_row_chunks, "device_slot=", device_slot,
+          " is out of range (cache_pages + max_row_chunks=",
           options_.cache_pages + options_.max_row_chunks, ")");
   const auto* pool = static_cast<const std::byte*>(caches_[layer].device_pool());
   check(stream_.copy_to_host(out, pool + std::size_t{device_slot} * geometry_.slot_bytes(),

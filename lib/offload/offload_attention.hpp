@@ -92,16 +92,16 @@ struct OffloadStats {
   uint64_t index_bytes_read = 0;
   double kept_estimate_sum = 0.0;
   double dropped_bound = 0.0;
-  double select_us = 0.0;       // CPU: the selector (step() only)
+  double select_us = 0.0;  // CPU: the selector (step() only)
   // step(): the device work hidden behind selection: per part after the first, the earlier
   // part's attention kernel (enqueued last, so it runs while the CPU selects this part), up to
   // this part's selection time. The earlier part's transfers overlap its own host planning.
   double overlap_us = 0.0;
-  double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
-  double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
-  double attend_us = 0.0;       // GPU: the sparse attention kernel
-  double copy_out_us = 0.0;     // GPU: the output back to host
-  double total_us = 0.0;        // wall clock of run(), including its final wait
+  double host_us = 0.0;      // CPU: list translation, the cache's planning, the launches
+  double transfer_us = 0.0;  // GPU: q, page misses and refreshes, the lists
+  double attend_us = 0.0;    // GPU: the sparse attention kernel
+  double copy_out_us = 0.0;  // GPU: the output back to host
+  double total_us = 0.0;     // wall clock of run(), including its final wait
 
   double hit_rate() const noexcept {
     return hits + misses == 0 ? 1.0
@@ -153,8 +153,9 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   const OffloadStats& totals() const noexcept { return totals_; }
   const std::string& last_error() const noexcept { return error_; }
 
-  // What the last run() (or the last part of step()) attended, in its pairs (sequence-major, as PageLists): offsets
-  // [pairs + 1], and per listed page its host pool slot and the device cache slot read.
+  // What the last run() (or the last part of step()) attended, in its pairs (sequence-major, as
+  // PageLists): offsets [pairs + 1], and per listed page its host pool slot and the device cache
+  // slot read.
   std::span<const uint32_t> attended_offsets() const noexcept;
   std::span<const uint32_t> attended_host_slots() const noexcept;
   std::span<const uint32_t> attended_device_slots() const noexcept;
