@@ -64,12 +64,12 @@ void KvCache::check_layer(uint32_t layer) const {
 
 void KvCache::free_sequence(int32_t seq_id) {
   const Sequence& seq = sequence(seq_id);
+  for (SealListener* listener : listeners_) listener->on_sequence_freed(seq_id);
   for (const auto& table : seq.tables)
     for (uint32_t slot : table)
       if (slot != kReleasedSlot) pool_.release(slot);
   sequences_[static_cast<std::size_t>(seq_id)].reset();
   --n_live_;
-  for (SealListener* listener : listeners_) listener->on_sequence_freed(seq_id);
 }
 
 uint64_t KvCache::length(int32_t seq_id, uint32_t layer) const {
@@ -220,6 +220,8 @@ void KvCache::release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page,
           end_page, ") is not a non-empty range of the ", sealed, " sealed pages");
   require(seq.released[layer].second == seq.released[layer].first, "sequence ", seq_id, " layer ",
           layer, " already released pages");
+  for (SealListener* listener : listeners_)
+    listener->on_pages_released(seq_id, layer, first_page, end_page);
   const uint32_t H = geometry_.n_kv_heads;
   for (uint32_t h = 0; h < H; ++h) {
     auto& table = seq.tables[std::size_t{layer} * H + h];
@@ -229,7 +231,6 @@ void KvCache::release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page,
     }
   }
   seq.released[layer] = {first_page, end_page};
-  for (SealListener* listener : listeners_) listener->on_pages_released(seq_id, layer);
 }
 
 std::pair<uint64_t, uint64_t> KvCache::released_unchecked(int32_t seq_id,

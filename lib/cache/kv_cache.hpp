@@ -37,15 +37,18 @@ struct SealedPage {
 };
 
 // Told when pages seal (selectors build their per-page data then, off the decode path), when a
-// sequence is freed and when pages are released (both give pool slots back, for later appends to
-// reuse: a copy of the pages elsewhere, such as the offload path's device cache, is stale then).
-// Called synchronously from append / free_sequence / release_pages; must not throw.
+// sequence is freed and when pages are released. The last two give pool slots back for later
+// appends to reuse, so a copy of those pages elsewhere (the offload path's device cache) goes stale;
+// they are called before the slots go back, while the page tables still name them. Called
+// synchronously from append / free_sequence / release_pages; must not throw.
 class SealListener {
  public:
   virtual ~SealListener() = default;
   virtual void on_page_sealed(const SealedPage& page) noexcept = 0;
   virtual void on_sequence_freed(int32_t seq_id) noexcept = 0;
-  virtual void on_pages_released(int32_t /*seq_id*/, uint32_t /*layer*/) noexcept {}
+  // Pages [first_page, end_page) of every KV head of the layer.
+  virtual void on_pages_released(int32_t /*seq_id*/, uint32_t /*layer*/, uint64_t /*first_page*/,
+                                 uint64_t /*end_page*/) noexcept {}
 };
 
 class KvCache {

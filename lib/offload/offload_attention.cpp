@@ -160,7 +160,6 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
 
   host_slots_.resize(max_listed_);
   const std::size_t tracked = std::size_t{geometry_.n_layers} * options.cache_pages;
-  copied_epoch_.assign(tracked, 0);
   copied_tokens_.assign(tracked, 0);
   cache_.add_seal_listener(this);
 }
@@ -170,13 +169,33 @@ OffloadAttention::~OffloadAttention() {
   cache_.remove_seal_listener(this);
 }
 
-// Their slots go back to the pool and later appends reuse them: every cached copy is suspect.
-void OffloadAttention::on_sequence_freed(int32_t) noexcept {
-  ++epoch_;
+void OffloadAttention::forget_copies(uint32_t layer, const uint32_t* table, uint64_t first,
+                                     uint64_t end) noexcept {
+  const gpu::PageResidency& residency = caches_[layer].residency();
+  uint32_t* tokens = copied_tokens_.data() + std::size_t{layer} * options_.cache_pages;
+  for (uint64_t p = first; p < end; ++p)
+    if (const uint32_t slot = residency.find(table[p]); slot != gpu::PageResidency::kNone)
+      tokens[slot] = 0;  // below any page's tokens: sent again when listed
 }
 
-void OffloadAttention::on_pages_released(int32_t, uint32_t) noexcept {
-  ++epoch_;
+// Called before the slots go back to the pool, so the page tables still name them.
+void OffloadAttention::on_sequence_freed(int32_t seq_id) noexcept {
+  for (uint32_t layer = 0; layer < geometry_.n_layers; ++layer) {
+    const uint64_t pages = geometry_.pages_for(cache_.length_unchecked(seq_id, layer));
+    const auto [released_first, released_end] = cache_.released_unchecked(seq_id, layer);
+    for (uint32_t h = 0; h < geometry_.n_kv_heads; ++h) {
+      const uint32_t* table = cache_.page_table(seq_id, layer, h);
+      // Released pages were forgotten when they were released.
+      forget_copies(layer, table, 0, std::min(released_first, pages));
+      forget_copies(layer, table, std::max(released_end, released_first), pages);
+    }
+  }
+}
+
+void OffloadAttention::on_pages_released(int32_t seq_id, uint32_t layer, uint64_t first_page,
+                                         uint64_t end_page) noexcept {
+  for (uint32_t h = 0; h < geometry_.n_kv_heads; ++h)
+    forget_copies(layer, cache_.page_table(seq_id, layer, h), first_page, end_page);
 }
 
 void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) const {
@@ -263,22 +282,17 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
   if (!r.ok) return r;
 
   // Pages cached earlier whose host copy has since changed go again, after the misses.
-  const std::size_t base = std::size_t{call.layer} * options_.cache_pages;
-  uint64_t* epoch = copied_epoch_.data() + base;
-  uint32_t* tokens = copied_tokens_.data() + base;
-  for (const gpu::PageMove& move : layer_cache.residency().moves()) {
-    epoch[move.device_slot] = epoch_;
+  uint32_t* tokens = copied_tokens_.data() + std::size_t{call.layer} * options_.cache_pages;
+  for (const gpu::PageMove& move : layer_cache.residency().moves())
     tokens[move.device_slot] = kFresh;
-  }
   uint32_t n_refresh = 0;
   for (uint32_t pair = 0; pair < pairs; ++pair)
     for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
       const uint32_t slot = device_slots[i];
       const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
-      if (tokens[slot] != kFresh && (epoch[slot] != epoch_ || tokens[slot] < held))
+      if (tokens[slot] != kFresh && tokens[slot] < held)
         part.refresh[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
       tokens[slot] = held;
-      epoch[slot] = epoch_;
     }
   auto* pool = static_cast<std::byte*>(const_cast<void*>(layer_cache.device_pool()));
   const std::size_t slot_bytes = geometry_.slot_bytes();

@@ -9,14 +9,10 @@
 // Stale pages. The device cache is keyed by host pool slot, and a host slot's contents can change
 // under it in two ways, both handled here: the open page of a pair grows by one token per step (a
 // cached copy made when it held fewer tokens is sent again, "refreshed", in the same step; so is a
-// page that was cached partial and has since filled), and a freed sequence's slots are reused by
-// later appends (every free_sequence() marks every cached page stale, so each is sent again the
-// next time it is listed: a precise per-slot invalidation needs the pool to report released
-// slots). Pages released by release_pages() (S4R) are not tracked: validate() refuses a cache that
-// holds any.
-//
-// Pages released by release_pages() (S4R) give their slots back like a freed sequence, and are
-// handled the same way (on_pages_released()).
+// page that was cached partial and has since filled), and slots given back to the pool, by
+// free_sequence() or by release_pages() (S4R), are reused by later appends: the cache tells its
+// listeners before it gives them back, and the device copies of exactly those slots are marked so
+// that they are sent again the next time their slot is listed.
 //
 // Row chunks (the token rows Louver gathers and S4R reconstructs) go over per call: the host
 // copies them into pinned staging, one copy moves them to slots reserved after each layer's page
@@ -170,7 +166,8 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;
-  void on_pages_released(int32_t seq_id, uint32_t layer) noexcept override;
+  void on_pages_released(int32_t seq_id, uint32_t layer, uint64_t first_page,
+                         uint64_t end_page) noexcept override;
 
  private:
   static constexpr uint32_t kMaxParts = 4;
@@ -242,12 +239,13 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   float* out_device_ = nullptr;
   std::vector<uint32_t> host_slots_;  // [max_listed_] the listed pages' host slots
 
-  // Per layer and device slot: the stale-copy epoch and the page's token count when its copy was
-  // made (kFresh: moved by this call's ensure()). free_sequence() and release_pages() advance the
-  // epoch.
+  // Marks the device copies of host slots table[first, end) of a layer stale (their slots go back
+  // to the pool).
+  void forget_copies(uint32_t layer, const uint32_t* table, uint64_t first, uint64_t end) noexcept;
+
+  // Per layer and device slot: the page's token count when its copy was made (kFresh: moved by
+  // this call's ensure(); 0: stale, its host slot was given back).
   static constexpr uint32_t kFresh = UINT32_MAX;
-  uint64_t epoch_ = 0;
-  std::vector<uint64_t> copied_epoch_;   // [n_layers * cache_pages]
   std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]
 
   uint32_t last_part_ = 0, last_pairs_ = 0;
