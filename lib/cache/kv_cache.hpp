@@ -38,8 +38,8 @@ struct SealedPage {
 
 // Told when pages seal (selectors build their per-page data then, off the decode path), when a
 // sequence is freed and when pages are released. The last two give pool slots back for later
-// appends to reuse, so a copy of those pages elsewhere (the offload path's device cache) goes stale;
-// they are called before the slots go back, while the page tables still name them. Called
+// appends to reuse, so a copy of those pages elsewhere (the offload path's device cache) goes
+// stale; they are called before the slots go back, while the page tables still name them. Called
 // synchronously from append / free_sequence / release_pages; must not throw.
 class SealListener {
  public:
