@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <numeric>
 
 #include "lib/core/error.hpp"
 #include "lib/model/dequantize.hpp"
@@ -247,6 +248,8 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
     weights.token_embd = output_.bf16.data();
     weights.output = output_.bf16.data();
     weights.output_norm = output_norm_.data();
+    pass_rows_.resize(max_rows_);
+    std::iota(pass_rows_.begin(), pass_rows_.end(), 0u);
     device_ = std::make_unique<gpu::DeviceLlama>();
     device_check(device_->init(shape, weights, options.device), "init");
   }
@@ -387,9 +390,7 @@ void LlamaModel::pass_logits(uint32_t first, uint32_t rows, float* out) {
     output_logits(x_.data() + std::size_t{first} * config_.n_embd, rows, out);
     return;
   }
-  std::vector<uint32_t> index(rows);
-  for (uint32_t r = 0; r < rows; ++r) index[r] = first + r;
-  device_check(device_->logits(index.data(), rows, out), "logits");
+  device_check(device_->logits(pass_rows_.data() + first, rows, out), "logits");
 }
 
 void LlamaModel::restore_prefill_scratch(int32_t seq_id, uint64_t pos0) {
@@ -443,6 +444,8 @@ void LlamaModel::set_selector(const select::Policy& policy) {
 
 void LlamaModel::free_sequence(int32_t seq_id) {
   cache_.free_sequence(seq_id);
+  // Its id may come back (create or fork): the scratch must not pass for the new sequence's.
+  if (prefill_seq_ == seq_id) prefill_seq_ = -1;
   logits_[seq_id].clear();
   logits_[seq_id].shrink_to_fit();
 }

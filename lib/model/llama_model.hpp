@@ -196,6 +196,7 @@ class LlamaModel {
   AttentionBackend* attention_ = nullptr;      // decode_attention_ or offload_
   std::unique_ptr<gpu::DeviceLlama> device_;   // offload mode: the weights and the compute
   int32_t prefill_seq_ = -1;                   // the sequence the device's prefill scratch holds
+  std::vector<uint32_t> pass_rows_;            // offload mode: 0, 1, ..., max_rows_ - 1
   std::unique_ptr<select::Selector> selector_;
   select::Selection selection_;
   DecodeObserver* observer_ = nullptr;
