@@ -54,6 +54,9 @@ struct kvsift_cache {
   kvsift::AttentionBackend& backend() {
     return offload ? static_cast<kvsift::AttentionBackend&>(*offload) : attention;
   }
+  const kvsift::AttentionBackend& backend() const {
+    return offload ? static_cast<const kvsift::AttentionBackend&>(*offload) : attention;
+  }
 };
 
 namespace {
@@ -391,7 +394,7 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     require_pointer(cache, "cache");
     require_pointer(stats, "stats");
     const kvsift::PagePool& pool = cache->cache.pool();
-    const kvsift::AttendStats& last = const_cast<kvsift_cache*>(cache)->backend().last_stats();
+    const kvsift::AttendStats& last = cache->backend().last_stats();
     *stats = kvsift_cache_stats{};
     stats->pages_capacity = pool.capacity();
     stats->pages_in_use = pool.in_use();

@@ -38,7 +38,7 @@ gpu::LouverIndexView louver_device_view(const LouverIndex& index) noexcept;
 class LouverSelector final : public Selector {
  public:
   // With policy.device >= 0, throws Error(unsupported) when the build has no CUDA or the
-  // device cannot be used, and Error(invalid_argument) for a device below -1.
+  // device cannot be used (Policy::validate refuses a device below -1).
   LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
                  int n_threads);
 
