@@ -3,14 +3,13 @@
 # batches, (a) HBM-resident dense attention (torch SDPA and our kernel), (b) dense offload, (c)
 # kvsift offload at a 2% LOCKS budget; one table printed last.
 #
-#   scripts/gpu_bench.sh stage   Here, where the project's dependencies are installed: configure
-#                                build-bench with CUDA, build kvsift-bench-offload (-j2), and stage
-#                                it with the shared libraries the GPU machine lacks in
-#                                build-bench/stage.
-#   scripts/gpu_bench.sh [run]   On the GPU machine (device tool: carry ["build-bench/stage"]):
-#                                tools/sdpa_baseline.py (torch), then the staged binary, each under
-#                                a timeout; logs and CSVs in $OUT (or build-bench/out); the table
-#                                last (also in table.txt).
+# Stage with `scripts/gpu_check.sh stage` (one bundle for every GPU binary, kvsift-bench-offload
+# among them) and carry build-gpu/stage.tar.xz.
+#
+#   scripts/gpu_bench.sh [run]   On the GPU machine: unpacks the bundle, runs tools/sdpa_baseline.py
+#                                (torch), then kvsift-bench-offload, each under a timeout; logs and
+#                                CSVs in $OUT (or build-gpu/out); the table last (also in
+#                                table.txt).
 #
 # Environment (run mode):
 #   BENCH_CONTEXTS  tokens per sequence, default "32768 131072 524288 1048576"
@@ -19,33 +18,15 @@
 #   BENCH_TIMEOUT   seconds for kvsift-bench-offload (default 270); rows finish smallest first and
 #                   each is in the CSV as soon as it is done, so a cut run keeps its early rows
 #   SDPA_TIMEOUT    seconds for the torch baseline (default 75)
-#   GPU_BENCH_BUILD build folder of both modes (default build-bench)
-#
-# Staging follows scripts/gpu_check.sh: the GPU machine's image has CUDA (cuBLAS included), CMake
-# and python3 with torch, but not oneDNN, the OpenCL loader or this build's libstdc++/libgomp, so
-# every library ldd names is staged except glibc's own and cuBLAS (about 600 MB, in the image).
+#   GPU_BENCH_BUILD the staged build folder (default build-gpu, gpu_check.sh's)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-mode=${1:-run}
-build=${GPU_BENCH_BUILD:-build-bench}
+build=${GPU_BENCH_BUILD:-build-gpu}
 stage=$build/stage
 target=kvsift-bench-offload
-
-if [[ $mode == stage ]]; then
-  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
-    -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" >/dev/null
-  cmake --build "$build" -j2 --target "$target"
-  rm -rf "$stage" && mkdir -p "$stage"
-  cp "$build/bench/$target" "$stage/"
-  ldd "$stage/$target" | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
-    grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
-    while read -r path; do cp -L "$path" "$stage/"; done
-  ls -l "$stage"
-  du -sh "$stage"
-  # Here there is no device: the binary must say so and exit 0.
-  LD_LIBRARY_PATH=$PWD/$stage "$stage/$target" --contexts 32768 --batches 1
-  exit 0
+if [[ -f $build/stage.tar.xz ]]; then
+  rm -rf "$stage" && tar -xJf "$build/stage.tar.xz" -C "$build"
 fi
 
 out=${OUT:-$build/out}
@@ -59,10 +40,8 @@ echo "host: $(nproc) CPUs, $(awk '/MemTotal/ { printf "%.0f GiB", $2 / 1048576 }
 if [[ -x $stage/$target ]]; then
   bin=$stage/$target
   export LD_LIBRARY_PATH=$PWD/$stage${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
-elif [[ -x $build/bench/$target ]]; then
-  bin=$build/bench/$target
 else
-  echo "no $target in $stage or $build/bench (run 'scripts/gpu_bench.sh stage' first)" >&2
+  echo "no $target in $stage (run 'scripts/gpu_check.sh stage' here and carry $build/stage.tar.xz)" >&2
   exit 1
 fi
 if missing=$(ldd "$bin" | grep 'not found'); then

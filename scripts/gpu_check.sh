@@ -58,7 +58,6 @@ if [[ $mode == stage ]]; then
     grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
     while read -r path; do cp -L "$path" "$stage/"; done
   cp "$dictionary" "$stage/"
-  cp tools/sdpa_baseline.py scripts/gpu_bench.sh "$stage/" 2>/dev/null || true
   tar -cJf "$build/stage.tar.xz" -C "$build" stage
   rm -f "$build"/model.part.*
   if [[ -n ${KVSIFT_MODEL:-} && -f $KVSIFT_MODEL ]]; then
