@@ -6,8 +6,10 @@
 // with the same thread count (`read_GBps`), measured around each repetition: the median of five
 // passes, three just before its timed loop and two just after. The dev box is noisy (about +-10%,
 // and bimodal on 2 threads: research/env.md section 6), so compare medians of repetitions.
+// BM_attend_scattered runs the same attention over pages scattered through the pool (as decode
+// appends them), against the same sequential probe: its ratio says what the scatter costs.
 //
-//   kvsift-bench-attend --benchmark_filter='llama8b/ctx:131072/batch:1/threads:2'
+//   kvsift-bench-attend --benchmark_filter='dense/llama8b/ctx:131072/batch:1/threads:2'
 //                       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
 #include <omp.h>
@@ -135,6 +137,10 @@ struct CaseKey {
   uint64_t context;
   uint32_t batch;
   int threads;
+  // Tokens per append. kAppendTokens: a head's pages lie in runs of adjacent pool slots, as a
+  // prefill leaves them. kPageTokens: every head takes one page per append, as decode leaves
+  // them, so no two consecutive pages of a head are adjacent (the BM_attend_scattered cases).
+  uint32_t append_tokens;
   bool operator==(const CaseKey&) const = default;
 };
 
@@ -166,12 +172,13 @@ std::string fill_case(const CaseKey& key) {
   CachePtr cache(raw);
 
   Random random(kSeed);
-  std::vector<float> k(std::size_t{kAppendTokens} * H * d), v(k.size());
+  std::vector<float> k(std::size_t{key.append_tokens} * H * d), v(k.size());
   std::vector<int32_t> seq_ids(key.batch);
   for (int32_t& id : seq_ids) {
     if (kvsift_sequence_create(cache.get(), &id) != KVSIFT_STATUS_OK) return kvsift_last_error();
-    for (uint64_t done = 0; done < key.context; done += kAppendTokens) {
-      const auto n = static_cast<uint32_t>(std::min<uint64_t>(kAppendTokens, key.context - done));
+    for (uint64_t done = 0; done < key.context; done += key.append_tokens) {
+      const auto n =
+          static_cast<uint32_t>(std::min<uint64_t>(key.append_tokens, key.context - done));
       random.fill(k);
       random.fill(v);
       if (kvsift_append(cache.get(), id, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK)
@@ -248,20 +255,29 @@ void register_benchmarks() {
         ->UseRealTime()
         ->Unit(benchmark::kMillisecond);
   }
+  auto add = [](const char* family, const Shape& shape, uint64_t context, uint32_t batch,
+                int threads, uint32_t append_tokens) {
+    const std::string name = std::string(family) + "/" + shape.name +
+                             "/ctx:" + std::to_string(context) + "/batch:" + std::to_string(batch) +
+                             "/threads:" + std::to_string(threads);
+    benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
+                                 CaseKey{&shape, context, batch, threads, append_tokens})
+        ->UseRealTime()
+        ->Unit(benchmark::kMillisecond);
+  };
   for (const Shape& shape : kShapes)
     for (uint64_t context : kContexts)
       for (uint32_t batch : kBatches) {
         if (kv_bytes(shape, context, batch) > kMaxKvBytes) continue;
-        for (int threads : kThreadCounts) {
-          const std::string name =
-              std::string("BM_attend_dense/") + shape.name + "/ctx:" + std::to_string(context) +
-              "/batch:" + std::to_string(batch) + "/threads:" + std::to_string(threads);
-          benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
-                                       CaseKey{&shape, context, batch, threads})
-              ->UseRealTime()
-              ->Unit(benchmark::kMillisecond);
-        }
+        for (int threads : kThreadCounts)
+          add("BM_attend_dense", shape, context, batch, threads, kAppendTokens);
       }
+  // The same attention over pages scattered through the pool: what a decoded (not prefilled)
+  // context reads, and what a selector's page lists read.
+  for (const Shape& shape : kShapes)
+    for (uint64_t context : {uint64_t{32768}, uint64_t{131072}})
+      for (int threads : kThreadCounts)
+        add("BM_attend_scattered", shape, context, 1, threads, kPageTokens);
 }
 
 // The ISA a default cache picks (the CPU's best under KVSIFT_MAX_ISA), for the context block.
