@@ -3,6 +3,7 @@
 #include <immintrin.h>
 
 #include "simd/louver_kernels.hpp"
+#include "simd/louver_loops.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -21,13 +22,6 @@ inline float score(const float* q, const uint16_t* k, uint32_t d) noexcept {
   }
   if (j < d) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j), load_f16(k + j), a0);
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-}
-
-inline bool passes(const float* q, uint32_t group, const float* tau, const uint16_t* k,
-                   uint32_t d) noexcept {
-  for (uint32_t g = 0; g < group; ++g)
-    if (score(q + std::size_t{g} * d, k, d) >= tau[g]) return true;
-  return false;
 }
 
 void ball_bounds(const float* q, const uint16_t* centers, uint32_t width, const float* radius,
@@ -81,37 +75,13 @@ uint32_t filter(const LouverFilterJob& job) noexcept {
   return count;
 }
 
-uint32_t check(const float* q, uint32_t group, const float* tau, const uint16_t* keys, uint32_t d,
-               const uint32_t* ids, uint32_t n, uint32_t* out) noexcept {
-  uint32_t count = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    if (i + 4 < n)
-      _mm_prefetch(reinterpret_cast<const char*>(keys + std::size_t{ids[i + 4]} * d), _MM_HINT_T0);
-    out[count] = ids[i];
-    count += passes(q, group, tau, keys + std::size_t{ids[i]} * d, d);
-  }
-  return count;
-}
-
-uint32_t scan(const float* q, uint32_t group, const float* tau, const uint16_t* keys, uint32_t d,
-              uint32_t first, uint32_t n, uint32_t* out) noexcept {
-  uint32_t count = 0;
-  for (uint32_t i = first; i < first + n; ++i) {
-    out[count] = i;
-    count += passes(q, group, tau, keys + std::size_t{i} * d, d);
-  }
-  return count;
-}
-
-void scores(const float* q, const uint16_t* keys, uint32_t d, const uint32_t* ids, uint32_t n,
-            float* out) noexcept {
-  for (uint32_t i = 0; i < n; ++i) out[i] = score(q, keys + std::size_t{ids[i]} * d, d);
-}
+using Loops = LouverLoops<score>;
 
 }  // namespace
 
 const LouverKernels& louver_avx512_kernels() noexcept {
-  static const LouverKernels table{Isa::avx512, ball_bounds, filter, check, scan, scores};
+  static const LouverKernels table{Isa::avx512,  ball_bounds, filter,
+                                   Loops::check, Loops::scan, Loops::scores};
   return table;
 }
 

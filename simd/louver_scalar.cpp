@@ -2,6 +2,7 @@
 // against. Compiled without ISA flags.
 #include "simd/half.hpp"
 #include "simd/louver_kernels.hpp"
+#include "simd/louver_loops.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -10,13 +11,6 @@ float score(const float* q, const uint16_t* k, uint32_t d) noexcept {
   float s = 0.0f;
   for (uint32_t j = 0; j < d; ++j) s += q[j] * f16_to_f32(k[j]);
   return s;
-}
-
-bool passes(const float* q, uint32_t group, const float* tau, const uint16_t* k,
-            uint32_t d) noexcept {
-  for (uint32_t g = 0; g < group; ++g)
-    if (score(q + std::size_t{g} * d, k, d) >= tau[g]) return true;
-  return false;
 }
 
 void ball_bounds(const float* q, const uint16_t* centers, uint32_t width, const float* radius,
@@ -49,35 +43,13 @@ uint32_t filter(const LouverFilterJob& job) noexcept {
   return count;
 }
 
-uint32_t check(const float* q, uint32_t group, const float* tau, const uint16_t* keys, uint32_t d,
-               const uint32_t* ids, uint32_t n, uint32_t* out) noexcept {
-  uint32_t count = 0;
-  for (uint32_t i = 0; i < n; ++i) {
-    out[count] = ids[i];
-    count += passes(q, group, tau, keys + std::size_t{ids[i]} * d, d);
-  }
-  return count;
-}
-
-uint32_t scan(const float* q, uint32_t group, const float* tau, const uint16_t* keys, uint32_t d,
-              uint32_t first, uint32_t n, uint32_t* out) noexcept {
-  uint32_t count = 0;
-  for (uint32_t i = first; i < first + n; ++i) {
-    out[count] = i;
-    count += passes(q, group, tau, keys + std::size_t{i} * d, d);
-  }
-  return count;
-}
-
-void scores(const float* q, const uint16_t* keys, uint32_t d, const uint32_t* ids, uint32_t n,
-            float* out) noexcept {
-  for (uint32_t i = 0; i < n; ++i) out[i] = score(q, keys + std::size_t{ids[i]} * d, d);
-}
+using Loops = LouverLoops<score>;
 
 }  // namespace
 
 const LouverKernels& louver_scalar_kernels() noexcept {
-  static const LouverKernels table{Isa::scalar, ball_bounds, filter, check, scan, scores};
+  static const LouverKernels table{Isa::scalar,  ball_bounds, filter,
+                                   Loops::check, Loops::scan, Loops::scores};
   return table;
 }
 
