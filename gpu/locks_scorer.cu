@@ -1,18 +1,23 @@
 // LOCKS page selection on CUDA (gpu/locks_scorer.hpp has the contract; the CPU original is
 // PageSelector::select_pair in lib/select/page_selector.cpp, the score simd's locks_score).
 //
-// Two kernels per run. score_kernel: one thread per sealed page and block of up to 8 query heads
-// (grid y = pair, z = head block), the record read straight from global memory in 16-byte loads;
-// V^T q~ by dp4a on V's nibbles biased by +8 (n ^ 8 in 0..15, the bias taken out with
-// 8 * sum(q codes), as the VNNI kernel does), mu . q~ by dp4a on the int8 codes, both exact in
-// int32; then the B logits twice (their max, then the sum of exps), so no logit array lives in
-// registers. select_kernel: one CTA per pair, every step a pass over the pair's pages: the open
-// page's exact log-sum-exp, per head the best selectable score and the mass sum, the combined
-// score, a radix select (8 bits a pass, stopping as soon as the bin holding the b-th key is taken
-// whole) of the b-th largest key (combined score's ordered bits, then the complement of the page
-// id, so that equal scores go to the lower page, as the CPU's BetterPage), an ordered compaction
-// of the chosen pages (warp ballots), and the kept estimate. A pair's passes are O(pages) each,
-// about 15 of them: at 65,536 pages a few tens of microseconds per CTA, the pairs in parallel.
+// Two kernels per run. score_kernel: four lanes per sealed page and block of up to 8 query heads
+// (grid y = pair, z = head block). Each block first rounds its heads' queries to int8 (as the CPU
+// does) while its pages' records travel to L1; then V^T q~ by dp4a on V's nibbles biased by +8
+// (n ^ 8 in 0..15, the bias taken out with 8 * sum(q codes), as the VNNI kernel does), mu . q~ by
+// dp4a on the int8 codes, both exact in int32, and the B logits' max, then the sum of exps. It
+// reads the pages' slots from the device copies of named tables and adds the new entries to them.
+// select_kernel: a cluster of 8 CTAs per pair, each CTA an eighth of the pages in shared memory:
+// the open page's exact log-sum-exp, per head the best selectable score and the mass sum, the
+// combined score, a radix select (8 bits a pass, stopping as soon as the bin holding the b-th key
+// is taken whole) of the b-th largest key (combined score's ordered bits, then the complement of
+// the page id, so that equal scores go to the lower page, as the CPU's BetterPage), an ordered
+// compaction of the chosen pages, and the kept estimate; maxima, sums, histograms and counts are
+// combined across the cluster through distributed shared memory.
+//
+// Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget): a batch
+// 1 run, 8 pairs, takes 37 us of scoring (55 MB of records) and 24 us of selection.
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -21,6 +26,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -35,8 +41,24 @@ constexpr uint32_t kRank = 8;
 constexpr uint32_t kMaxHeadDim = 256;
 constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxGroup = 64;
-constexpr uint32_t kScoreThreads = 128;
+// score_kernel: four lanes per page, 64 pages a block. One thread per page (the first version)
+// left the H200 at 1.2 TB/s on the records at 128K (about 16 warps per SM, each a long chain of
+// dependent loads and dp4a); four lanes per page run four times the warps on the same bytes. A
+// block looping over two sets of 64 pages (its query set-up done once) gained nothing at 128K.
+constexpr uint32_t kScoreThreads = 256;
+constexpr uint32_t kScorePages = kScoreThreads / 4;
+// Registers capped at 80 (three blocks, 24 warps an SM; G = 4 spills a few words) rather than
+// the 106 the compiler takes unbounded (two blocks an SM): the kernel waits on memory.
+constexpr uint32_t kScoreBlocksPerSm = 3;
+// select_kernel: a cluster of 8 CTAs of 512 threads per pair, each CTA's pages staged in shared
+// memory. The first version, one CTA of 512 threads per pair over L2-resident scores, took 101 us
+// at 8,192 pages on the H200 (every pass a few rounds of L2 latency and a serial step of thread
+// 0); one CTA of 1024 threads over shared memory still took 40 us, issuing about 1.5
+// instructions a cycle on its one SM: at batch 1 only 8 of the 132 SMs had work.
+constexpr uint32_t kSelectCluster = 8;
 constexpr uint32_t kSelectThreads = 512;
+// select_kernel's passes over the scores take this many heads at a time.
+constexpr int kHeadsPerPass = 4;
 constexpr uint32_t kFull = 0xffffffffu;
 
 Result from_cuda(cudaError_t err, const char* what) {
@@ -55,22 +77,24 @@ std::size_t align16(std::size_t n) {
 // One device pair of a run, as the kernels read it.
 struct PairParams {
   uint64_t head_at;   // its per-head scores at head + head_at: [group][n_pages]
-  uint32_t table_at;  // its sealed pages' slots at tables + table_at
+  uint64_t copy_at;   // its table's device copy at copies + copy_at; kNoCopy: none
+  uint32_t copied;    // pages [0, copied) are read from the copy, the rest from tables
+  uint32_t table_at;  // its slots of pages [copied, sealed) at tables + table_at
   uint32_t comb_at;   // its combined scores at combined + comb_at: [n_pages]
   uint32_t out_at;    // its chosen pages at ids / scores + out_at
   uint32_t open_at;   // its open page's keys at keys + open_at (when open_tokens > 0)
   uint32_t n_pages, sealed, sink, sel_last, take, open_tokens;
   uint32_t index;  // the pair's index in the call (its estimate's place)
-  uint32_t pad;
 };
+
+constexpr uint64_t kNoCopy = ~uint64_t{0};
 
 // Everything a kernel needs, by value.
 struct RunView {
   const PairParams* params;
-  const float* qf;      // [pairs][group][d] unscaled queries (the open page's exact score)
-  const float* qs;      // [pairs][group] s_q * scale
-  const int8_t* codes;  // [pairs][group][d] int8 query codes
+  const float* qf;  // [pairs][group][d] unscaled queries (the open page's exact score)
   const uint32_t* tables;
+  uint32_t* copies;      // the device copies of named tables, [table_copies][max_pair_pages]
   const uint16_t* keys;  // open pages' keys, [page_tokens * d] per open pair
   const unsigned char* records;
   float* head;
@@ -83,6 +107,7 @@ struct RunView {
   uint32_t mu_codes, c_codes, v_scales, c_scales, mu_scale;  // record offsets
   uint32_t combine, bf16;
   float scale;
+  uint32_t stage_floats;  // select_kernel's dynamic shared memory, in floats
 };
 
 __device__ __forceinline__ float bf16_at(const unsigned char* p) {
@@ -94,157 +119,235 @@ __device__ __forceinline__ float key_value(uint16_t x, uint32_t bf16) {
   return bf16 ? __uint_as_float(uint32_t(x) << 16) : __half2float(__ushort_as_half(x));
 }
 
-// Page scores of heads [blockIdx.z * GB, +GB) of pair blockIdx.y for its sealed pages.
+// The logits l_t = c_scale_t (c_t . z) of tokens [t4, t4 + 4) of a page, for GB heads.
 template <int GB>
-__global__ void __launch_bounds__(kScoreThreads) score_kernel(RunView v) {
-  __shared__ uint32_t qe[GB][kMaxHeadDim / 8];  // codes of the even channels, V's low nibbles
-  __shared__ uint32_t qo[GB][kMaxHeadDim / 8];  // odd channels, V's high nibbles
-  __shared__ uint32_t qc[GB][kMaxHeadDim / 4];  // channel order, for mu
+__device__ __forceinline__ void chunk_logits(const RunView& v, const unsigned char* rec,
+                                             uint32_t t4, const float (&z)[kRank][GB],
+                                             float (&lg)[4][GB]) {
+  const uint32_t B = v.page_tokens;
+  uint32_t cw[kRank];
+#pragma unroll
+  for (int j = 0; j < int(kRank); ++j)
+    cw[j] = __ldg(reinterpret_cast<const unsigned int*>(rec + v.c_codes + j * B + t4));
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float c_scale = bf16_at(rec + v.c_scales + 2 * (t4 + k));
+    float c[kRank];
+#pragma unroll
+    for (int j = 0; j < int(kRank); ++j) c[j] = float(int8_t(cw[j] >> (8 * k)));
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+      float dot = 0.0f;
+#pragma unroll
+      for (int j = 0; j < int(kRank); ++j) dot += c[j] * z[j][g];
+      lg[k][g] = dot * c_scale;
+    }
+  }
+}
+
+// Page scores of heads [blockIdx.z * GB, +GB) of pair blockIdx.y for 64 of its sealed pages. Lane
+// r of a page's quad takes V's columns r and r + 4, mu's 16-byte words r, r + 4, ... and the
+// tokens of C's words r, r + 4, ...; the quad exchanges z, the integer mu . q~ and the logits' max
+// and sum by shuffles. z, mu . q~ and the logits come out bit for bit as from one lane; the sum of
+// exps in another order.
+template <int GB>
+__global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel(RunView v) {
+  // The int8 query codes: channel order (mu), and V's nibble pairs' even and odd channels.
+  __shared__ uint4 qc[GB][kMaxHeadDim / 16];
+  __shared__ uint4 qe[GB][kMaxHeadDim / 32];
+  __shared__ uint4 qo[GB][kMaxHeadDim / 32];
   __shared__ int32_t qsum[GB];
   __shared__ float qs[GB];
   const PairParams& p = v.params[blockIdx.y];
   const uint32_t sealed = p.sealed;
-  if (blockIdx.x * kScoreThreads >= sealed) return;  // the whole block: no barrier is missed
+  if (blockIdx.x * kScorePages >= sealed) return;  // the whole block: no barrier is missed
   const uint32_t d = v.head_dim, G = v.group, B = v.page_tokens, g0 = blockIdx.z * GB;
-  const int8_t* codes = v.codes + std::size_t{blockIdx.y} * G * d;
+  // Every lane stays to the end: the quads' shuffles take the whole warp. A lane past the pages
+  // reads slot 0's record and writes nothing.
+  const uint32_t r = threadIdx.x % 4, quad0 = (threadIdx.x % 32) & ~3u;
+  const uint32_t page = blockIdx.x * kScorePages + threadIdx.x / 4;
+  uint32_t slot = 0;
+  if (page < sealed) {
+    if (page < p.copied) {
+      slot = v.copies[p.copy_at + page];
+    } else {
+      slot = v.tables[p.table_at + page - p.copied];
+      // The table's new entries join its device copy, for the next runs.
+      if (p.copy_at != kNoCopy && r == 0 && blockIdx.z == 0) v.copies[p.copy_at + page] = slot;
+    }
+  }
+  const bool bad = slot >= v.slots;  // validate() does not read the tables: a bad slot ranks last
+  const unsigned char* rec = v.records + std::size_t{bad ? 0 : slot} * v.record_bytes;
+  // The record's lines on their way to L1 while the block rounds the query: the loads below then
+  // wait on L1, not on four trips to DRAM in a row.
+  for (uint32_t at = 128 * r; at < v.record_bytes; at += 512)
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(rec + at));
+
+  // The query codes exactly as simd's locks_score rounds them (attend_scalar.cpp,
+  // locks_avx512_vnni.cpp): s_q = max|q| / 127 in float, codes rint(q / s_q) (IEEE division and
+  // round-to-nearest-even, as the host's nearbyint); a head with a non-finite q scores NaN. Each
+  // block rounds its heads again: a few hundred divisions, against a launch and a copy.
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t g = threadIdx.x / 32; g < GB; g += kScoreThreads / 32) {
+    const bool in = g0 + g < G;
+    const float* x = v.qf + (std::size_t{blockIdx.y} * G + g0 + g) * d;
+    float amax = 0.0f;
+    bool finite = true;
+    for (uint32_t c = lane; c < d; c += 32) {
+      const float xc = in ? x[c] : 0.0f;
+      amax = fmaxf(amax, fabsf(xc));
+      finite = finite && isfinite(xc);
+    }
+    for (uint32_t off = 16; off > 0; off /= 2)
+      amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, off));
+    finite = __all_sync(kFull, finite);
+    const float s_q = __fdiv_rn(amax, 127.0f);
+    int32_t sum = 0;
+    for (uint32_t c = lane; c < d; c += 32) {
+      const int32_t code = in && finite && s_q > 0.0f ? int32_t(rintf(__fdiv_rn(x[c], s_q))) : 0;
+      reinterpret_cast<int8_t*>(qc[g])[c] = int8_t(code);
+      sum += code;
+    }
+    for (uint32_t off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(kFull, sum, off);
+    if (lane == 0) {
+      qsum[g] = sum;
+      qs[g] = !in ? 0.0f : finite ? __fmul_rn(s_q, v.scale) : __int_as_float(0x7fc00000);
+    }
+  }
+  __syncthreads();
+  // V's nibbles pair channels 2i and 2i + 1: the even and the odd codes, four to a word.
   for (uint32_t i = threadIdx.x; i < GB * (d / 8); i += kScoreThreads) {
     const uint32_t g = i / (d / 8), w = i % (d / 8);
-    uint32_t e = 0, o = 0, c0 = 0, c1 = 0;
-    if (g0 + g < G) {
-      const int8_t* c = codes + std::size_t{g0 + g} * d + 8 * w;
-      for (uint32_t k = 0; k < 4; ++k) {
-        e |= uint32_t(uint8_t(c[2 * k])) << (8 * k);
-        o |= uint32_t(uint8_t(c[2 * k + 1])) << (8 * k);
-        c0 |= uint32_t(uint8_t(c[k])) << (8 * k);
-        c1 |= uint32_t(uint8_t(c[4 + k])) << (8 * k);
-      }
-    }
-    qe[g][w] = e;
-    qo[g][w] = o;
-    qc[g][2 * w] = c0;
-    qc[g][2 * w + 1] = c1;
-  }
-  if (threadIdx.x < GB) {
-    const uint32_t g = threadIdx.x;
-    int32_t s = 0;
-    float f = 0.0f;
-    if (g0 + g < G) {
-      for (uint32_t c = 0; c < d; ++c) s += codes[std::size_t{g0 + g} * d + c];
-      f = v.qs[std::size_t{blockIdx.y} * G + g0 + g];
-    }
-    qsum[g] = s;
-    qs[g] = f;
+    const uint32_t* c = reinterpret_cast<const uint32_t*>(qc[g]);
+    reinterpret_cast<uint32_t*>(qe[g])[w] = __byte_perm(c[2 * w], c[2 * w + 1], 0x6420);
+    reinterpret_cast<uint32_t*>(qo[g])[w] = __byte_perm(c[2 * w], c[2 * w + 1], 0x7531);
   }
   __syncthreads();
-  const uint32_t page = blockIdx.x * kScoreThreads + threadIdx.x;
-  if (page >= sealed) return;
-  const uint32_t slot = v.tables[p.table_at + page];
-  float lse[GB];
-  if (slot >= v.slots) {  // validate() does not read the tables: a bad slot ranks last
+
+  // z_j = s_q scale v_scale_j sum_c V_code[c, j] q_code[c], exact up to the last product.
+  float mine[2][GB];
 #pragma unroll
-    for (int g = 0; g < GB; ++g) lse[g] = __int_as_float(0x7fc00000);
-  } else {
-    const unsigned char* rec = v.records + std::size_t{slot} * v.record_bytes;
-    // z_j = s_q scale v_scale_j sum_c V_code[c, j] q_code[c], exact up to the last product.
-    float z[kRank][GB];
+  for (int m = 0; m < 2; ++m) {
+    const uint32_t j = r + 4 * m;
+    const uint4* column = reinterpret_cast<const uint4*>(rec + j * (d / 2));
+    int acc[GB];
 #pragma unroll
-    for (int j = 0; j < int(kRank); ++j) {
-      const uint4* column = reinterpret_cast<const uint4*>(rec + j * (d / 2));
-      int acc[GB];
+    for (int g = 0; g < GB; ++g) acc[g] = 0;
+    for (uint32_t u = 0; u < d / 32; ++u) {
+      const uint4 x = __ldg(column + u);
+      const uint32_t words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-      for (int g = 0; g < GB; ++g) acc[g] = 0;
-      for (uint32_t u = 0; u < d / 32; ++u) {
-        const uint4 x = __ldg(column + u);
-        const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+      for (int g = 0; g < GB; ++g) {
+        const uint4 e4 = qe[g][u], o4 = qo[g][u];
+        const uint32_t e[4] = {e4.x, e4.y, e4.z, e4.w}, o[4] = {o4.x, o4.y, o4.z, o4.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
+          // V's nibbles biased by +8 (n ^ 8 in 0..15), the bias taken out with 8 sum(q codes).
           const uint32_t biased = words[k] ^ 0x88888888u;
-          const int lo = int(biased & 0x0f0f0f0fu), hi = int((biased >> 4) & 0x0f0f0f0fu);
-          const uint32_t w = 4 * u + k;
-#pragma unroll
-          for (int g = 0; g < GB; ++g) {
-            acc[g] = __dp4a(lo, int(qe[g][w]), acc[g]);
-            acc[g] = __dp4a(hi, int(qo[g][w]), acc[g]);
-          }
-        }
-      }
-      const float v_scale = bf16_at(rec + v.v_scales + 2 * j);
-#pragma unroll
-      for (int g = 0; g < GB; ++g) z[j][g] = float(acc[g] - 8 * qsum[g]) * (v_scale * qs[g]);
-    }
-    float mu_q[GB];
-    {
-      const uint4* mu = reinterpret_cast<const uint4*>(rec + v.mu_codes);
-      int acc[GB];
-#pragma unroll
-      for (int g = 0; g < GB; ++g) acc[g] = 0;
-      for (uint32_t u = 0; u < d / 16; ++u) {
-        const uint4 x = __ldg(mu + u);
-        const uint32_t words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-#pragma unroll
-          for (int g = 0; g < GB; ++g)
-            acc[g] = __dp4a(int(words[k]), int(qc[g][4 * u + k]), acc[g]);
-      }
-      const float mu_scale = bf16_at(rec + v.mu_scale);
-#pragma unroll
-      for (int g = 0; g < GB; ++g) mu_q[g] = float(acc[g]) * (mu_scale * qs[g]);
-    }
-    // lse = mu . q~ scale + max_t l_t + log sum_t e^(l_t - max), l_t = c_scale_t (c_t . z).
-    float top[GB], sum[GB];
-#pragma unroll
-    for (int g = 0; g < GB; ++g) top[g] = -INFINITY, sum[g] = 0.0f;
-    for (int pass = 0; pass < 2; ++pass) {
-      for (uint32_t t4 = 0; t4 < B; t4 += 4) {
-        uint32_t cw[kRank];
-#pragma unroll
-        for (int j = 0; j < int(kRank); ++j)
-          cw[j] = __ldg(reinterpret_cast<const unsigned int*>(rec + v.c_codes + j * B + t4));
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const float c_scale = bf16_at(rec + v.c_scales + 2 * (t4 + k));
-          float c[kRank];
-#pragma unroll
-          for (int j = 0; j < int(kRank); ++j) c[j] = float(int8_t(cw[j] >> (8 * k)));
-#pragma unroll
-          for (int g = 0; g < GB; ++g) {
-            float dot = 0.0f;
-#pragma unroll
-            for (int j = 0; j < int(kRank); ++j) dot += c[j] * z[j][g];
-            const float logit = dot * c_scale;
-            if (pass == 0)
-              top[g] = fmaxf(top[g], logit);
-            else
-              sum[g] += expf(logit - top[g]);
-          }
+          acc[g] = __dp4a(int(biased & 0x0f0f0f0fu), int(e[k]), acc[g]);
+          acc[g] = __dp4a(int((biased >> 4) & 0x0f0f0f0fu), int(o[k]), acc[g]);
         }
       }
     }
+    const float v_scale = bf16_at(rec + v.v_scales + 2 * j);
 #pragma unroll
-    for (int g = 0; g < GB; ++g) lse[g] = mu_q[g] + (top[g] + logf(sum[g]));
+    for (int g = 0; g < GB; ++g) mine[m][g] = float(acc[g] - 8 * qsum[g]) * (v_scale * qs[g]);
+  }
+  float z[kRank][GB];
+#pragma unroll
+  for (int j = 0; j < int(kRank); ++j)
+#pragma unroll
+    for (int g = 0; g < GB; ++g) z[j][g] = __shfl_sync(kFull, mine[j / 4][g], quad0 + j % 4);
+
+  float mu_q[GB];
+  {
+    const uint4* mu = reinterpret_cast<const uint4*>(rec + v.mu_codes);
+    int acc[GB];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) acc[g] = 0;
+    for (uint32_t u = r; u < d / 16; u += 4) {
+      const uint4 x = __ldg(mu + u);
+      const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int g = 0; g < GB; ++g) {
+        const uint4 c4 = qc[g][u];
+        const uint32_t c[4] = {c4.x, c4.y, c4.z, c4.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) acc[g] = __dp4a(int(words[k]), int(c[k]), acc[g]);
+      }
+    }
+    const float mu_scale = bf16_at(rec + v.mu_scale);
+#pragma unroll
+    for (int g = 0; g < GB; ++g) {
+      acc[g] += __shfl_xor_sync(kFull, acc[g], 1);
+      acc[g] += __shfl_xor_sync(kFull, acc[g], 2);
+      mu_q[g] = float(acc[g]) * (mu_scale * qs[g]);
+    }
+  }
+  // lse = mu . q~ scale + max_t l_t + log sum_t e^(l_t - max): the logits' max, then the sum
+  // of exps; a lane with one chunk of tokens (page_tokens 16) keeps its logits in between.
+  float top[GB], sum[GB], lg[4][GB];
+#pragma unroll
+  for (int g = 0; g < GB; ++g) top[g] = -INFINITY, sum[g] = 0.0f;
+  for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
+    chunk_logits<GB>(v, rec, t4, z, lg);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int g = 0; g < GB; ++g) top[g] = fmaxf(top[g], lg[k][g]);
   }
 #pragma unroll
-  for (int g = 0; g < GB; ++g)
-    if (g0 + g < G) v.head[p.head_at + std::size_t{g0 + g} * p.n_pages + page] = lse[g];
+  for (int g = 0; g < GB; ++g) {
+    top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 1));
+    top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 2));
+  }
+  for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
+    if (B > 16) chunk_logits<GB>(v, rec, t4, z, lg);
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int g = 0; g < GB; ++g) sum[g] += expf(lg[k][g] - top[g]);
+  }
+#pragma unroll
+  for (int g = 0; g < GB; ++g) {
+    sum[g] += __shfl_xor_sync(kFull, sum[g], 1);
+    sum[g] += __shfl_xor_sync(kFull, sum[g], 2);
+  }
+  if (page < sealed) {
+#pragma unroll
+    for (int g = 0; g < GB; ++g)
+      if (g % 4 == int(r) && g0 + g < G)
+        v.head[p.head_at + std::size_t{g0 + g} * p.n_pages + page] =
+            bad ? __int_as_float(0x7fc00000) : mu_q[g] + (top[g] + logf(sum[g]));
+  }
 }
 
-// Reduces x over the block (every thread must call; `red` is 32 elements of shared memory).
-template <class T, class Op>
-__device__ T block_reduce(T x, Op op, T identity, T* red) {
+// Reduces each of x[0..N) over the block (every thread must call; `red` is 32 * N elements of
+// shared memory): one set of barriers for N values.
+template <int N, class T, class Op>
+__device__ void block_reduce_n(T (&x)[N], Op op, T identity, T* red) {
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  for (uint32_t off = 16; off > 0; off /= 2) x = op(x, __shfl_xor_sync(kFull, x, off));
-  if (lane == 0) red[warp] = x;
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+    for (uint32_t off = 16; off > 0; off /= 2) x[i] = op(x[i], __shfl_xor_sync(kFull, x[i], off));
+  if (lane == 0)
+#pragma unroll
+    for (int i = 0; i < N; ++i) red[warp * N + i] = x[i];
   __syncthreads();
   if (warp == 0) {
-    x = lane < blockDim.x / 32 ? red[lane] : identity;
-    for (uint32_t off = 16; off > 0; off /= 2) x = op(x, __shfl_xor_sync(kFull, x, off));
-    if (lane == 0) red[0] = x;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      x[i] = lane < blockDim.x / 32 ? red[lane * N + i] : identity;
+      for (uint32_t off = 16; off > 0; off /= 2) x[i] = op(x[i], __shfl_xor_sync(kFull, x[i], off));
+    }
+    if (lane == 0)
+#pragma unroll
+      for (int i = 0; i < N; ++i) red[i] = x[i];
   }
   __syncthreads();
-  const T r = red[0];
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = red[i];
   __syncthreads();
-  return r;
 }
 
 struct MaxF {
@@ -261,33 +364,97 @@ __device__ __forceinline__ uint64_t page_key(float score, uint32_t page) {
   return uint64_t{ordered} << 32 | (0xffffffffu - page);
 }
 
-__global__ void __launch_bounds__(kSelectThreads) select_kernel(RunView v) {
+// The block's exclusive prefix sum of x (every thread must call; `warp_at` holds 33 words).
+__device__ uint32_t block_exclusive_sum(uint32_t x, uint32_t* warp_at) {
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint32_t inclusive = x;
+  for (uint32_t off = 1; off < 32; off *= 2) {
+    const uint32_t y = __shfl_up_sync(kFull, inclusive, off);
+    if (lane >= off) inclusive += y;
+  }
+  if (lane == 31) warp_at[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    const uint32_t total = lane < blockDim.x / 32 ? warp_at[lane] : 0;
+    uint32_t before = total;
+    for (uint32_t off = 1; off < 32; off *= 2) {
+      const uint32_t y = __shfl_up_sync(kFull, before, off);
+      if (lane >= off) before += y;
+    }
+    warp_at[lane] = before - total;
+  }
+  __syncthreads();
+  const uint32_t at = warp_at[warp] + inclusive - x;
+  __syncthreads();
+  return at;
+}
+
+// One cluster of kSelectCluster CTAs per pair (blockIdx.y); CTA `rank` takes the pair's pages
+// [rank * chunk, (rank + 1) * chunk) and the cluster combines the CTAs' maxima, sums,
+// histograms and counts through distributed shared memory, each CTA summing the ranks in order
+// (the results are the same in every CTA and on every run).
+__global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelectThreads)
+    select_kernel(RunView v) {
+  // v.stage_floats: first the open page's query and keys, then the CTA's head scores [G][m] and
+  // combined scores [m].
+  extern __shared__ float stage[];
   __shared__ float logits[kMaxGroup * kMaxPageTokens];
   __shared__ float top[kMaxGroup];
   __shared__ double mass[kMaxGroup];
-  __shared__ float red_f[32];
-  __shared__ double red_d[32];
-  __shared__ uint32_t hist[256];
-  __shared__ uint32_t warp_at[kSelectThreads / 32 + 1];
+  __shared__ float weight[kMaxGroup];  // share_avg's 1 / (mass G), else 1
+  __shared__ float red_f[32 * kHeadsPerPass];
+  __shared__ double red_d[32 * kHeadsPerPass];
+  __shared__ uint32_t total_hist[256];
+  __shared__ uint32_t warp_at[32];
   __shared__ uint64_t s_prefix;
-  __shared__ uint32_t s_bits, s_k, s_done, s_written;
-  const PairParams& p = v.params[blockIdx.x];
+  __shared__ uint32_t s_bits, s_k, s_done, s_offset;
+  // Read by the other CTAs of the cluster.
+  __shared__ float part_best[kMaxGroup];
+  __shared__ double part_sum[kMaxGroup];
+  __shared__ uint32_t hist[2][256];
+  __shared__ uint32_t part_count;
+  __shared__ double part_kept[2][kMaxGroup];  // per head: chosen and mandatory mass
+  namespace cg = cooperative_groups;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const uint32_t rank = cluster.block_rank();
+  const PairParams& p = v.params[blockIdx.y];
   const uint32_t G = v.group, d = v.head_dim, B = v.page_tokens, n = p.n_pages;
   const uint32_t first = p.sink, last = p.sel_last, tid = threadIdx.x;
+  const uint32_t lane = tid % 32, warp = tid / 32;
+  const uint32_t chunk = (n + kSelectCluster - 1) / kSelectCluster;
+  const uint32_t lo = min(n, rank * chunk), hi = min(n, lo + chunk), m = hi - lo;
+  const uint32_t sel_lo = max(lo, first), sel_hi = max(sel_lo, min(hi, last));
   float* head = v.head + p.head_at;
-  float* comb = v.combined + p.comb_at;
+  // Shared memory holds the CTA's scores and combined ones when both fit, else only the
+  // combined ones (the radix passes read them most), else neither.
+  const bool stage_head = uint64_t{G + 1} * m <= v.stage_floats;
+  const bool stage_comb = m <= v.stage_floats;
+  // Score of head h, page q (q in [lo, hi)).
+  float* const hs = stage_head ? stage - lo : head;
+  const uint32_t hs_stride = stage_head ? m : n;
+  float* const comb = stage_head   ? stage + std::size_t{G} * m - lo
+                      : stage_comb ? stage - lo
+                                   : v.combined + p.comb_at;
 
   // The open page's exact log-sum-exp per head, as PageSelector::exact_page_lse (float32, one
-  // rounded product and add per channel).
-  if (p.open_tokens > 0) {
+  // rounded product and add per channel), by the CTA that holds it. The dot products are serial
+  // chains of d rounded adds: their operands come from shared memory (over global loads they
+  // took tens of microseconds).
+  if (p.open_tokens > 0 && p.sealed >= lo && p.sealed < hi) {
     const uint32_t nt = p.open_tokens;
-    const float* q = v.qf + std::size_t{blockIdx.x} * G * d;
-    const uint16_t* keys = v.keys + p.open_at;
+    float* q = stage;
+    float* keys = stage + G * d;
+    for (uint32_t i = tid; i < G * d; i += blockDim.x)
+      q[i] = v.qf[std::size_t{blockIdx.y} * G * d + i];
+    for (uint32_t i = tid; i < nt * d; i += blockDim.x)
+      keys[i] = key_value(v.keys[p.open_at + i], v.bf16);
+    __syncthreads();
     for (uint32_t i = tid; i < G * nt; i += blockDim.x) {
       const uint32_t h = i / nt, t = i % nt;
       float dot = 0.0f;
+#pragma unroll 8
       for (uint32_t c = 0; c < d; ++c)
-        dot = __fadd_rn(dot, __fmul_rn(q[h * d + c], key_value(keys[t * d + c], v.bf16)));
+        dot = __fadd_rn(dot, __fmul_rn(q[h * d + c], keys[t * d + c]));
       logits[h * B + t] = __fmul_rn(dot, v.scale);
     }
     __syncthreads();
@@ -301,40 +468,72 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(RunView v) {
     __syncthreads();
   }
 
-  // masses(): per head the best selectable score and the sum of e^(score - best).
-  for (uint32_t h = 0; h < G; ++h) {
-    const float* sh = head + std::size_t{h} * n;
-    float best = -INFINITY;
-    for (uint32_t q = first + tid; q < last; q += blockDim.x) best = fmaxf(best, sh[q]);
-    best = block_reduce(best, MaxF{}, -INFINITY, red_f);
-    double sum = 0.0;
-    for (uint32_t q = first + tid; q < last; q += blockDim.x) sum += double(expf(sh[q] - best));
-    sum = block_reduce(sum, SumD{}, 0.0, red_d);
-    if (tid == 0) top[h] = best, mass[h] = sum;
+  // masses(): per head the best selectable score and the sum of e^(score - best), a few heads a
+  // pass; the scores move to shared memory on the way.
+  for (uint32_t h0 = 0; h0 < G; h0 += kHeadsPerPass) {
+    const uint32_t nh = min(G - h0, uint32_t(kHeadsPerPass));
+    float best[kHeadsPerPass];
+#pragma unroll
+    for (int j = 0; j < kHeadsPerPass; ++j) best[j] = -INFINITY;
+    for (uint32_t q = lo + tid; q < hi; q += blockDim.x) {
+      const bool selectable = q >= first && q < last;
+#pragma unroll
+      for (int j = 0; j < kHeadsPerPass; ++j)
+        if (j < int(nh)) {
+          const float x = head[std::size_t{h0 + j} * n + q];
+          if (stage_head) hs[std::size_t{h0 + j} * hs_stride + q] = x;
+          if (selectable) best[j] = fmaxf(best[j], x);
+        }
+    }
+    block_reduce_n(best, MaxF{}, -INFINITY, red_f);
+    if (tid < nh) part_best[h0 + tid] = best[tid];
+    cluster.sync();
+    if (tid < nh) {
+      float b = -INFINITY;
+      for (uint32_t r = 0; r < kSelectCluster; ++r)
+        b = fmaxf(b, cluster.map_shared_rank(part_best, r)[h0 + tid]);
+      top[h0 + tid] = b;
+    }
+    __syncthreads();
+    double sum[kHeadsPerPass] = {};
+    for (uint32_t q = sel_lo + tid; q < sel_hi; q += blockDim.x)
+#pragma unroll
+      for (int j = 0; j < kHeadsPerPass; ++j)
+        if (j < int(nh))
+          sum[j] += double(expf(hs[std::size_t{h0 + j} * hs_stride + q] - top[h0 + j]));
+    block_reduce_n(sum, SumD{}, 0.0, red_d);
+    if (tid < nh) part_sum[h0 + tid] = sum[tid];
+    cluster.sync();
+    if (tid < nh) {
+      double s = 0.0;
+      for (uint32_t r = 0; r < kSelectCluster; ++r)
+        s += cluster.map_shared_rank(part_sum, r)[h0 + tid];
+      mass[h0 + tid] = s;
+      weight[h0 + tid] = v.combine == uint32_t(LocksCombine::share_avg)
+                             ? __fdiv_rn(1.0f, __fmul_rn(float(s), float(G)))
+                             : 1.0f;
+    }
+    __syncthreads();
   }
-  __syncthreads();
 
   // combine(), in the CPU's order of heads and roundings.
-  for (uint32_t q = first + tid; q < last; q += blockDim.x) {
+  for (uint32_t q = sel_lo + tid; q < sel_hi; q += blockDim.x) {
     float S;
     if (v.combine == uint32_t(LocksCombine::max)) {
       S = -INFINITY;
-      for (uint32_t h = 0; h < G; ++h) S = fmaxf(S, head[std::size_t{h} * n + q]);
+      for (uint32_t h = 0; h < G; ++h) S = fmaxf(S, hs[std::size_t{h} * hs_stride + q]);
     } else {
       S = 0.0f;
-      for (uint32_t h = 0; h < G; ++h) {
-        const float m = expf(head[std::size_t{h} * n + q] - top[h]);
-        const float w = v.combine == uint32_t(LocksCombine::share_avg)
-                            ? __fdiv_rn(1.0f, __fmul_rn(float(mass[h]), float(G)))
-                            : 1.0f;
-        S = __fadd_rn(S, __fmul_rn(m, w));
-      }
+      for (uint32_t h = 0; h < G; ++h)
+        S = __fadd_rn(S, __fmul_rn(expf(hs[std::size_t{h} * hs_stride + q] - top[h]), weight[h]));
     }
     comb[q] = isnan(S) ? -INFINITY : S;
   }
-  __syncthreads();
 
-  // The take-th largest key among the selectable pages.
+  // The take-th largest key among the selectable pages: a radix select, 8 bits a pass, stopping
+  // as soon as the bin holding it is taken whole. Each CTA counts its pages, and every CTA sums
+  // the cluster's counts and takes the same bin. The counts alternate between two buffers: a
+  // buffer is cleared two passes after it was read, past a cluster barrier.
   const uint32_t n_sel = last - first, take = p.take;
   if (tid == 0) {
     s_prefix = 0;
@@ -343,38 +542,57 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(RunView v) {
     s_done = take == 0 || take == n_sel;
   }
   __syncthreads();
-  while (!s_done) {
-    const uint32_t bits = s_bits;
+  for (uint32_t pass = 0; !s_done; ++pass) {
+    const uint32_t bits = s_bits, k = s_k;
     const uint64_t prefix = s_prefix;
     const uint32_t shift = 56 - bits;
-    for (uint32_t i = tid; i < 256; i += blockDim.x) hist[i] = 0;
+    uint32_t* counts = hist[pass % 2];
+    for (uint32_t i = tid; i < 256; i += blockDim.x) counts[i] = 0;
     __syncthreads();
-    // Warp-aggregated: the scores of a long tail share their high bits, and 32 lanes adding to
-    // one shared counter would serialise.
-    for (uint32_t base = first; base < last; base += blockDim.x) {
+    // A warp whose lanes share a bin adds once: the scores of a long tail share their high bits,
+    // and 32 lanes adding to one shared counter would serialise.
+    for (uint32_t base = sel_lo; base < sel_hi; base += blockDim.x) {
       const uint32_t q = base + tid;
       uint32_t bin = 256;  // no bin: past the pages, or outside the prefix
-      if (q < last) {
+      if (q < sel_hi) {
         const uint64_t key = page_key(comb[q], q);
         if (bits == 0 || (key >> (64 - bits)) == prefix) bin = uint32_t(key >> shift) & 255;
       }
-      const uint32_t same = __match_any_sync(kFull, bin);
-      if (bin < 256 && tid % 32 == uint32_t(__ffs(same) - 1))
-        atomicAdd(&hist[bin], uint32_t(__popc(same)));
+      const uint32_t bin0 = __shfl_sync(kFull, bin, 0);
+      if (__all_sync(kFull, bin == bin0)) {
+        if (lane == 0 && bin0 < 256) atomicAdd(&counts[bin0], 32u);
+      } else if (bin < 256) {
+        atomicAdd(&counts[bin], 1u);
+      }
+    }
+    cluster.sync();
+    for (uint32_t i = tid; i < 256; i += blockDim.x) {
+      uint32_t t = 0;
+      for (uint32_t r = 0; r < kSelectCluster; ++r) t += cluster.map_shared_rank(counts, r)[i];
+      total_hist[i] = t;
     }
     __syncthreads();
-    if (tid == 0) {
-      const uint32_t k = s_k;
-      uint32_t above = 0;
-      int b = 255;
-      for (; b > 0; --b) {
-        if (above + hist[b] >= k) break;
-        above += hist[b];
+    if (warp == 0) {
+      // Lane l holds bins 255 - 8l down to 248 - 8l; the lane whose bins hold the k-th key from
+      // the top finds its bin.
+      uint32_t c[8], mine = 0;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) mine += c[i] = total_hist[255 - 8 * lane - i];
+      uint32_t inclusive = mine;
+      for (uint32_t off = 1; off < 32; off *= 2) {
+        const uint32_t y = __shfl_up_sync(kFull, inclusive, off);
+        if (lane >= off) inclusive += y;
       }
-      s_k = k - above;
-      s_prefix = prefix << 8 | uint32_t(b);
-      s_bits = bits + 8;
-      s_done = hist[b] == s_k || s_bits == 64;
+      uint32_t above = inclusive - mine;
+      if (above < k && k <= inclusive) {
+        int i = 0;
+        for (; i < 7 && above + c[i] < k; ++i) above += c[i];
+        const uint32_t b = 255 - 8 * lane - i;
+        s_k = k - above;
+        s_prefix = prefix << 8 | b;
+        s_bits = bits + 8;
+        s_done = c[i] == k - above || bits + 8 == 64;
+      }
     }
     __syncthreads();
   }
@@ -385,58 +603,66 @@ __global__ void __launch_bounds__(kSelectThreads) select_kernel(RunView v) {
     if (take == n_sel) return true;
     return (page_key(comb[q], q) >> (64 - bits)) >= prefix;
   };
+  const auto kept = [&](uint32_t q) { return q < first || q >= last || chosen(q); };
 
-  // Ordered compaction: the chosen pages, ascending, with their scores.
-  const uint32_t lane = tid % 32, warp = tid / 32, warps = blockDim.x / 32;
-  if (tid == 0) s_written = 0;
+  // Ordered compaction: each thread a run of the CTA's pages, the runs' counts summed in order,
+  // after the counts of the CTAs of lower rank.
+  const uint32_t run = (m + blockDim.x - 1) / blockDim.x;
+  const uint32_t t_lo = min(hi, lo + tid * run), t_hi = min(hi, t_lo + run);
+  uint32_t count = 0;
+  for (uint32_t q = t_lo; q < t_hi; ++q) count += kept(q);
+  const uint32_t before = block_exclusive_sum(count, warp_at);
+  if (tid == blockDim.x - 1) part_count = before + count;
+  cluster.sync();
+  if (tid == 0) {
+    uint32_t offset = 0;
+    for (uint32_t r = 0; r < rank; ++r) offset += *cluster.map_shared_rank(&part_count, r);
+    s_offset = offset;
+  }
   __syncthreads();
-  for (uint32_t base = 0; base < n; base += blockDim.x) {
-    const uint32_t q = base + tid;
-    bool keep = false;
-    float score = INFINITY;
-    if (q < n) {
-      if (q < first || q >= last)
-        keep = true;
-      else if (chosen(q))
-        keep = true, score = comb[q];
-    }
-    const uint32_t ballot = __ballot_sync(kFull, keep);
-    if (lane == 0) warp_at[warp] = __popc(ballot);
-    __syncthreads();
-    if (tid == 0) {
-      uint32_t at = s_written;
-      for (uint32_t w = 0; w < warps; ++w) {
-        const uint32_t c = warp_at[w];
-        warp_at[w] = at;
-        at += c;
-      }
-      s_written = at;
-    }
-    __syncthreads();
-    if (keep) {
-      const uint32_t at = p.out_at + warp_at[warp] + __popc(ballot & ((1u << lane) - 1u));
+  const uint32_t list_at = p.out_at + s_offset;
+  uint32_t at = list_at + before;
+  for (uint32_t q = t_lo; q < t_hi; ++q)
+    if (kept(q)) {
       v.ids[at] = q;
-      v.scores[at] = score;
+      v.scores[at++] = q < first || q >= last ? INFINITY : comb[q];
     }
-    __syncthreads();
-  }
+  __syncthreads();  // the CTA's list is read back below
 
-  // The kept estimate, averaged over the heads: (kept + mandatory) / (selectable + mandatory).
-  double kept_sum = 0.0;
-  for (uint32_t h = 0; h < G; ++h) {
-    const float* sh = head + std::size_t{h} * n;
-    double kept = 0.0, mandatory = 0.0;
-    for (uint32_t q = tid; q < n; q += blockDim.x) {
+  // The kept estimate over the lists just written (a warp per head), averaged over the heads:
+  // (kept + mandatory) / (selectable + mandatory).
+  const uint32_t listed = part_count;
+  for (uint32_t h = warp; h < G; h += blockDim.x / 32) {
+    double chosen_mass = 0.0, mandatory = 0.0;
+    for (uint32_t e = lane; e < listed; e += 32) {
+      const uint32_t q = v.ids[list_at + e];
+      const float x = hs[std::size_t{h} * hs_stride + q];
       if (q < first || q >= last)
-        mandatory += exp(double(sh[q]) - double(top[h]));
-      else if (chosen(q))
-        kept += double(expf(sh[q] - top[h]));
+        mandatory += exp(double(x) - double(top[h]));
+      else
+        chosen_mass += double(expf(x - top[h]));
     }
-    kept = block_reduce(kept, SumD{}, 0.0, red_d);
-    mandatory = block_reduce(mandatory, SumD{}, 0.0, red_d);
-    kept_sum += (kept + mandatory) / (mass[h] + mandatory);
+    for (uint32_t off = 16; off > 0; off /= 2) {
+      chosen_mass += __shfl_xor_sync(kFull, chosen_mass, off);
+      mandatory += __shfl_xor_sync(kFull, mandatory, off);
+    }
+    if (lane == 0) part_kept[0][h] = chosen_mass, part_kept[1][h] = mandatory;
   }
-  if (tid == 0) v.kept[p.index] = float(kept_sum / G);
+  cluster.sync();
+  if (rank == 0 && tid == 0) {
+    double kept_sum = 0.0;
+    for (uint32_t h = 0; h < G; ++h) {
+      double chosen_mass = 0.0, mandatory = 0.0;
+      for (uint32_t r = 0; r < kSelectCluster; ++r) {
+        const double(*part)[kMaxGroup] = cluster.map_shared_rank(part_kept, r);
+        chosen_mass += part[0][h];
+        mandatory += part[1][h];
+      }
+      kept_sum += (chosen_mass + mandatory) / (mass[h] + mandatory);
+    }
+    v.kept[p.index] = float(kept_sum / G);
+  }
+  cluster.sync();  // no CTA leaves while rank 0 reads its shared memory
 }
 
 // Copies n staged records to their slots: block i takes record i.
@@ -463,8 +689,22 @@ struct LocksScorer::Device {
   unsigned char* staging_host = nullptr;
   unsigned char* staging_device = nullptr;
   std::size_t staging_bytes = 0;
-  float* head = nullptr;      // [group * max_pages]
-  float* combined = nullptr;  // [max_pages]
+  uint32_t stage_cap_floats = 0;  // select_kernel's dynamic shared memory at most, in floats
+  float* head = nullptr;          // [group * max_pages]
+  float* combined = nullptr;      // [max_pages]
+  // The device copies of named tables (LocksPair::table_id), [table_copies][max_pair_pages], and
+  // which table each holds: its name, its entries, the run that last used it.
+  struct TableCopy {
+    uint64_t id = 0;
+    uint32_t count = 0;
+    uint64_t used = 0;
+  };
+  uint32_t* copies = nullptr;
+  std::vector<TableCopy> copy;
+  std::unordered_map<uint64_t, uint32_t> copy_index;  // name to copy
+  uint32_t hand = 0;                                  // the next copy to reuse, round robin
+  uint64_t runs = 0;
+  uint64_t max_pair_pages = 0;
   // The result: estimates [max_pairs, padded to 4], then ids and scores [max_pages] each.
   unsigned char* out_device = nullptr;
   unsigned char* out_host = nullptr;
@@ -473,7 +713,46 @@ struct LocksScorer::Device {
   std::vector<LocksPairPlan> plans;
   std::vector<uint32_t> offsets;  // [n_pairs + 1]
   std::vector<uint64_t> head_at;  // per pair; ~0 for a pair filled on the host
+  std::vector<uint64_t> copy_of;  // per pair: its table's copy (PairParams::copy_at)
+  std::vector<uint32_t> copied;   // per pair: the entries its copy held before the run
   uint32_t n_pairs = 0, total_out = 0;
+
+  // The copy for table `id` of `sealed` entries in run `stamp` (PairParams::copy_at), with the
+  // entries it already holds in *held; kNoCopy for an unnamed table, one too long, or one named
+  // a second time in the run (sent whole then).
+  uint64_t copy_for(uint64_t id, uint32_t sealed, uint64_t stamp, uint32_t* held) noexcept {
+    *held = 0;
+    if (id == 0 || copy.empty() || sealed > max_pair_pages) return kNoCopy;
+    uint32_t c = 0;
+    if (const auto it = copy_index.find(id); it != copy_index.end()) {
+      c = it->second;
+      if (copy[c].used == stamp) return kNoCopy;
+      // A table only grows while its name lasts; a shorter one is sent whole again.
+      *held = copy[c].count <= sealed ? copy[c].count : 0;
+    } else {
+      uint32_t tries = 0;
+      for (; tries < copy.size() && copy[hand].used == stamp; ++tries)
+        hand = (hand + 1) % static_cast<uint32_t>(copy.size());
+      if (tries == copy.size()) return kNoCopy;  // every copy serves this run already
+      c = hand;
+      hand = (hand + 1) % static_cast<uint32_t>(copy.size());
+      if (copy[c].id != 0) copy_index.erase(copy[c].id);
+      copy[c] = TableCopy{};
+      try {
+        copy_index.emplace(id, c);
+      } catch (...) {  // no memory for the entry: sent whole
+        return kNoCopy;
+      }
+      copy[c].id = id;
+    }
+    copy[c].used = stamp;
+    copy[c].count = sealed;
+    return uint64_t{c} * max_pair_pages;
+  }
+  void forget_copies() noexcept {
+    copy_index.clear();
+    for (TableCopy& t : copy) t = TableCopy{};
+  }
 
   ~Device() {
     cudaFree(records);
@@ -483,6 +762,7 @@ struct LocksScorer::Device {
     cudaFree(staging_device);
     cudaFree(head);
     cudaFree(combined);
+    cudaFree(copies);
     cudaFree(out_device);
     cudaFreeHost(out_host);
     if (start) cudaEventDestroy(start);
@@ -513,8 +793,8 @@ namespace {
 // Bytes of each run staging section at its capacity.
 std::size_t staging_capacity(const LocksScorerShape& s) {
   const std::size_t P = s.max_pairs, G = s.group, d = s.head_dim;
-  return align16(P * sizeof(PairParams)) + align16(P * G * d * 4) + align16(P * G * 4) +
-         align16(P * G * d) + align16(s.max_pages * 4) + align16(P * s.page_tokens * d * 2);
+  return align16(P * sizeof(PairParams)) + align16(P * G * d * 4) + align16(s.max_pages * 4) +
+         align16(P * s.page_tokens * d * 2);
 }
 
 }  // namespace
@@ -535,6 +815,11 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
     return invalid("max_pairs=" + num(shape.max_pairs) + " is not in 1..65535");
   if (shape.max_pages == 0 || shape.max_pages >= (uint64_t{1} << 31))
     return invalid("max_pages=" + num(shape.max_pages) + " is not in 1..2^31 - 1");
+  if (shape.table_copies > 0 &&
+      (shape.max_pair_pages == 0 || shape.max_pair_pages >= (uint64_t{1} << 31) ||
+       shape.table_copies > (uint64_t{1} << 40) / shape.max_pair_pages))
+    return invalid("table_copies=" + num(shape.table_copies) + " of max_pair_pages=" +
+                   num(shape.max_pair_pages) + " pages: not a size to keep on the device");
   // The ordinal is checked against the count first: cudaSetDevice with a bad one is an API
   // error a sanitizer reports, and the message here is clearer.
   if (device < 0) return invalid("device=" + std::to_string(device) + " is negative");
@@ -571,11 +856,33 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
     r = from_cuda(cudaMalloc(&d->head, std::size_t{shape.group} * shape.max_pages * 4),
                   "score workspace");
   if (r.ok) r = from_cuda(cudaMalloc(&d->combined, shape.max_pages * 4), "combined workspace");
+  if (r.ok && shape.table_copies > 0)
+    r = from_cuda(cudaMalloc(&d->copies, shape.table_copies * shape.max_pair_pages * 4),
+                  "table copies");
   if (r.ok) r = from_cuda(cudaMalloc(&d->out_device, d->out_bytes), "result");
   if (r.ok)
     r = from_cuda(
         cudaHostAlloc(reinterpret_cast<void**>(&d->out_host), d->out_bytes, cudaHostAllocPortable),
         "pinned result");
+  // select_kernel stages a pair's scores in whatever shared memory its static arrays leave.
+  int optin = 0;
+  cudaFuncAttributes attributes{};
+  if (r.ok)
+    r = from_cuda(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+                  "shared memory per block");
+  if (r.ok) r = from_cuda(cudaFuncGetAttributes(&attributes, select_kernel), "select kernel");
+  if (r.ok) {
+    const std::size_t stage_bytes =
+        std::size_t(optin) > attributes.sharedSizeBytes ? optin - attributes.sharedSizeBytes : 0;
+    d->stage_cap_floats = static_cast<uint32_t>(stage_bytes / 4);
+    if (d->stage_cap_floats < (shape.group + shape.page_tokens) * shape.head_dim)
+      r = invalid("the device's shared memory per block (" + std::to_string(optin) +
+                  " bytes) is too small for an open page's query and keys");
+    if (r.ok)
+      r = from_cuda(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(stage_bytes)),
+                    "select kernel shared memory");
+  }
   if (!r.ok) {
     delete d;
     return r;
@@ -583,6 +890,11 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
   d->plans.resize(shape.max_pairs);
   d->offsets.resize(std::size_t{shape.max_pairs} + 1);
   d->head_at.resize(shape.max_pairs);
+  d->copy_of.resize(shape.max_pairs);
+  d->copied.resize(shape.max_pairs);
+  d->copy.resize(shape.table_copies);
+  d->copy_index.reserve(shape.table_copies);
+  d->max_pair_pages = shape.max_pair_pages;
   device_ = d;
   shape_ = shape;
   return r;
@@ -646,7 +958,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
   Device& dev = *device_;
   const uint32_t G = shape_.group, d = shape_.head_dim, B = shape_.page_tokens;
   // Plans, output offsets and the sizes of this run's staging sections.
-  uint32_t n_dev = 0, n_open = 0, max_sealed = 0;
+  uint32_t n_dev = 0, n_open = 0, max_sealed = 0, max_n = 0;
   uint64_t sealed_total = 0, head_total = 0;
   dev.offsets[0] = 0;
   for (uint32_t i = 0; i < n_pairs; ++i) {
@@ -661,6 +973,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     n_open += plan.sealed < plan.n_pages;
     sealed_total += plan.sealed;
     max_sealed = std::max(max_sealed, plan.sealed);
+    max_n = std::max(max_n, plan.n_pages);
   }
   dev.n_pairs = n_pairs;
   dev.total_out = dev.offsets[n_pairs];
@@ -671,19 +984,25 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
 
   Result r = from_cuda(cudaSetDevice(dev.device), "cudaSetDevice");
   if (r.ok && n_dev > 0) {
-    // Sections, packed: params, q floats, q scales, q codes, tables, open keys.
+    // Sections, packed: params, q floats, tables (the entries the device copies lack), open
+    // keys. The sealed pages' slots are most of a run's bytes (32 KiB a pair at 128K): a named
+    // table's device copy takes only its new entries, which the score kernel adds to it.
+    const uint64_t stamp = ++dev.runs;
+    uint64_t sent_total = 0;
+    for (uint32_t i = 0; i < n_pairs; ++i) {
+      const LocksPairPlan& plan = dev.plans[i];
+      if (plan.whole) continue;
+      dev.copy_of[i] = dev.copy_for(pairs[i].table_id, plan.sealed, stamp, &dev.copied[i]);
+      sent_total += plan.sealed - dev.copied[i];
+    }
     const std::size_t at_params = 0;
     const std::size_t at_qf = at_params + align16(std::size_t{n_dev} * sizeof(PairParams));
-    const std::size_t at_qs = at_qf + align16(std::size_t{n_dev} * G * d * 4);
-    const std::size_t at_codes = at_qs + align16(std::size_t{n_dev} * G * 4);
-    const std::size_t at_tables = at_codes + align16(std::size_t{n_dev} * G * d);
-    const std::size_t at_keys = at_tables + align16(sealed_total * 4);
+    const std::size_t at_tables = at_qf + align16(std::size_t{n_dev} * G * d * 4);
+    const std::size_t at_keys = at_tables + align16(sent_total * 4);
     const std::size_t bytes = at_keys + std::size_t{n_open} * B * d * 2;
     unsigned char* h = dev.staging_host;
     auto* params = reinterpret_cast<PairParams*>(h + at_params);
     auto* qf = reinterpret_cast<float*>(h + at_qf);
-    auto* qs = reinterpret_cast<float*>(h + at_qs);
-    auto* codes = reinterpret_cast<int8_t*>(h + at_codes);
     auto* tables = reinterpret_cast<uint32_t*>(h + at_tables);
     auto* keys = reinterpret_cast<uint16_t*>(h + at_keys);
     uint32_t k = 0, table_at = 0, open_at = 0, comb_at = 0;
@@ -694,6 +1013,8 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
       PairParams& pp = params[k];
       pp = PairParams{};
       pp.head_at = dev.head_at[i];
+      pp.copy_at = dev.copy_of[i];
+      pp.copied = dev.copied[i];
       pp.table_at = table_at;
       pp.comb_at = comb_at;
       pp.out_at = dev.offsets[i];
@@ -706,30 +1027,13 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
       pp.open_tokens = static_cast<uint32_t>(pair.tokens - uint64_t{plan.sealed} * B);
       pp.index = i;
       std::memcpy(qf + std::size_t{k} * G * d, pair.q, std::size_t{G} * d * 4);
-      // The query codes exactly as simd's locks_score rounds them (attend_scalar.cpp,
-      // locks_avx512_vnni.cpp): s_q = max|q| / 127 in float, nearbyint(q / s_q).
-      for (uint32_t g = 0; g < G; ++g) {
-        const float* x = pair.q + std::size_t{g} * d;
-        float amax = 0.0f;
-        bool finite = true;  // else the head's scores are NaN, and its pages rank last
-        for (uint32_t c = 0; c < d; ++c) {
-          amax = std::max(amax, std::fabs(x[c]));
-          finite = finite && std::isfinite(x[c]);
-        }
-        const float s_q = amax / 127.0f;
-        int8_t* out = codes + (std::size_t{k} * G + g) * d;
-        for (uint32_t c = 0; c < d; ++c)
-          out[c] =
-              finite && s_q > 0.0f ? static_cast<int8_t>(std::nearbyint(x[c] / s_q)) : int8_t{0};
-        qs[std::size_t{k} * G + g] =
-            finite ? s_q * shape_.scale : std::numeric_limits<float>::quiet_NaN();
-      }
-      std::memcpy(tables + table_at, pair.table, std::size_t{plan.sealed} * 4);
+      std::memcpy(tables + table_at, pair.table + pp.copied,
+                  std::size_t{plan.sealed - pp.copied} * 4);
       if (pp.open_tokens > 0) {
         std::memcpy(keys + open_at, pair.open_keys, std::size_t{pp.open_tokens} * d * 2);
         open_at += B * d;
       }
-      table_at += plan.sealed;
+      table_at += plan.sealed - pp.copied;
       comb_at += plan.n_pages;
       ++k;
     }
@@ -737,9 +1041,8 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     RunView view{};
     view.params = reinterpret_cast<const PairParams*>(base + at_params);
     view.qf = reinterpret_cast<const float*>(base + at_qf);
-    view.qs = reinterpret_cast<const float*>(base + at_qs);
-    view.codes = reinterpret_cast<const int8_t*>(base + at_codes);
     view.tables = reinterpret_cast<const uint32_t*>(base + at_tables);
+    view.copies = dev.copies;
     view.keys = reinterpret_cast<const uint16_t*>(base + at_keys);
     view.records = dev.records;
     view.head = dev.head;
@@ -760,6 +1063,9 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     view.combine = static_cast<uint32_t>(shape_.combine);
     view.bf16 = shape_.dtype == simd::Dtype::bf16;
     view.scale = shape_.scale;
+    const uint64_t max_chunk = (max_n + kSelectCluster - 1) / kSelectCluster;
+    view.stage_floats = static_cast<uint32_t>(std::min<uint64_t>(
+        dev.stage_cap_floats, std::max<uint64_t>(uint64_t{G + 1} * max_chunk, (G + B) * d)));
     if (r.ok) r = from_cuda(cudaEventRecord(dev.start, dev.stream), "event");
     if (r.ok)
       r = from_cuda(cudaMemcpyAsync(dev.staging_device, dev.staging_host, bytes,
@@ -767,7 +1073,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
                     "batch upload");
     if (r.ok && max_sealed > 0) {
       const uint32_t gb = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
-      const dim3 grid((max_sealed + kScoreThreads - 1) / kScoreThreads, n_dev, (G + gb - 1) / gb);
+      const dim3 grid((max_sealed + kScorePages - 1) / kScorePages, n_dev, (G + gb - 1) / gb);
       switch (gb) {
         case 1: score_kernel<1><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
         case 2: score_kernel<2><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
@@ -777,7 +1083,8 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
       r = from_cuda(cudaGetLastError(), "score launch");
     }
     if (r.ok) {
-      select_kernel<<<n_dev, kSelectThreads, 0, dev.stream>>>(view);
+      const dim3 grid(kSelectCluster, n_dev);  // one cluster a pair (select_kernel's dims)
+      select_kernel<<<grid, kSelectThreads, std::size_t{view.stage_floats} * 4, dev.stream>>>(view);
       r = from_cuda(cudaGetLastError(), "select launch");
     }
     if (r.ok)
@@ -788,7 +1095,10 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     if (r.ok) r = from_cuda(cudaEventRecord(dev.stop, dev.stream), "event");
     if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream), "run");
   }
-  if (!r.ok) return r;
+  if (!r.ok) {
+    dev.forget_copies();  // the kernel may have stopped short of the new entries
+    return r;
+  }
   // The pairs attended whole, as the CPU fills them.
   for (uint32_t i = 0; i < n_pairs; ++i) {
     const LocksPairPlan& plan = dev.plans[i];

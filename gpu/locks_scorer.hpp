@@ -9,7 +9,7 @@
 //
 // Arithmetic, and how close it comes to the CPU's:
 // - Page scores (int8 queries, the policy default; the only mode offered): q is rounded per head
-//   on the host exactly as simd's locks_score does it (s_q = max|q| / 127 in float, codes
+//   on the device exactly as simd's locks_score does it (s_q = max|q| / 127 in float, codes
 //   nearbyint(q / s_q)); V^T q~ and mu . q~ are exact integer sums on the device (as the AVX-512
 //   VNNI kernel takes them), the logits and the log-sum-exp float32 in another order than the
 //   CPU's: scores agree to a few float32 ulps of the logits.
@@ -24,11 +24,13 @@
 //
 // Device data: records [slots][record_bytes] (pool-slot indexed, as the host's array), uploaded
 // by upload() for the slots summarised since the last one, through a pinned staging of
-// kUploadChunk records (one copy and one scatter kernel per chunk). Per run, one copy up (pair
-// parameters, query codes, the sealed pages' slots, the open pages' keys) packed in pinned
-// staging, a scoring kernel (one thread per page and up to 8 heads), a selection kernel (one CTA
-// per pair: combine, radix select of the b-th best (score, page) key, ordered compaction,
-// estimate), one copy back (estimates, ids, scores), one wait.
+// kUploadChunk records (one copy and one scatter kernel per chunk); copies of named page tables
+// (table_copies). Per run, one copy up (pair parameters, queries, the sealed pages' slots the
+// copies lack, the open pages' keys) packed in pinned staging, a scoring kernel (four lanes per
+// page and up to 8 heads; it rounds the queries to int8 and extends the table copies), a
+// selection kernel (one CTA per pair, its scores in shared memory: combine, radix select of the
+// b-th best (score, page) key, ordered compaction, estimate), one copy back (estimates, ids,
+// scores), one wait.
 #pragma once
 
 #include <cstddef>
@@ -55,6 +57,10 @@ struct LocksScorerShape {
   uint64_t max_pages = 1;     // pages of all the pairs of one run together (>= 1)
   uint32_t sink_pages = 1;    // mandatory first pages
   uint32_t window_pages = 1;  // mandatory last pages (at least the open one)
+  // Named tables (LocksPair::table_id) the device keeps, each of up to max_pair_pages sealed
+  // pages; 0: every run sends every table whole.
+  uint32_t table_copies = 0;
+  uint64_t max_pair_pages = 0;
 };
 
 // One (sequence, KV head) of a batch. Pointers are host memory, read by run() before it returns.
@@ -66,6 +72,10 @@ struct LocksPair {
                                         // in the shape's dtype; null when tokens % page_tokens == 0
   uint64_t tokens = 0;                  // stored tokens (none: no pages)
   uint64_t budget_tokens = 0;           // Policy::budget_tokens(tokens)
+  // Nonzero: names the table for as long as its sealed entries stay as they are (they may grow);
+  // the caller names it anew when they change. The device then keeps a copy and each run sends
+  // only the entries added since the last. 0: sent whole.
+  uint64_t table_id = 0;
 };
 
 // A pair's pages as PageSelector::select_pair lays them out: the first `sink` and the pages from
@@ -117,8 +127,9 @@ class LocksScorer {
 
   // Checks the shape (invalid argument), then makes `device` current for the calling thread and
   // allocates the records, workspaces and staging (about slots * record_bytes + (4 * group + 12)
-  // * max_pages bytes of device memory). A build without CUDA answers Result{unsupported} before
-  // any check; so does a CUDA build without a driver or the device.
+  // * max_pages + 4 * table_copies * max_pair_pages bytes of device memory). A build without CUDA
+  // answers Result{unsupported} before any check; so does a CUDA build without a driver or the
+  // device.
   Result init(int device, const LocksScorerShape& shape);
 
   // Copies the records of n slots to the device: slot slots[i]'s record is read at records +

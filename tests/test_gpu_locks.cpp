@@ -395,111 +395,197 @@ TEST(LocksScorer, is_unsupported_without_a_device_and_refuses_bad_shapes_with_on
 
 // ---- On the device -------------------------------------------------------------------------
 
+// Builds the records of pages [first_page, sealed) of every (sequence, KV head) into records
+// (slot-indexed) and lists their slots.
+void build_records(const Fixture& f, const Config& c, uint64_t first_page,
+                   std::vector<std::byte>& records, std::vector<uint32_t>& listed) {
+  const select::LocksShape lshape{c.head_dim, f.g.page_tokens, select::kLocksDefaultRank};
+  const std::size_t rb = select::locks_record_bytes(lshape);
+  records.resize(f.cache->pool().capacity() * rb);
+  for (int32_t seq : f.seqs)
+    for (uint32_t h = 0; h < f.g.n_kv_heads; ++h) {
+      const uint32_t* table = f.cache->page_table(seq, 0, h);
+      for (uint64_t p = first_page; p < f.cache->length(seq, 0) / f.g.page_tokens; ++p) {
+        select::locks_build(lshape,
+                            reinterpret_cast<const uint16_t*>(f.cache->pool().slot(table[p])),
+                            c.dtype, records.data() + std::size_t{table[p]} * rb);
+        listed.push_back(table[p]);
+      }
+    }
+}
+
+gpu::LocksScorerShape scorer_shape(const Fixture& f, const Config& c, uint32_t pairs) {
+  gpu::LocksScorerShape shape;
+  shape.head_dim = c.head_dim;
+  shape.page_tokens = f.g.page_tokens;
+  shape.group = c.group;
+  shape.dtype = c.dtype;
+  shape.scale = 1.0f / std::sqrt(float(c.head_dim));
+  shape.slots = static_cast<uint32_t>(f.cache->pool().capacity());
+  shape.max_pairs = pairs;
+  shape.max_pages = shape.slots;
+  return shape;
+}
+
+// The pair of sequence i / H, KV head i % H, with the fixture's queries.
+gpu::LocksPair pair_of(const Fixture& f, const std::vector<float>& q, uint32_t group, uint32_t d,
+                       uint32_t i) {
+  const uint32_t H = f.g.n_kv_heads, B = f.g.page_tokens;
+  gpu::LocksPair p;
+  p.q = q.data() + std::size_t{i} * group * d;
+  p.table = f.cache->page_table(f.seqs[i / H], 0, i % H);
+  p.tokens = f.lengths[i / H];
+  p.budget_tokens = p.tokens / 50;
+  if (p.tokens % B)
+    p.open_keys = reinterpret_cast<const uint16_t*>(f.cache->pool().slot(p.table[p.tokens / B]));
+  return p;
+}
+
+// Runs the pairs and checks every device page score against simd's locks_score over the
+// cache's table (sealed pages) and the exact log-sum-exp (the open page); the worst relative
+// difference into *worst.
+void expect_cpu_head_scores(const Fixture& f, const Config& c, gpu::LocksScorer& scorer,
+                            const std::vector<gpu::LocksPair>& pairs,
+                            const std::vector<std::byte>& records, const std::string& where,
+                            double* worst) {
+  const uint32_t G = c.group, d = c.head_dim, B = f.g.page_tokens;
+  const auto n_pairs = static_cast<uint32_t>(pairs.size());
+  ASSERT_TRUE(scorer.validate(pairs.data(), n_pairs).ok) << where;
+  const gpu::Result r = scorer.run(pairs.data(), n_pairs);
+  ASSERT_TRUE(r.ok) << where << ": " << r.message;
+  const simd::Kernels& kernels = f.cache->kernels();
+  for (uint32_t i = 0; i < n_pairs; ++i) {
+    const gpu::LocksPair& p = pairs[i];
+    const uint32_t n_pages = static_cast<uint32_t>(f.g.pages_for(p.tokens));
+    const uint32_t sealed = static_cast<uint32_t>(p.tokens / B);
+    std::vector<float> dev(std::size_t{G} * n_pages), cpu(std::size_t{G} * sealed);
+    if (gpu::locks_pair_plan(scorer.shape(), p.tokens, p.budget_tokens).whole) continue;
+    const gpu::Result hr = scorer.head_scores(i, dev.data());
+    ASSERT_TRUE(hr.ok) << hr.message;
+    simd::LocksScoreJob job{};
+    job.q = p.q;
+    job.group = G;
+    job.head_dim = d;
+    job.page_tokens = B;
+    job.rank = select::kLocksDefaultRank;
+    job.int8_query = true;
+    job.scale = scorer.shape().scale;
+    job.records = records.data();
+    job.record_bytes = select::locks_record_bytes({d, B, select::kLocksDefaultRank});
+    job.slots = p.table;
+    job.count = sealed;
+    job.lse = cpu.data();
+    kernels.locks_score(job);
+    for (uint32_t g = 0; g < G; ++g) {
+      for (uint32_t page = 0; page < sealed; ++page) {
+        const float a = cpu[std::size_t{g} * sealed + page];
+        const float b = dev[std::size_t{g} * n_pages + page];
+        *worst = std::max(*worst, double(std::fabs(a - b)) / (1.0 + std::fabs(a)));
+        ASSERT_TRUE(near(a, b, 2e-5f, 2e-5f)) << where << " pair " << i << " head " << g << " page "
+                                              << page << ": " << a << " vs " << b;
+      }
+      if (sealed < n_pages) {  // the open page, exactly
+        const uint32_t n = static_cast<uint32_t>(p.tokens % B);
+        std::vector<float> key(d);
+        float logits[64], top = -kInf;
+        for (uint32_t t = 0; t < n; ++t) {
+          kernels.decode(p.open_keys + std::size_t{t} * d, key.data(), d, c.dtype);
+          float dot = 0.0f;
+          for (uint32_t ch = 0; ch < d; ++ch) dot += p.q[g * d + ch] * key[ch];
+          logits[t] = dot * scorer.shape().scale;
+          top = std::max(top, logits[t]);
+        }
+        float sum = 0.0f;
+        for (uint32_t t = 0; t < n; ++t) sum += std::exp(logits[t] - top);
+        EXPECT_TRUE(near(top + std::log(sum), dev[std::size_t{g} * n_pages + sealed], 1e-5f, 1e-5f))
+            << where << " pair " << i << " open page";
+      }
+    }
+  }
+}
+
 // The device's per-head scores of every sealed page against the CPU kernel the selector uses (the
 // cache's table), and the open page's against its exact log-sum-exp.
 TEST(LocksScorer, head_scores_match_the_cpu_kernel) {
   KVSIFT_SKIP_WITHOUT_DEVICE();
   for (const Config& c : configs()) {
     Fixture f(c, 0, 17);
-    const uint32_t H = f.g.n_kv_heads, G = c.group, d = c.head_dim, B = f.g.page_tokens;
-    const select::LocksShape lshape{d, B, select::kLocksDefaultRank};
-    const std::size_t rb = select::locks_record_bytes(lshape);
-    const uint32_t slots = static_cast<uint32_t>(f.cache->pool().capacity());
-    std::vector<std::byte> records(std::size_t{slots} * rb);
+    const uint32_t H = f.g.n_kv_heads;
+    std::vector<std::byte> records;
     std::vector<uint32_t> listed;
-    for (int32_t seq : f.seqs)
-      for (uint32_t h = 0; h < H; ++h) {
-        const uint32_t* table = f.cache->page_table(seq, 0, h);
-        for (uint64_t p = 0; p < f.cache->length(seq, 0) / B; ++p) {
-          select::locks_build(lshape,
-                              reinterpret_cast<const uint16_t*>(f.cache->pool().slot(table[p])),
-                              c.dtype, records.data() + std::size_t{table[p]} * rb);
-          listed.push_back(table[p]);
-        }
-      }
-    gpu::LocksScorerShape shape;
-    shape.head_dim = d;
-    shape.page_tokens = B;
-    shape.group = G;
-    shape.dtype = c.dtype;
-    shape.scale = 1.0f / std::sqrt(float(d));
-    shape.slots = slots;
-    shape.max_pairs = static_cast<uint32_t>(f.seqs.size()) * H;
-    shape.max_pages = slots;
+    build_records(f, c, 0, records, listed);
+    const gpu::LocksScorerShape shape =
+        scorer_shape(f, c, static_cast<uint32_t>(f.seqs.size()) * H);
     gpu::LocksScorer scorer;
     ASSERT_TRUE(scorer.init(0, shape).ok) << describe(c);
     const gpu::Result up = scorer.upload(records.data(), listed.data(), listed.size());
     ASSERT_TRUE(up.ok) << up.message;
-    const auto q = make_queries(*f.keys, f.seqs.size(), H, G, d, 23);
-    std::vector<gpu::LocksPair> pairs(shape.max_pairs);
-    for (uint32_t i = 0; i < shape.max_pairs; ++i) {
-      const int32_t seq = f.seqs[i / H];
-      gpu::LocksPair& p = pairs[i];
-      p.q = q.data() + std::size_t{i} * G * d;
-      p.table = f.cache->page_table(seq, 0, i % H);
-      p.tokens = f.lengths[i / H];
-      p.budget_tokens = p.tokens / 50;
-      if (p.tokens % B)
-        p.open_keys =
-            reinterpret_cast<const uint16_t*>(f.cache->pool().slot(p.table[p.tokens / B]));
-    }
-    ASSERT_TRUE(scorer.validate(pairs.data(), shape.max_pairs).ok);
-    const gpu::Result r = scorer.run(pairs.data(), shape.max_pairs);
-    ASSERT_TRUE(r.ok) << r.message;
-    const simd::Kernels& kernels = f.cache->kernels();
+    const auto q = make_queries(*f.keys, f.seqs.size(), H, c.group, c.head_dim, 23);
+    std::vector<gpu::LocksPair> pairs;
+    for (uint32_t i = 0; i < shape.max_pairs; ++i)
+      pairs.push_back(pair_of(f, q, c.group, c.head_dim, i));
     double worst = 0.0;
-    for (uint32_t i = 0; i < shape.max_pairs; ++i) {
-      const gpu::LocksPair& p = pairs[i];
-      const uint32_t n_pages = static_cast<uint32_t>(f.g.pages_for(p.tokens));
-      const uint32_t sealed = static_cast<uint32_t>(p.tokens / B);
-      std::vector<float> dev(std::size_t{G} * n_pages), cpu(std::size_t{G} * sealed);
-      if (gpu::locks_pair_plan(shape, p.tokens, p.budget_tokens).whole) continue;
-      const gpu::Result hr = scorer.head_scores(i, dev.data());
-      ASSERT_TRUE(hr.ok) << hr.message;
-      simd::LocksScoreJob job{};
-      job.q = p.q;
-      job.group = G;
-      job.head_dim = d;
-      job.page_tokens = B;
-      job.rank = select::kLocksDefaultRank;
-      job.int8_query = true;
-      job.scale = shape.scale;
-      job.records = records.data();
-      job.record_bytes = rb;
-      job.slots = p.table;
-      job.count = sealed;
-      job.lse = cpu.data();
-      kernels.locks_score(job);
-      for (uint32_t g = 0; g < G; ++g) {
-        for (uint32_t page = 0; page < sealed; ++page) {
-          const float a = cpu[std::size_t{g} * sealed + page];
-          const float b = dev[std::size_t{g} * n_pages + page];
-          worst = std::max(worst, double(std::fabs(a - b)) / (1.0 + std::fabs(a)));
-          ASSERT_TRUE(near(a, b, 2e-5f, 2e-5f)) << describe(c) << " pair " << i << " head " << g
-                                                << " page " << page << ": " << a << " vs " << b;
-        }
-        if (sealed < n_pages) {  // the open page, exactly
-          const uint32_t n = static_cast<uint32_t>(p.tokens % B);
-          std::vector<float> key(d);
-          float logits[64], top = -kInf;
-          for (uint32_t t = 0; t < n; ++t) {
-            kernels.decode(p.open_keys + std::size_t{t} * d, key.data(), d, c.dtype);
-            float dot = 0.0f;
-            for (uint32_t ch = 0; ch < d; ++ch) dot += p.q[g * d + ch] * key[ch];
-            logits[t] = dot * shape.scale;
-            top = std::max(top, logits[t]);
-          }
-          float sum = 0.0f;
-          for (uint32_t t = 0; t < n; ++t) sum += std::exp(logits[t] - top);
-          EXPECT_TRUE(
-              near(top + std::log(sum), dev[std::size_t{g} * n_pages + sealed], 1e-5f, 1e-5f))
-              << describe(c) << " pair " << i << " open page";
-        }
-      }
-    }
+    expect_cpu_head_scores(f, c, scorer, pairs, records, describe(c), &worst);
+    if (HasFatalFailure()) return;
     std::printf("[ LOCKS ] %s: worst |cpu - device| / (1 + |cpu|) of the page scores %.3g\n",
                 describe(c).c_str(), worst);
   }
+}
+
+// Named tables: over decode steps that seal pages, the device's copies (fewer than the pairs, so
+// that they are reused) give the scores of the cache's tables; so do a table named twice in one
+// run, and a freed sequence's reused id whose tables get new names.
+TEST(LocksScorer, keeps_named_tables_and_takes_only_their_new_entries) {
+  KVSIFT_SKIP_WITHOUT_DEVICE();
+  const Config c{4, 128, simd::Dtype::bf16, {3000, 9001, 20000}};
+  Fixture f(c, 8100, 41);
+  const uint32_t H = f.g.n_kv_heads, n_pairs = static_cast<uint32_t>(f.seqs.size()) * H;
+  std::vector<std::byte> records;
+  std::vector<uint32_t> listed;
+  build_records(f, c, 0, records, listed);
+  gpu::LocksScorerShape shape = scorer_shape(f, c, n_pairs + 1);
+  shape.table_copies = n_pairs - 2;
+  shape.max_pair_pages = f.max_pages;
+  gpu::LocksScorer scorer;
+  ASSERT_TRUE(scorer.init(0, shape).ok);
+  ASSERT_TRUE(scorer.upload(records.data(), listed.data(), listed.size()).ok);
+  std::vector<uint64_t> names(f.seqs.size());
+  for (std::size_t s = 0; s < names.size(); ++s) names[s] = 1 + s * H;
+  double worst = 0.0;
+  for (uint32_t step = 0; step < 40; ++step) {
+    if (step == 20) {  // free the middle sequence, refill its slots, name its tables anew
+      f.cache->free_sequence(f.seqs[1]);
+      const int32_t seq = f.cache->create_sequence();
+      std::vector<float> k, v;
+      f.keys->make(0, 8000, k, v);
+      f.cache->append(seq, 0, 8000, k.data(), v.data());
+      f.seqs[1] = seq, f.lengths[1] = 8000;
+      names[1] = 1000;
+      listed.clear();
+      build_records(f, c, 0, records, listed);
+      ASSERT_TRUE(scorer.upload(records.data(), listed.data(), listed.size()).ok);
+    }
+    for (int m = 0; m < 7; ++m) {  // several pages seal between runs
+      f.append_token();
+      for (std::size_t s = 0; s < f.seqs.size(); ++s)
+        if (f.lengths[s] % f.g.page_tokens == 0) {
+          listed.clear();
+          build_records(f, c, f.lengths[s] / f.g.page_tokens - 1, records, listed);
+          ASSERT_TRUE(scorer.upload(records.data(), listed.data(), listed.size()).ok);
+        }
+    }
+    const auto q = make_queries(*f.keys, f.seqs.size(), H, c.group, c.head_dim, 300 + step);
+    std::vector<gpu::LocksPair> pairs;
+    for (uint32_t j = 0; j < n_pairs; ++j) {  // in a rotating order, so that copies are reused
+      const uint32_t i = (j + step) % n_pairs;
+      pairs.push_back(pair_of(f, q, c.group, c.head_dim, i));
+      pairs.back().table_id = names[i / H] + i % H;
+    }
+    if (step % 3 == 0) pairs.push_back(pairs[step % n_pairs]);  // a table named twice
+    expect_cpu_head_scores(f, c, scorer, pairs, records, "step " + std::to_string(step), &worst);
+    if (HasFatalFailure()) return;
+  }
+  std::printf("[ LOCKS ] named tables: worst |cpu - device| / (1 + |cpu|) %.3g\n", worst);
 }
 
 // Two selectors of one policy on one cache, CPU and device: agreement (expect_agreement) for each
