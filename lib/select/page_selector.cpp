@@ -474,8 +474,12 @@ class LocksSelector final : public PageSelector {
   uint64_t device_fallbacks() const noexcept override { return device_fallbacks_; }
   uint64_t device_bytes() const noexcept override { return scorer_ ? scorer_->device_bytes() : 0; }
 
-  void prepare(const SelectCall&, Selection&) override {
+  void prepare(const SelectCall& call, Selection&) override {
     if (!scorer_) return;
+    // Room to name the call's tables, so that select() allocates nothing.
+    for (uint32_t i = 0; i < call.n_seqs; ++i)
+      if (call.seq_ids[i] >= 0 && static_cast<std::size_t>(call.seq_ids[i]) >= table_names_.size())
+        table_names_.resize(static_cast<std::size_t>(call.seq_ids[i]) + 1, 0);
     // A failed upload stays pending: select() tries again, and falls back to the CPU.
     build_summaries();
     upload_pending();
@@ -483,6 +487,13 @@ class LocksSelector final : public PageSelector {
 
   void select(const SelectCall& call, Selection& out) noexcept override {
     if (!scorer_ || !select_on_device(call, out)) PageSelector::select(call, out);
+  }
+
+  // A sequence's sealed table entries change only when it is freed (its id may come back with
+  // other pages) or its pages are released: its tables get new names for the scorer then.
+  void on_sequence_freed(int32_t seq_id) noexcept override { rename_tables(seq_id); }
+  void on_pages_released(int32_t seq_id, uint32_t, uint64_t, uint64_t) noexcept override {
+    rename_tables(seq_id);
   }
 
  protected:
@@ -569,6 +580,11 @@ class LocksSelector final : public PageSelector {
     shape.max_pages = std::min<uint64_t>(uint64_t{shape.max_pairs} * max_pages, slots);
     shape.sink_pages = policy_.sink_pages;
     shape.window_pages = policy_.window_pages;
+    // The device keeps every layer's tables of a full batch (a run then sends only the slots of
+    // pages sealed since the last), within twice the pool's slots of entries.
+    shape.max_pair_pages = max_pages;
+    shape.table_copies = static_cast<uint32_t>(std::min<uint64_t>(
+        uint64_t{g.n_layers} * shape.max_pairs, 2 * slots / std::max<uint64_t>(max_pages, 1)));
     scorer_ = std::make_unique<gpu::LocksScorer>();
     const gpu::Result r = scorer_->init(policy_.device, shape);
     if (!r.ok)
@@ -586,6 +602,21 @@ class LocksSelector final : public PageSelector {
     for (std::size_t i = 0; i < n_upload_; ++i) upload_marked_[upload_slots_[i]] = 0;
     n_upload_ = 0;
     return true;
+  }
+
+  // The first of the names of a sequence's tables (one per layer and KV head) for the scorer; 0
+  // (unnamed: sent whole) for an id prepare() did not see.
+  uint64_t table_name(int32_t seq) noexcept {
+    const auto at = static_cast<std::size_t>(seq);
+    if (at >= table_names_.size()) return 0;
+    if (table_names_[at] == 0) {
+      table_names_[at] = next_table_name_;
+      next_table_name_ += uint64_t{geometry().n_layers} * geometry().n_kv_heads;
+    }
+    return table_names_[at];
+  }
+  void rename_tables(int32_t seq) noexcept {
+    if (static_cast<std::size_t>(seq) < table_names_.size()) table_names_[seq] = 0;
   }
 
   // The whole call on the device; false (out untouched) when the CPU must run it.
@@ -607,6 +638,8 @@ class LocksSelector final : public PageSelector {
       for (std::size_t c = 0; c < std::size_t{G} * d; ++c)
         if (!std::isfinite(pair.q[c])) return false;
       pair.table = cache_.page_table(seq, call.layer, i % H);
+      const uint64_t name = table_name(seq);
+      pair.table_id = name == 0 ? 0 : name + uint64_t{call.layer} * H + i % H;
       pair.tokens = cache_.length_unchecked(seq, call.layer);
       pair.budget_tokens = policy_.budget_tokens(pair.tokens);
       const uint64_t sealed = pair.tokens / B, open = pair.tokens % B;
@@ -644,6 +677,8 @@ class LocksSelector final : public PageSelector {
   std::vector<uint8_t> upload_marked_;
   std::size_t n_upload_ = 0;
   std::vector<gpu::LocksPair> pairs_;
+  std::vector<uint64_t> table_names_;  // per sequence id: table_name()'s, 0 until named
+  uint64_t next_table_name_ = 1;
   uint64_t device_fallbacks_ = 0;
 };
 
