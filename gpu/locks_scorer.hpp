@@ -28,9 +28,9 @@
 // (table_copies). Per run, one copy up (pair parameters, queries, the sealed pages' slots the
 // copies lack, the open pages' keys) packed in pinned staging, a scoring kernel (four lanes per
 // page and up to 8 heads; it rounds the queries to int8 and extends the table copies), a
-// selection kernel (one CTA per pair, its scores in shared memory: combine, radix select of the
-// b-th best (score, page) key, ordered compaction, estimate), one copy back (estimates, ids,
-// scores), one wait.
+// selection kernel (a cluster of 8 CTAs per pair, the scores in their shared memory: combine,
+// radix select of the b-th best (score, page) key, ordered compaction, estimate), one copy back
+// (estimates, ids, scores), one wait.
 #pragma once
 
 #include <cstddef>
