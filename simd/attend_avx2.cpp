@@ -75,7 +75,8 @@ const Kernels& avx2_kernels() noexcept {
                              Body<IsaOps>::decode,
                              Body<IsaOps>::attend,
                              Body<IsaOps>::matvec_bf16,
-                             Body<IsaOps>::locks_score};
+                             Body<IsaOps>::locks_score,
+                             Body<IsaOps>::exp_sum};
   return table;
 }
 

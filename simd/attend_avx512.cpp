@@ -85,7 +85,8 @@ const Kernels& avx512_kernels() noexcept {
       Body<IsaOps>::decode,
       Body<IsaOps>::attend,
       Body<IsaOps>::matvec_bf16,
-      avx512_vnni_locks_score() != nullptr ? locks_score_with_vnni : Body<IsaOps>::locks_score};
+      avx512_vnni_locks_score() != nullptr ? locks_score_with_vnni : Body<IsaOps>::locks_score,
+      Body<IsaOps>::exp_sum};
   return table;
 }
 

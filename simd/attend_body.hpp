@@ -72,6 +72,31 @@ struct Body {
     for (std::size_t j = 0; i + j < n; ++j) dst[i + j] = out[j];
   }
 
+  static double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept {
+    const batch sh(shift);
+    double total = 0.0;
+    for (std::size_t i0 = 0; i0 < n; i0 += kExpSumBlock) {
+      const std::size_t end = i0 + kExpSumBlock < n ? i0 + kExpSumBlock : n;
+      batch sum(0.0f);
+      std::size_t i = i0;
+      for (; i + W <= end; i += W) {
+        const batch e = xsimd::exp(batch::load_unaligned(x + i) - sh);
+        e.store_unaligned(out + i);
+        sum += e;
+      }
+      if (i < end) {  // the tail through a padded copy: -inf adds exp(-inf) = 0
+        alignas(64) float in[W], e[W];
+        for (std::size_t j = 0; j < W; ++j) in[j] = i + j < end ? x[i + j] : kNegInf;
+        const batch v = xsimd::exp(batch::load_aligned(in) - sh);
+        v.store_aligned(e);
+        sum += v;
+        for (std::size_t j = 0; i + j < end; ++j) out[i + j] = e[j];
+      }
+      total += xsimd::hadd(sum);
+    }
+    return total;
+  }
+
   // Streams each bf16 weight row once for all M vectors; per vector two accumulators (even and
   // odd chunks) hide the FMA latency, the same order for every M.
   template <std::size_t M>

@@ -122,10 +122,20 @@ void locks_score(const LocksScoreJob& job) noexcept {
   }
 }
 
+double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept {
+  double total = 0.0;
+  for (std::size_t i = 0; i < n; ++i) {
+    out[i] = std::exp(x[i] - shift);
+    total += out[i];
+  }
+  return total;
+}
+
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Isa::scalar, encode, decode, attend, matvec_bf16, locks_score};
+  static const Kernels table{Isa::scalar, encode,      decode, attend,
+                             matvec_bf16, locks_score, exp_sum};
   return table;
 }
 

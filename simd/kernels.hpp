@@ -72,7 +72,13 @@ struct Kernels {
   void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
                       std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
   void (*locks_score)(const LocksScoreJob& job) noexcept;
+  // out[i] = exp(x[i] - shift) for i < n, and their sum (float32 lanes, added up in float64 every
+  // kExpSumBlock values): the selectors' page masses relative to the best page.
+  double (*exp_sum)(const float* x, float shift, float* out, std::size_t n) noexcept;
 };
+
+// Values exp_sum adds in float32 lanes before it moves the partial sums to float64.
+inline constexpr std::size_t kExpSumBlock = 256;
 
 // The table for an ISA the CPU supports (callers resolve the ISA first with resolve_isa).
 const Kernels& kernels_for(Isa isa) noexcept;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <numeric>
 #include <string>
 
@@ -157,6 +158,27 @@ TEST_P(Kernels, explicit_page_lists_attend_only_the_listed_pages) {
     const auto got = pages.attend(k(), q, 4, &list);
     const auto ref = pages.reference(q, 4, &list);
     EXPECT_LT(test::relative_error(got.data(), ref.data(), got.size()), 1e-5);
+  }
+}
+
+TEST_P(Kernels, exp_sum_matches_float64_over_odd_sizes) {
+  for (std::size_t n : {1u, 3u, 7u, 17u, 255u, 256u, 257u, 1000u}) {
+    auto x = test::random_floats(n, 300 + static_cast<uint32_t>(n), 30.0f);
+    if (n > 2) {
+      x[0] = -std::numeric_limits<float>::infinity();  // mass 0
+      x[1] = -200.0f;                                  // underflows to 0
+    }
+    const float shift = *std::max_element(x.begin(), x.end());
+    std::vector<float> out(n + 1, -1.0f);
+    const double sum = k().exp_sum(x.data(), shift, out.data(), n);
+    double want_sum = 0.0;
+    for (std::size_t i = 0; i < n; ++i) {
+      const double want = std::exp(double(x[i] - shift));  // the kernel subtracts in float32
+      want_sum += want;
+      EXPECT_NEAR(out[i], want, 4e-7 * want + 1e-30) << "n=" << n << " i=" << i;
+    }
+    EXPECT_NEAR(sum, want_sum, 1e-6 * want_sum) << "n=" << n;
+    EXPECT_EQ(out[n], -1.0f) << "n=" << n << ": written past the end";
   }
 }
 

@@ -290,12 +290,7 @@ void PageSelector::masses(Scratch& s, uint32_t first, uint32_t last) const noexc
     float* mh = s.mass.data() + h * max_pages_;
     const float top = *std::max_element(sh + first, sh + last);
     s.top[h] = top;
-    double total = 0.0;
-    for (uint32_t p = first; p < last; ++p) {
-      mh[p] = std::exp(sh[p] - top);
-      total += mh[p];
-    }
-    s.selectable_mass[h] = total;
+    s.selectable_mass[h] = cache_.kernels().exp_sum(sh + first, top, mh + first, last - first);
   }
 }
 
