@@ -149,6 +149,16 @@ struct Fixture {
     }
   }
 
+  // Frees sequence i and puts a new one of `tokens` fresh keys in its place, on its freed slots.
+  void replace_sequence(std::size_t i, uint32_t tokens) {
+    cache->free_sequence(seqs[i]);
+    const int32_t seq = cache->create_sequence();
+    std::vector<float> k, v;
+    keys->make(0, tokens, k, v);
+    cache->append(seq, 0, tokens, k.data(), v.data());
+    seqs[i] = seq, lengths[i] = tokens;
+  }
+
   void append_token() {
     std::vector<float> k, v;
     for (std::size_t i = 0; i < seqs.size(); ++i) {
@@ -554,12 +564,7 @@ TEST(LocksScorer, keeps_named_tables_and_takes_only_their_new_entries) {
   double worst = 0.0;
   for (uint32_t step = 0; step < 40; ++step) {
     if (step == 20) {  // free the middle sequence, refill its slots, name its tables anew
-      f.cache->free_sequence(f.seqs[1]);
-      const int32_t seq = f.cache->create_sequence();
-      std::vector<float> k, v;
-      f.keys->make(0, 8000, k, v);
-      f.cache->append(seq, 0, 8000, k.data(), v.data());
-      f.seqs[1] = seq, f.lengths[1] = 8000;
+      f.replace_sequence(1, 8000);
       names[1] = 1000;
       listed.clear();
       build_records(f, c, 0, records, listed);
@@ -651,14 +656,7 @@ TEST(LocksSelectorDevice, follows_decode_steps_that_seal_pages_and_reuse_slots) 
   dev->reserve_selection(sel_dev);
   Agreement stats;
   for (uint32_t step = 0; step < 60; ++step) {
-    if (step == 30) {  // free the middle sequence and refill its slots with new keys
-      f.cache->free_sequence(f.seqs[1]);
-      const int32_t seq = f.cache->create_sequence();
-      std::vector<float> k, v;
-      f.keys->make(0, 8000, k, v);
-      f.cache->append(seq, 0, 8000, k.data(), v.data());
-      f.seqs[1] = seq, f.lengths[1] = 8000;
-    }
+    if (step == 30) f.replace_sequence(1, 8000);  // the middle one, on its freed slots
     f.append_token();
     const auto q = make_queries(*f.keys, n_seqs, 2, c.group, c.head_dim, 500 + step);
     const select::SelectCall call{0, n_seqs, f.seqs.data(), q.data()};
