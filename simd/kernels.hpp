@@ -72,8 +72,9 @@ struct Kernels {
   void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
                       std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
   void (*locks_score)(const LocksScoreJob& job) noexcept;
-  // out[i] = exp(x[i] - shift) for i < n, and their sum (float32 lanes, added up in float64 every
-  // kExpSumBlock values): the selectors' page masses relative to the best page.
+  // out[i] = exp(x[i] - shift) for i < n, and their sum (the SIMD tables add float32 lanes and
+  // move them to float64 every kExpSumBlock values; the scalar one adds in float64): the
+  // selectors' page masses relative to the best page.
   double (*exp_sum)(const float* x, float shift, float* out, std::size_t n) noexcept;
 };
 
