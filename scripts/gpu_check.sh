@@ -23,6 +23,10 @@
 #                                  throughput  decode tokens/s of the model at 1K and 8K context,
 #                                           batch 1 and 8, dense and LOCKS at 5%, on the CPU's
 #                                           cores and in offload mode (kvsift-bench-decode)
+#                                  eval     kvsift-eval on the host's CPU cores: one process per
+#                                           task of EVAL_TASKS, each with the arguments in
+#                                           EVAL_ARGS and an equal share of the cores; each
+#                                           writes eval_<task>.json and RESULTS_<task>.md
 #                                Summaries are printed; the logs come back as $OUT/logs.tar.gz.
 #
 # Why staging: the GPU machine's image has CUDA, CMake and ninja but not the Debian packages the
@@ -37,11 +41,12 @@ stage=$build/stage
 targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests
   kvsift_offload_tests
   kvsift-demo kvsift-bench-gpu-attend kvsift-bench-gpu-transfer kvsift-bench-gpu-louver
-  kvsift-bench-offload kvsift-bench-decode)
+  kvsift-bench-offload kvsift-bench-decode kvsift-eval)
 target_path() {
   case $1 in
     kvsift-bench-*) echo "$build/bench/$1" ;;
     kvsift-demo) echo "$build/apps/$1" ;;
+    kvsift-eval) echo "$build/apps/eval/$1" ;;
     *) echo "$build/tests/$1" ;;
   esac
 }
@@ -175,6 +180,23 @@ for key, c in rows[0].items():
           f"{g['attend_us']:9.0f} {g['h2d_MB']:8.2f} {g['hit_rate']:5.3f}")
 PY
     { cat "$logs"/throughput_*.err; status=1; }
+fi
+
+if [[ " $checks " == *" eval "* ]]; then
+  # The tasks run side by side: one process's decode steps are too small to keep 16 cores busy.
+  read -ra tasks <<<"${EVAL_TASKS:?eval needs EVAL_TASKS, e.g. niah_single_noise niah_multikey}"
+  per_task=$(($(nproc) / ${#tasks[@]}))
+  pids=()
+  for task in "${tasks[@]}"; do
+    # shellcheck disable=SC2086  # EVAL_ARGS is a list of arguments
+    "$stage/kvsift-eval" --task-names "$task" ${EVAL_ARGS:-} --threads "$((per_task > 0 ? per_task : 1))" \
+      --json "$logs/eval_$task.json" --results "$logs/RESULTS_$task.md" >"$logs/eval_$task.log" 2>&1 &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do
+    wait "${pids[$i]}" || { status=1; tail -3 "$logs/eval_${tasks[$i]}.log"; }
+  done
+  for task in "${tasks[@]}"; do tail -1 "$logs/eval_$task.log"; done
 fi
 
 if [[ " $checks " == *" louver "* ]]; then
