@@ -72,6 +72,8 @@ struct Options {
   double epsilon = 1e-3;
   std::vector<double> compressions = {2.5, 5.0};
   std::string s4r_bases = "layer";
+  std::string combine = "share_avg";
+  std::string locks_query = "int8";
   bool verbose = false;
 };
 
@@ -120,6 +122,10 @@ std::vector<Config> make_configs(const Options& o) {
         p.sink_pages = o.sink_pages;
         p.window_pages = o.window_pages;
         p.epsilon = o.epsilon;
+        for (const select::GqaCombine c :
+             {select::GqaCombine::share_avg, select::GqaCombine::nrm, select::GqaCombine::max})
+          if (o.combine == select::combine_name(c)) p.combine = c;
+        p.int8_query = o.locks_query == "int8";
         std::string label = name;
         if (kind == select::Kind::s4r) {
           p.compression = compression;
@@ -397,6 +403,15 @@ int main(int argc, char** argv) {
   app.add_option("--s4r-bases", o.s4r_bases,
                  "s4r: one basis per layer over all KV heads (the paper's) or one per KV head")
       ->check(CLI::IsMember({"layer", "head"}))
+      ->capture_default_str();
+  app.add_option("--combine", o.combine,
+                 "how a group's query heads share one page ranking: share_avg (the LOCKS paper), "
+                 "nrm (the LOCKS authors' code) or max")
+      ->check(CLI::IsMember({"share_avg", "nrm", "max"}))
+      ->capture_default_str();
+  app.add_option("--locks-query", o.locks_query,
+                 "locks: score with each query head rounded to int8 (the reference) or in float")
+      ->check(CLI::IsMember({"int8", "float"}))
       ->capture_default_str();
   app.add_flag("--verbose", o.verbose, "print every output");
   // A single-valued option given twice takes the last: make eval's EVAL_ARGS can override it.
