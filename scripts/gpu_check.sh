@@ -185,12 +185,14 @@ fi
 if [[ " $checks " == *" eval "* ]]; then
   # The tasks run side by side: one process's decode steps are too small to keep 16 cores busy.
   read -ra tasks <<<"${EVAL_TASKS:?eval needs EVAL_TASKS, e.g. niah_single_noise niah_multikey}"
-  per_task=$(($(nproc) / ${#tasks[@]}))
+  threads=$(($(nproc) / ${#tasks[@]}))
+  ((threads > 0)) || threads=1
   pids=()
   for task in "${tasks[@]}"; do
     # shellcheck disable=SC2086  # EVAL_ARGS is a list of arguments
-    "$stage/kvsift-eval" --task-names "$task" ${EVAL_ARGS:-} --threads "$((per_task > 0 ? per_task : 1))" \
-      --json "$logs/eval_$task.json" --results "$logs/RESULTS_$task.md" >"$logs/eval_$task.log" 2>&1 &
+    "$stage/kvsift-eval" --task-names "$task" ${EVAL_ARGS:-} --threads "$threads" \
+      --json "$logs/eval_$task.json" --results "$logs/RESULTS_$task.md" \
+      >"$logs/eval_$task.log" 2>&1 &
     pids+=($!)
   done
   for i in "${!pids[@]}"; do
