@@ -93,6 +93,10 @@ void Report::add(const Sample& sample, uint64_t prompt_tokens,
     cell.samples += 1;
     cell.score_sum += r.score;
     cell.agreements += r.agrees ? 1 : 0;
+    if (c > 0 && results.front().ran) {
+      cell.below_dense += r.score < results.front().score ? 1 : 0;
+      cell.above_dense += r.score > results.front().score ? 1 : 0;
+    }
     cell.steps += r.steps;
     cell.decode_seconds += r.decode_seconds;
     cell.kv_bytes += r.kv_bytes;
@@ -130,6 +134,8 @@ std::vector<Record> Report::records() const {
       r.accuracy = ratio(cell.score_sum, cell.samples);
       r.accuracy_vs_dense = ratio(r.accuracy, dense_accuracy);
       r.agreement = ratio(cell.agreements, cell.samples);
+      r.below_dense = cell.below_dense;
+      r.above_dense = cell.above_dense;
       r.mass_recall = ratio(p.recall_sum, static_cast<double>(p.heads));
       r.mass_recall_min = p.heads > 0 ? p.recall_min : kNaN;
       r.out_rel_err = ratio(p.rel_err_sum, static_cast<double>(p.heads));
@@ -188,22 +194,22 @@ std::string Report::markdown() const {
     md << "dropped mass: measured (1 - mass recall) / the selector's estimate / its proven bound "
           "(- where it gives none); violations: share of (step, layer, KV head) whose measured "
           "drop exceeds the bound.\n\n"
-       << "| task | length | selector | budget | accuracy | vs dense | agreement | mass recall | "
-          "out rel err | tokens/step | KV MiB/step | tok/s | dropped: measured / est. / bound | "
-          "violations |\n"
-       << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
+       << "| task | length | selector | budget | accuracy | vs dense | samples below / above dense "
+          "| agreement | mass recall | out rel err | tokens/step | KV MiB/step | tok/s | dropped: "
+          "measured / est. / bound | violations |\n"
+       << "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|\n";
     for (std::size_t i = 0; i < records.size(); i += n_configs) {
       if (!records[i].compared) continue;
       for (std::size_t c = 1; c < n_configs; ++c) {
         const Record& r = records[i + c];
         md << "| " << r.task << " | " << length_label(r.length) << " | " << r.selector << " | "
            << budget_label(configs_[c]) << " | " << fixed(r.accuracy, 2) << " | "
-           << fixed(r.accuracy_vs_dense, 2) << " | " << fixed(r.agreement, 2) << " | "
-           << fixed(r.mass_recall, 4) << " | " << significant(r.out_rel_err) << " | "
-           << fixed(r.tokens_per_step, 0) << " | " << mib(r.kv_bytes_per_step) << " | "
-           << fixed(r.decode_tok_s, 1) << " | " << fixed(r.dropped_measured, 4) << " / "
-           << fixed(r.dropped_estimate, 4) << " / " << fixed(r.dropped_bound, 4) << " | "
-           << fixed(r.bound_violations, 3) << " |\n";
+           << fixed(r.accuracy_vs_dense, 2) << " | " << r.below_dense << " / " << r.above_dense
+           << " | " << fixed(r.agreement, 2) << " | " << fixed(r.mass_recall, 4) << " | "
+           << significant(r.out_rel_err) << " | " << fixed(r.tokens_per_step, 0) << " | "
+           << mib(r.kv_bytes_per_step) << " | " << fixed(r.decode_tok_s, 1) << " | "
+           << fixed(r.dropped_measured, 4) << " / " << fixed(r.dropped_estimate, 4) << " / "
+           << fixed(r.dropped_bound, 4) << " | " << fixed(r.bound_violations, 3) << " |\n";
       }
     }
     if (!dropped.empty()) {
@@ -214,26 +220,29 @@ std::string Report::markdown() const {
 
     // Means over the compared (task, length) pairs, each pair weighing the same.
     md << "\n### Summary over the compared (task, length) pairs\n\n"
-       << "| selector | budget | pairs | accuracy | vs dense | agreement | mass recall | "
-          "out rel err |\n"
-       << "|---|---|---|---|---|---|---|---|\n";
+       << "| selector | budget | pairs | accuracy | vs dense | samples below / above dense | "
+          "agreement | mass recall | out rel err |\n"
+       << "|---|---|---|---|---|---|---|---|---|\n";
     for (std::size_t c = 0; c < n_configs; ++c) {
       double acc = 0, vs = 0, agree = 0, recall = 0, err = 0;
-      uint32_t pairs = 0, vs_pairs = 0, recall_pairs = 0;
+      uint32_t pairs = 0, vs_pairs = 0, recall_pairs = 0, below = 0, above = 0;
       for (std::size_t i = 0; i < records.size(); i += n_configs) {
         const Record& r = records[i + c];
         if (!r.compared) continue;
         ++pairs;
         acc += r.accuracy;
         agree += r.agreement;
+        below += r.below_dense;
+        above += r.above_dense;
         if (!std::isnan(r.accuracy_vs_dense)) vs += r.accuracy_vs_dense, ++vs_pairs;
         if (!std::isnan(r.mass_recall))
           recall += r.mass_recall, err += r.out_rel_err, ++recall_pairs;
       }
       md << "| " << configs_[c].selector << " | " << budget_label(configs_[c]) << " | " << pairs
          << " | " << fixed(ratio(acc, pairs), 3) << " | " << fixed(ratio(vs, vs_pairs), 3) << " | "
-         << fixed(ratio(agree, pairs), 3) << " | " << fixed(ratio(recall, recall_pairs), 4) << " | "
-         << significant(ratio(err, recall_pairs)) << " |\n";
+         << below << " / " << above << " | " << fixed(ratio(agree, pairs), 3) << " | "
+         << fixed(ratio(recall, recall_pairs), 4) << " | " << significant(ratio(err, recall_pairs))
+         << " |\n";
     }
   }
   return md.str();
@@ -254,6 +263,8 @@ void Report::write_json(const std::string& path) const {
     o["accuracy"] = number(r.accuracy);
     o["accuracy_vs_dense"] = number(r.accuracy_vs_dense);
     o["agreement"] = number(r.agreement);
+    o["samples_below_dense"] = r.below_dense;
+    o["samples_above_dense"] = r.above_dense;
     o["mass_recall"] = number(r.mass_recall);
     o["out_rel_err"] = number(r.out_rel_err);
     o["kv_bytes_per_step"] = number(r.kv_bytes_per_step);

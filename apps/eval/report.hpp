@@ -28,6 +28,9 @@ struct Record {
   double accuracy = 0.0;
   double accuracy_vs_dense = 0.0;  // accuracy / dense accuracy; NaN when dense scores 0
   double agreement = 0.0;          // share of samples with dense's exact greedy output
+  // The paired view (research/eval-data.md 4.4): samples scoring below and above dense's score
+  // on the same sample. With few samples these say more than the accuracies' difference.
+  uint32_t below_dense = 0, above_dense = 0;
   double mass_recall = 0.0;        // mean over samples, steps, layers and query heads
   double mass_recall_min = 0.0;    // the worst (sample, step, layer, query head)
   double out_rel_err = 0.0;        // mean, same observations
@@ -84,6 +87,7 @@ class Report {
     uint32_t samples = 0;
     double score_sum = 0.0;
     uint32_t agreements = 0;
+    uint32_t below_dense = 0, above_dense = 0;
     uint64_t steps = 0;
     double decode_seconds = 0.0;
     uint64_t kv_bytes = 0, index_bytes = 0;

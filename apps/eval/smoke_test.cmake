@@ -19,8 +19,8 @@ function(run_eval)
 endfunction()
 
 # Every record carries these; null is allowed only where a metric has no observation.
-set(fields task length selector budget samples accuracy accuracy_vs_dense agreement mass_recall
-           out_rel_err kv_bytes_per_step decode_tok_s)
+set(fields task length selector budget samples accuracy accuracy_vs_dense samples_below_dense
+           samples_above_dense agreement mass_recall out_rel_err kv_bytes_per_step decode_tok_s)
 
 function(check_json file expected_configs)
   file(READ "${file}" json)
@@ -47,6 +47,17 @@ function(check_json file expected_configs)
     endif()
     if(recall GREATER 1.000001 OR recall LESS_EQUAL 0)
       message(FATAL_ERROR "${file}: record ${i} has mass_recall ${recall} outside (0, 1]")
+    endif()
+    # The paired counts: none for dense against itself, none below dense where every sample
+    # scored (dense does here), never more than the samples.
+    string(JSON samples GET "${json}" ${i} samples)
+    string(JSON below GET "${json}" ${i} samples_below_dense)
+    string(JSON above GET "${json}" ${i} samples_above_dense)
+    math(EXPR paired "${below} + ${above}")
+    if(paired GREATER samples OR (selector STREQUAL "dense" AND paired GREATER 0)
+       OR (accuracy EQUAL 1 AND below GREATER 0))
+      message(FATAL_ERROR "${file}: record ${i} (${selector}, ${samples} samples, accuracy "
+                          "${accuracy}) has ${below} samples below dense and ${above} above")
     endif()
   endforeach()
 endfunction()
