@@ -33,18 +33,18 @@ void copy_out(const std::string& bytes, char* out, std::size_t capacity, std::si
   }
 }
 
-simd::Isa to_isa(kvsift_isa isa, const char* name) {
+simd::Isa to_isa(int32_t isa, const char* name) {
   switch (isa) {
     case KVSIFT_ISA_SCALAR: return simd::Isa::scalar;
     case KVSIFT_ISA_AVX2: return simd::Isa::avx2;
     case KVSIFT_ISA_AVX512:
     case KVSIFT_ISA_AUTO: return simd::Isa::avx512;
-    case KVSIFT_ISA_MAX_ENUM: break;
+    default: break;
   }
-  fail(Status::invalid_argument, name, "=", static_cast<int>(isa), " is not a kvsift_isa");
+  fail(Status::invalid_argument, name, "=", isa, " is not a kvsift_isa");
 }
 
-simd::Isa to_supported_isa(kvsift_isa isa, const char* name) {
+simd::Isa to_supported_isa(int32_t isa, const char* name) {
   const simd::Isa wanted = to_isa(isa, name);
   if (isa != KVSIFT_ISA_AUTO && simd::detect_isa() < wanted)
     fail(Status::unsupported, name, "=", simd::isa_name(wanted),
@@ -52,26 +52,27 @@ simd::Isa to_supported_isa(kvsift_isa isa, const char* name) {
   return wanted;
 }
 
-simd::Dtype to_dtype(kvsift_dtype dtype, const char* name) {
+simd::Dtype to_dtype(int32_t dtype, const char* name) {
   switch (dtype) {
     case KVSIFT_DTYPE_F16: return simd::Dtype::f16;
     case KVSIFT_DTYPE_BF16: return simd::Dtype::bf16;
-    case KVSIFT_DTYPE_MAX_ENUM: break;
+    default: break;
   }
-  fail(Status::invalid_argument, name, "=", static_cast<int>(dtype), " is not a kvsift_dtype");
+  fail(Status::invalid_argument, name, "=", dtype, " is not a kvsift_dtype");
 }
 
 select::Policy to_policy(const kvsift_selector_policy& in) {
-  require(in.selector >= KVSIFT_SELECTOR_DENSE && in.selector <= KVSIFT_SELECTOR_LOUVER,
-          "policy->selector=", static_cast<int>(in.selector), " is not a kvsift_selector");
-  require(in.combine >= KVSIFT_GQA_SHARE_AVG && in.combine <= KVSIFT_GQA_MAX,
-          "policy->combine=", static_cast<int>(in.combine), " is not a kvsift_gqa_combine");
+  const int32_t selector = enum_bits(in.selector), combine = enum_bits(in.combine);
+  require(selector >= KVSIFT_SELECTOR_DENSE && selector <= KVSIFT_SELECTOR_LOUVER,
+          "policy->selector=", selector, " is not a kvsift_selector");
+  require(combine >= KVSIFT_GQA_SHARE_AVG && combine <= KVSIFT_GQA_MAX, "policy->combine=", combine,
+          " is not a kvsift_gqa_combine");
   select::Policy out;
-  out.kind = static_cast<select::Kind>(in.selector);
+  out.kind = static_cast<select::Kind>(selector);
   out.budget = in.budget;
   out.sink_pages = in.sink_pages;
   out.window_pages = in.window_pages;
-  out.combine = static_cast<select::GqaCombine>(in.combine);
+  out.combine = static_cast<select::GqaCombine>(combine);
   out.int8_query = in.int8_query != 0;
   out.epsilon = in.epsilon;
   out.compression = in.compression;

@@ -2,6 +2,8 @@
 // OUT_OF_MEMORY and anything else to INTERNAL, and keeps the message for kvsift_last_error().
 #pragma once
 
+#include <cstdint>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -41,11 +43,24 @@ void require_pointer(const T* p, const char* name) {
 // two-call pattern of kvsift_detokenize and kvsift_chat_template.
 void copy_out(const std::string& bytes, char* out, std::size_t capacity, std::size_t* length);
 
-// C enums to their C++ twins; unknown values throw invalid_argument naming the field.
-simd::Isa to_isa(kvsift_isa isa, const char* name);
+// The int a C caller stored in an enum field or argument. Read as bytes: loading an enum object
+// whose value lies outside its enumerators' range (a -1, a struct memset to 0xFF) as the enum type
+// is undefined behaviour, which UBSan reports. Every C enum is read through this before it is
+// compared.
+template <class Enum>
+int32_t enum_bits(const Enum& value) noexcept {
+  static_assert(sizeof(Enum) == sizeof(int32_t), "the C enums are 32 bits wide (*_MAX_ENUM)");
+  int32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits;
+}
+
+// C enums (given as enum_bits) to their C++ twins; unknown values throw invalid_argument naming
+// the field.
+simd::Isa to_isa(int32_t isa, const char* name);
 // Also throws unsupported for an explicit ISA the CPU lacks (AUTO is always fine).
-simd::Isa to_supported_isa(kvsift_isa isa, const char* name);
-simd::Dtype to_dtype(kvsift_dtype dtype, const char* name);
+simd::Isa to_supported_isa(int32_t isa, const char* name);
+simd::Dtype to_dtype(int32_t dtype, const char* name);
 // Also validates the policy (select::Policy::validate), naming fields as policy->...
 select::Policy to_policy(const kvsift_selector_policy& policy);
 

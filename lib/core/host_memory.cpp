@@ -9,7 +9,8 @@
 
 namespace kvsift {
 
-HostRegion::HostRegion(std::size_t bytes, bool pinned) : bytes_(bytes), pinned_(pinned) {
+HostRegion::HostRegion(std::size_t bytes, bool pinned, bool huge_pages)
+    : bytes_(bytes), pinned_(pinned) {
   if (bytes == 0) return;
   if (pinned) {
     void* p = nullptr;
@@ -24,7 +25,7 @@ HostRegion::HostRegion(std::size_t bytes, bool pinned) : bytes_(bytes), pinned_(
     fail(Status::out_of_memory, "cannot reserve ", bytes, " bytes of host memory");
   // Transparent huge pages (Debian's default is "madvise"): a decode step streams the whole
   // selection, and 2 MiB pages take TLB misses out of that stream. Advice only: failure is fine.
-  madvise(p, bytes, MADV_HUGEPAGE);
+  if (huge_pages) madvise(p, bytes, MADV_HUGEPAGE);
   data_ = static_cast<std::byte*>(p);
 }
 

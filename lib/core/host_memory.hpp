@@ -13,8 +13,9 @@ namespace kvsift {
 class HostRegion {
  public:
   HostRegion() = default;
-  // Throws Error: out_of_memory, or unsupported for pinned memory without CUDA.
-  HostRegion(std::size_t bytes, bool pinned);
+  // Throws Error: out_of_memory, or unsupported for pinned memory without CUDA. huge_pages
+  // (pageable only): advise the OS to back the region with 2 MiB pages.
+  HostRegion(std::size_t bytes, bool pinned, bool huge_pages = true);
   HostRegion(HostRegion&& other) noexcept;
   HostRegion& operator=(HostRegion&& other) noexcept;
   HostRegion(const HostRegion&) = delete;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "lib/core/error.hpp"
 
@@ -14,12 +15,24 @@ Sampler::Sampler(const SamplerParams& params) : params_(params), rng_(params.see
 }
 
 int32_t Sampler::sample(std::span<const float> logits) {
-  if (params_.temperature == 0.0f)
-    return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  // -inf excludes a token (a mask); NaN and +inf have no probability to give, so they are refused
+  // rather than ordered arbitrarily. Checked before anything changes, so a refused call leaves the
+  // generator where it was.
+  std::size_t best = logits.size();
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    const float x = logits[i];
+    if (std::isnan(x) || x == std::numeric_limits<float>::infinity())
+      fail(Status::invalid_argument, "logits[", i, "]=", x, " is not a finite number or -inf");
+    if (x != -std::numeric_limits<float>::infinity() && (best == logits.size() || x > logits[best]))
+      best = i;
+  }
+  require(best < logits.size(), "every one of the ", logits.size(), " logits is -inf");
+  if (params_.temperature == 0.0f) return static_cast<int32_t>(best);
   candidates_.resize(logits.size());
-  const float m = *std::max_element(logits.begin(), logits.end());
+  const float m = logits[best];
   double total = 0.0;
   for (std::size_t i = 0; i < logits.size(); ++i) {
+    // (x - m) <= 0 and temperature > 0: p in [0, 1], and p = 1 for the best token.
     const float p = std::exp((logits[i] - m) / params_.temperature);
     candidates_[i] = {p, static_cast<int32_t>(i)};
     total += p;

@@ -20,6 +20,8 @@ class Sampler {
  public:
   // Throws invalid_argument for a negative temperature or top_p outside (0, 1].
   explicit Sampler(const SamplerParams& params);
+  // The chosen index. -inf logits are never chosen; throws invalid_argument (and leaves the
+  // generator untouched) for a NaN or +inf logit, or when every logit is -inf.
   int32_t sample(std::span<const float> logits);
 
  private:

@@ -703,6 +703,16 @@ std::string Tokenizer::apply_chat_template(std::span<const ChatMessage> messages
     fail(Status::unsupported, "chat template \"", chat_template_.substr(0, cut),
          cut < chat_template_.size() ? "..." : "", "\" is not supported (only ChatML is)");
   }
+  for (std::size_t i = 0; i < messages.size(); ++i) {
+    const ChatMessage& m = messages[i];
+    require(m.role == "system" || m.role == "user" || m.role == "assistant", "messages[", i,
+            "].role='", m.role, "' is not system, user or assistant");
+    for (const int32_t id : special_tokens_) {
+      const std::string& marker = tokens_[static_cast<std::size_t>(id)];
+      require(m.content.find(marker) == std::string_view::npos, "messages[", i,
+              "].content contains the special token '", marker, "'");
+    }
+  }
   std::string out;
   const auto turn = [&out](std::string_view role, std::string_view content) {
     out.append(kImStart).append(role).append("\n").append(content).append(kImEnd).append("\n");

@@ -122,8 +122,14 @@ class Tokenizer {
   // helpful AI assistant named SmolLM, trained by Hugging Face") and the first message's role is
   // not "system"; add_assistant appends "<|im_start|>assistant\n". No BOS is added: encode the
   // result with parse_special = true.
+  // Roles must be "system", "user" or "assistant", and no role or content may contain the text of
+  // a special token (control, unknown or user-defined, such as "<|im_end|>"): encoded with
+  // parse_special, such text would end the turn or open another role, so a user's text could
+  // speak for the system (prompt injection). Refused rather than rewritten: altering the user's
+  // text silently would be worse than telling the application.
   // Throws Error(unsupported): no chat template in the file, or a template that is not ChatML
-  // (the message quotes its first 60 characters).
+  // (the message quotes its first 60 characters); Error(invalid_argument): a role or content as
+  // above, naming the message and the token.
   std::string apply_chat_template(std::span<const ChatMessage> messages, bool add_assistant) const;
 
  private:
