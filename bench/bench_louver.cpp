@@ -8,8 +8,8 @@
 //                      exactly: the pruning rate is 1 - checked), returned (share of keys in the
 //                      answer), bytes_vs_scan (bytes read / the scan's), and index_B_per_key.
 //   BM_louver_scan     the brute-force scan over the same keys with the same taus.
-//   BM_louver_heads    a layer's step: 8 KV heads through louver_query_many (OpenMP over the
-//                      heads) against the 8 brute-force scans in the same OpenMP loop.
+//   BM_louver_heads    a layer's step: 8 KV heads through louver_query_many (a thread pool over
+//                      the heads) against the 8 brute-force scans on the same pool.
 //   BM_louver_build    building the index (wall time); counter ns_per_key.
 //   BM_louver_append   one decode step's append (a flush every 256 steps, amortised).
 // Compare with tools/louver_numpy_bench.py (numpy matmul + threshold). Run with repetitions:
@@ -187,14 +187,15 @@ void BM_louver_heads(benchmark::State& state) {
   std::vector<std::vector<uint32_t>> out(kHeads, std::vector<uint32_t>(n));
   std::vector<uint32_t> counts(kHeads);
   uint32_t t = 0;
+  ThreadPool pool(0);
   for (auto _ : state) {
     for (uint32_t h = 0; h < kHeads; ++h) q[h] = d.queries.data() + ((t + h) % kQueries) * kDim;
     if (brute) {
-#pragma omp parallel for schedule(dynamic)
-      for (int h = 0; h < int(kHeads); ++h)
+      pool.parallel_for(kHeads, 1, [&](uint64_t h, uint64_t, int) noexcept {
         counts[h] = heads[h]->scan(q[h], 1, &taus[(t + h) % kQueries], out[h].data());
+      });
     } else {
-      louver_query_many(ptrs, q.data(), 1, query, results.data());
+      louver_query_many(ptrs, q.data(), 1, query, results.data(), pool);
     }
     ++t;
     benchmark::ClobberMemory();

@@ -285,6 +285,7 @@ double plain_copy_ms(gpu::StepStream& stream, void* dst, const std::byte* src, s
 // Everything one row holds on the host: the cache, the selector that saw its seals, sequences.
 struct Host {
   CacheGeometry geometry;
+  std::unique_ptr<ThreadPool> pool;  // the selector's threads
   std::unique_ptr<KvCache> cache;
   std::unique_ptr<select::Selector> selector;
   std::vector<int32_t> ids;
@@ -673,8 +674,9 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
     policy.budget = cfg.budget;
     policy.device = cfg.locks_device;
     // Created before the fill, so that it sees every seal.
+    host.pool = std::make_unique<ThreadPool>(threads);
     host.selector =
-        select::Selector::create(policy, *host.cache, batch, pages_per_head + 1, threads);
+        select::Selector::create(policy, *host.cache, batch, pages_per_head + 1, *host.pool);
     for (uint32_t s = 0; s < batch; ++s) host.ids.push_back(host.cache->create_sequence());
     t = Clock::now();
     fill(host, synth, row.context, threads);

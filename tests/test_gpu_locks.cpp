@@ -269,7 +269,7 @@ TEST(LocksPairPlan, matches_the_cpu_selector_s_counts) {
     select::Policy policy;
     policy.kind = select::Kind::locks;
     policy.budget = budget;
-    auto cpu = select::Selector::create(policy, *f.cache, f.seqs.size(), f.max_pages, 1);
+    auto cpu = select::Selector::create(policy, *f.cache, f.seqs.size(), f.max_pages, test::pool(1));
     select::Selection sel;
     cpu->reserve_selection(sel);
     const auto q = make_queries(*f.keys, f.seqs.size(), 2, 4, 64, 9);
@@ -311,22 +311,22 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   policy.kind = select::Kind::locks;
   policy.budget = 0.1;
   policy.device = -2;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, 1); },
+  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "policy.device");
   policy.device = 0;
   policy.kind = select::Kind::locks_certified;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, 1); },
+  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "certified");
   policy.kind = select::Kind::locks;
   policy.int8_query = false;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, 1); },
+  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "int8");
   policy.int8_query = true;
   std::string why;
   const bool usable = test::device_usable(&why);
   policy.device = usable ? 4096 : 0;
   try {
-    select::Selector::create(policy, cache, 1, 64, 1);
+    select::Selector::create(policy, cache, 1, 64, test::pool(1));
     ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
     if (!usable) {
@@ -336,10 +336,10 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   }
   // Other kinds ignore the field; the CPU path takes no device.
   policy.device = -1;
-  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, 1));
+  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1)));
   policy.device = 0;
   policy.kind = select::Kind::quest;
-  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, 1));
+  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1)));
 }
 
 TEST(LocksScorer, is_unsupported_without_a_device_and_refuses_bad_shapes_with_one) {
@@ -609,9 +609,9 @@ TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
         policy.kind = select::Kind::locks;
         policy.budget = budget;
         policy.combine = combine;
-        auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
+        auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
         policy.device = 0;
-        auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
+        auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
         select::Selection sel_cpu, sel_dev;
         cpu->reserve_selection(sel_cpu);
         dev->reserve_selection(sel_dev);
@@ -648,9 +648,9 @@ TEST(LocksSelectorDevice, follows_decode_steps_that_seal_pages_and_reuse_slots) 
   select::Policy policy;
   policy.kind = select::Kind::locks;
   policy.budget = 0.05;
-  auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
+  auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
   policy.device = 0;
-  auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, 2);
+  auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);
   dev->reserve_selection(sel_dev);

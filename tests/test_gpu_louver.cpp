@@ -152,7 +152,7 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
   policy.budget = 0.1;
   policy.device = -2;
   try {
-    select::Selector::create(policy, cache, 1, 64, 1);
+    select::Selector::create(policy, cache, 1, 64, test::pool(1));
     ADD_FAILURE() << "device -2 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::invalid_argument) << e.what();
@@ -160,7 +160,7 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
   std::string why;
   policy.device = test::device_usable(&why) ? 4096 : 0;
   try {
-    select::Selector::create(policy, cache, 1, 64, 1);
+    select::Selector::create(policy, cache, 1, 64, test::pool(1));
     ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
     if (policy.device == 0) {
@@ -427,9 +427,9 @@ TEST(LouverSelectorDevice, chooses_the_cpu_modes_tokens_over_decode_steps_with_f
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
   const uint64_t max_pages = g.pages_for(3100 + 300);
-  auto cpu = select::Selector::create(policy, cache, 2, max_pages, 2);
+  auto cpu = select::Selector::create(policy, cache, 2, max_pages, test::pool(2));
   policy.device = 0;
-  auto dev = select::Selector::create(policy, cache, 2, max_pages, 2);
+  auto dev = select::Selector::create(policy, cache, 2, max_pages, test::pool(2));
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);
   dev->reserve_selection(sel_dev);

@@ -556,7 +556,7 @@ TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends
   select::Policy policy;
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
-  auto selector = select::Selector::create(policy, cache, 1, g.pages_for(n + 8), 2);
+  auto selector = select::Selector::create(policy, cache, 1, g.pages_for(n + 8), test::pool(2));
   select::Selection sel;
   selector->reserve_selection(sel);
   DecodeAttention attention(g, 1, 2);

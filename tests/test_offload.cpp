@@ -124,8 +124,8 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
   policy.budget = 0.05;
   // One selector per mode, each seeing the same seals: the CPU-only and the offload mode must
   // choose the same pages for the same inputs.
-  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
-  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
   Selection cpu_selection, gpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
   gpu_selector->reserve_selection(gpu_selection);
@@ -327,7 +327,7 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
     select::Policy policy;
     policy.kind = kind;
     policy.budget = 0.1;
-    auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+    auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
     Selection selection;
     selector->reserve_selection(selection);
     DecodeAttention cpu(g, c.batch, 2);
@@ -384,8 +384,8 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
   select::Policy policy;
   policy.kind = Kind::locks;
   policy.budget = 0.05;
-  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
-  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, 2);
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
   Selection cpu_selection, gpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
   gpu_selector->reserve_selection(gpu_selection);

@@ -81,7 +81,7 @@ struct Bench {
     const uint32_t dim = g.n_kv_heads * g.head_dim;
     const auto k = low_rank_rows(n, dim, 24, seed), v = low_rank_rows(n, dim, 24, seed + 10);
     cache.append(seq, 0, static_cast<uint32_t>(n), k.data(), v.data());
-    selector = Selector::create(policy, cache, 1, g.pages_for(n + 64), 2);
+    selector = Selector::create(policy, cache, 1, g.pages_for(n + 64), test::pool(2));
     selector->reserve_selection(selection);
   }
   // Appends one token, selects and attends with q; returns the output.
@@ -176,13 +176,13 @@ TEST(S4r, the_bytes_held_follow_the_memory_model) {
 TEST(S4r, refusals_are_clear_errors) {
   const CacheGeometry g = geometry();
   KvCache post(g, CacheOptions{});
-  test::expect_error([&] { Selector::create(s4r_policy(0.1, 2.5), post, 1, 64, 1); },
+  test::expect_error([&] { Selector::create(s4r_policy(0.1, 2.5), post, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "pre-RoPE");
   Bench b(800, s4r_policy(0.1, 2.5), 100);
   const auto q = test::random_floats(std::size_t{g.n_query_heads()} * g.head_dim, 101);
   b.step(q, 102);
   test::expect_error([&] { b.cache.fork_sequence(b.seq); }, Status::unsupported, "compressed");
-  test::expect_error([&] { Selector::create(Policy{}, b.cache, 1, 64, 1); },
+  test::expect_error([&] { Selector::create(Policy{}, b.cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "free them");
   std::vector<float> out(q.size());
   AttendCall dense{0, 1, &b.seq, q.data(), out.data(), nullptr, nullptr};

@@ -78,7 +78,7 @@ struct Fixture {
   }
 
   std::unique_ptr<Selector> selector(const Policy& policy) {
-    return Selector::create(policy, *cache, static_cast<uint32_t>(seq_ids.size()), max_pages(), 2);
+    return Selector::create(policy, *cache, static_cast<uint32_t>(seq_ids.size()), max_pages(), test::pool(2));
   }
 
   Selection run(Selector& selector) {
@@ -284,7 +284,7 @@ TEST(Select, equal_scores_choose_the_lower_page_ids) {
   cache.append(seq, 0, 16 * 20, k.data(), k.data());
   const std::vector<float> q = test::random_floats(2 * 64, 1);
   for (Kind kind : {Kind::oracle, Kind::quest, Kind::locks}) {
-    auto selector = Selector::create(policy_of(kind, 16 * 6), cache, 1, 20, 2);
+    auto selector = Selector::create(policy_of(kind, 16 * 6), cache, 1, 20, test::pool(2));
     Selection sel;
     selector->reserve_selection(sel);
     selector->select(select::SelectCall{0, 1, &seq, q.data()}, sel);

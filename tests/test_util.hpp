@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <string_view>
@@ -12,10 +14,20 @@
 #include <gtest/gtest.h>
 
 #include "lib/core/error.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
 
 namespace kvsift::test {
+
+// A thread pool of n_threads for code a test drives outside a handle (a selector made directly);
+// one per count, kept to the end of the run. Not for tests that run threads of their own.
+inline ThreadPool& pool(int n_threads) {
+  static std::map<int, std::unique_ptr<ThreadPool>> pools;
+  std::unique_ptr<ThreadPool>& pool = pools[n_threads];
+  if (!pool) pool = std::make_unique<ThreadPool>(n_threads);
+  return *pool;
+}
 
 inline std::vector<float> random_floats(std::size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);

@@ -1,7 +1,5 @@
 #include "lib/attend/decode_attention.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -22,12 +20,11 @@ constexpr uint32_t kMinPagesPerTask = 16;
 }  // namespace
 
 DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads)
-    : geometry_(geometry),
-      max_batch_(max_batch),
-      n_threads_(n_threads > 0 ? n_threads : omp_get_max_threads()) {
+    : geometry_(geometry), max_batch_(max_batch) {
   geometry_.validate();
   require(max_batch >= 1 && max_batch <= 65536, "max_batch=", max_batch, " is not in 1..65536");
-  require(n_threads_ <= 4096, "n_threads=", n_threads_, " is not in 0..4096");
+  pool_ = std::make_unique<ThreadPool>(n_threads);
+  n_threads_ = pool_->size();
   const std::size_t G = geometry_.group_size, d = geometry_.head_dim, H = geometry_.n_kv_heads;
   const std::size_t pairs = std::size_t{max_batch} * H;
   // Splitting rounds up once per pair for its pages and once for its row chunks.
@@ -174,47 +171,44 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
   const simd::Kernels& kernels = cache.kernels();
   const std::size_t scratch_stride = round_to_lines<float>(std::size_t{G} * B);
 
-#pragma omp parallel num_threads(n_threads_)
-  {
-    float* scratch = scratch_.data() + scratch_stride * omp_get_thread_num();
-#pragma omp for schedule(dynamic, 1)
-    for (uint32_t i = 0; i < n_tasks; ++i) {
-      const Task& task = tasks_[i];
-      const uint32_t seq_index = task.pair / H, head = task.pair % H;
-      const int32_t seq = call.seq_ids[seq_index];
-      float* partial = partials_.data() + partial_stride_ * i;
-      simd::AttendJob job{};
-      job.q = q_scaled_.data() + std::size_t{task.pair} * head_elems;
-      job.group = G;
-      job.head_dim = d;
-      job.page_tokens = B;
-      job.dtype = geometry_.dtype;
-      if (task.rows) {
-        job.pool = call.rows->chunks +
-                   std::size_t{call.rows->chunk_offsets[task.pair]} * geometry_.slot_bytes();
-        job.slot_bytes = geometry_.slot_bytes();
-        job.table = nullptr;
-        job.logical = nullptr;
-        job.seq_tokens = call.rows->row_counts[task.pair];
-      } else {
-        job.pool = cache.pool().base();
-        job.slot_bytes = cache.pool().slot_bytes();
-        job.table = cache.page_table(seq, call.layer, head);
-        job.logical = call.pages ? call.pages->page_ids + call.pages->offsets[task.pair] : nullptr;
-        job.seq_tokens = cache.length_unchecked(seq, call.layer);
-      }
-      job.first = task.first;
-      job.count = task.count;
-      job.m = partial;
-      job.l = partial + G;
-      job.acc = partial + acc_offset_;
-      job.scratch = scratch;
-      kernels.attend(job);
+  pool_->parallel_for(n_tasks, 1, [&](uint64_t i, uint64_t, int thread) noexcept {
+    float* scratch = scratch_.data() + scratch_stride * static_cast<std::size_t>(thread);
+    const Task& task = tasks_[i];
+    const uint32_t seq_index = task.pair / H, head = task.pair % H;
+    const int32_t seq = call.seq_ids[seq_index];
+    float* partial = partials_.data() + partial_stride_ * i;
+    simd::AttendJob job{};
+    job.q = q_scaled_.data() + std::size_t{task.pair} * head_elems;
+    job.group = G;
+    job.head_dim = d;
+    job.page_tokens = B;
+    job.dtype = geometry_.dtype;
+    if (task.rows) {
+      job.pool = call.rows->chunks +
+                 std::size_t{call.rows->chunk_offsets[task.pair]} * geometry_.slot_bytes();
+      job.slot_bytes = geometry_.slot_bytes();
+      job.table = nullptr;
+      job.logical = nullptr;
+      job.seq_tokens = call.rows->row_counts[task.pair];
+    } else {
+      job.pool = cache.pool().base();
+      job.slot_bytes = cache.pool().slot_bytes();
+      job.table = cache.page_table(seq, call.layer, head);
+      job.logical = call.pages ? call.pages->page_ids + call.pages->offsets[task.pair] : nullptr;
+      job.seq_tokens = cache.length_unchecked(seq, call.layer);
     }
-    // Split-K merge: rescale each split's partial sums to the common max, then normalise.
-#pragma omp for schedule(static)
-    for (uint32_t i = 0; i < pairs * G; ++i) {
-      const uint32_t pair = i / G, g = i % G;
+    job.first = task.first;
+    job.count = task.count;
+    job.m = partial;
+    job.l = partial + G;
+    job.acc = partial + acc_offset_;
+    job.scratch = scratch;
+    kernels.attend(job);
+  });
+  // Split-K merge: rescale each split's partial sums to the common max, then normalise.
+  pool_->parallel_static(pairs * G, [&](uint64_t first, uint64_t last, int) noexcept {
+    for (uint64_t i = first; i < last; ++i) {
+      const uint32_t pair = static_cast<uint32_t>(i / G), g = static_cast<uint32_t>(i % G);
       float* out = call.out + std::size_t{pair} * head_elems + std::size_t{g} * d;
       float m = -std::numeric_limits<float>::infinity();
       for (uint32_t t = pair_tasks_[pair]; t < pair_tasks_[pair + 1]; ++t)
@@ -232,7 +226,7 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
       const float inv = 1.0f / l;
       for (uint32_t c = 0; c < d; ++c) out[c] *= inv;
     }
-  }
+  });
 }
 
 }  // namespace kvsift

@@ -1,17 +1,19 @@
 // Exact decode attention over the paged cache: a batch of sequences, one query token each, all
 // query heads of one layer, over every stored page or over explicit page lists.
 //
-// Parallel over (sequence x KV head x split of the pages) with OpenMP, then a split-K merge, so
-// every thread streams pages even at batch 1 with one KV head. Each K/V page is read once per
-// GQA group. The workspace is sized at construction: run() does not allocate.
+// Parallel over (sequence x KV head x split of the pages) on the attention's thread pool, then a
+// split-K merge, so every thread streams pages even at batch 1 with one KV head. Each K/V page is
+// read once per GQA group. The workspace is sized at construction: run() does not allocate.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/aligned.hpp"
+#include "lib/core/thread_pool.hpp"
 
 namespace kvsift {
 
@@ -71,7 +73,9 @@ class AttentionBackend {
 
 class DecodeAttention final : public AttentionBackend {
  public:
-  // n_threads <= 0: the OpenMP default. Throws invalid_argument / out_of_memory.
+  // Starts the pool of n_threads threads (0: the CPUs in the process's affinity mask) that the
+  // handle owning this attention also lends its selector and its other parallel loops
+  // (thread_pool.hpp). Throws invalid_argument / out_of_memory.
   DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads);
 
   // Throws Error naming the first bad argument; writes nothing.
@@ -87,6 +91,8 @@ class DecodeAttention final : public AttentionBackend {
   const char* name() const noexcept override { return "cpu"; }
   uint32_t max_batch() const noexcept { return max_batch_; }
   int n_threads() const noexcept { return n_threads_; }
+  // Stays at one address when the attention moves.
+  ThreadPool& pool() const noexcept { return *pool_; }
 
  private:
   struct Task {
@@ -99,6 +105,7 @@ class DecodeAttention final : public AttentionBackend {
 
   CacheGeometry geometry_;
   uint32_t max_batch_;
+  std::unique_ptr<ThreadPool> pool_;
   int n_threads_;
   std::vector<Task> tasks_;           // capacity: most tasks a call can produce
   std::vector<uint32_t> pair_tasks_;  // [pairs + 1] first task of each pair

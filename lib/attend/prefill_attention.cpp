@@ -1,7 +1,5 @@
 #include "lib/attend/prefill_attention.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -24,7 +22,8 @@ PrefillAttention::PrefillAttention(const CacheGeometry& geometry, uint32_t max_c
 }
 
 void PrefillAttention::run(const KvCache& cache, int32_t seq_id, uint32_t layer, uint64_t start,
-                           uint32_t T, const float* q, float* out, Matmul& matmul) {
+                           uint32_t T, const float* q, float* out, Matmul& matmul,
+                           ThreadPool& pool) {
   const uint64_t n = start + T;
   require(T >= 1 && T <= max_chunk_, "chunk of ", T, " tokens is outside 1..", max_chunk_);
   require(n <= max_context_, "context of ", n, " tokens exceeds the planned ", max_context_);
@@ -42,10 +41,9 @@ void PrefillAttention::run(const KvCache& cache, int32_t seq_id, uint32_t layer,
     // Scores with row stride n: the products are dense [rows, n].
     matmul.run(MatType::f32, q_group_.data(), rows, d, k_.data(), WeightLayout::rows_are_outputs,
                static_cast<int64_t>(n), scores_.data());
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
+    pool.parallel_for(static_cast<uint64_t>(rows), 1, [&](uint64_t r, uint64_t, int) noexcept {
       float* s = scores_.data() + r * n;
-      const uint64_t visible = start + static_cast<uint64_t>(r % T) + 1;  // causal
+      const uint64_t visible = start + r % T + 1;  // causal
       float m = -std::numeric_limits<float>::infinity();
       for (uint64_t j = 0; j < visible; ++j) m = std::max(m, s[j] * scale);
       float sum = 0.0f;
@@ -56,7 +54,7 @@ void PrefillAttention::run(const KvCache& cache, int32_t seq_id, uint32_t layer,
       const float inv = 1.0f / sum;
       for (uint64_t j = 0; j < visible; ++j) s[j] *= inv;
       for (uint64_t j = visible; j < n; ++j) s[j] = 0.0f;
-    }
+    });
     matmul.run(MatType::f32, scores_.data(), rows, static_cast<int64_t>(n), v_.data(),
                WeightLayout::rows_are_inputs, d, out_group_.data());
     for (uint32_t g = 0; g < G; ++g)

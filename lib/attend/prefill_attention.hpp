@@ -9,6 +9,7 @@
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/aligned.hpp"
 #include "lib/core/matmul.hpp"
+#include "lib/core/thread_pool.hpp"
 
 namespace kvsift {
 
@@ -19,9 +20,10 @@ class PrefillAttention {
   PrefillAttention(const CacheGeometry& geometry, uint32_t max_chunk, uint64_t max_context);
 
   // q, out: [T, n_query_heads, head_dim]. The cache must hold exactly start + T tokens of the
-  // layer (the chunk's own K/V appended first). Throws invalid_argument on sizes beyond the plan.
+  // layer (the chunk's own K/V appended first). The softmax runs on `pool`, the products on
+  // matmul's. Throws invalid_argument on sizes beyond the plan.
   void run(const KvCache& cache, int32_t seq_id, uint32_t layer, uint64_t start, uint32_t T,
-           const float* q, float* out, Matmul& matmul);
+           const float* q, float* out, Matmul& matmul, ThreadPool& pool);
 
  private:
   CacheGeometry geometry_;

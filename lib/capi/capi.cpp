@@ -339,9 +339,9 @@ namespace {
 
 void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
   handle.selector.reset();  // one selector listens at a time
-  handle.selector = kvsift::select::Selector::create(
-      policy, handle.cache, handle.attention.max_batch(), handle.cache.pool().capacity(),
-      handle.attention.n_threads());
+  handle.selector =
+      kvsift::select::Selector::create(policy, handle.cache, handle.attention.max_batch(),
+                                       handle.cache.pool().capacity(), handle.attention.pool());
   handle.selector->reserve_selection(handle.selection);
 }
 

@@ -1,7 +1,5 @@
 #include "lib/model/llama_model.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -157,7 +155,6 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
                          std::clamp<uint32_t>(options.prefill_chunk, 1, 4096), n_ctx_) {
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
-  if (options.n_threads > 0) omp_set_num_threads(options.n_threads);
   attention_ = &decode_attention_;
   if (options.device >= 0) {
     // A pair never lists more pages than a sequence holds, nor more token rows than its tokens.
@@ -266,22 +263,22 @@ LlamaModel::Linear LlamaModel::load_linear(
   else
     w.f32.resize(std::size_t{in} * w.out);
   const simd::Kernels& kernels = cache_.kernels();
+  ThreadPool& pool = decode_attention_.pool();
+  std::vector<float> row_buffers(bf16 ? std::size_t{in} * pool.size() : 0);  // [threads, in]
   uint32_t first_row = 0;
   for (const auto& [name, out] : parts) {
     const GgufTensor& t = file_.require_tensor(name);
     check_dims(t, in, out);
     const std::size_t stride = row_bytes(t.type, in);
-#pragma omp parallel
-    {
-      std::vector<float> row(in);
-#pragma omp for schedule(static)
-      for (int64_t r = 0; r < out; ++r) {
+    pool.parallel_for(out, 64, [&](uint64_t first, uint64_t last, int thread) noexcept {
+      float* row = row_buffers.data() + std::size_t{in} * thread;
+      for (uint64_t r = first; r < last; ++r) {
         const std::size_t dst_row = (first_row + r) * std::size_t{in};
-        float* dst = bf16 ? row.data() : w.f32.data() + dst_row;
+        float* dst = bf16 ? row : w.f32.data() + dst_row;
         dequantize(t.type, t.data + r * stride, dst, in);
-        if (bf16) kernels.encode(row.data(), w.bf16.data() + dst_row, in, simd::Dtype::bf16);
+        if (bf16) kernels.encode(row, w.bf16.data() + dst_row, in, simd::Dtype::bf16);
       }
-    }
+    });
     first_row += out;
   }
   return w;
@@ -296,14 +293,11 @@ void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* 
     const std::size_t n = std::size_t{rows} * w.in;
     kernels.encode(x, x_bf16_.data(), n, simd::Dtype::bf16);
     kernels.decode(x_bf16_.data(), x_rounded_.data(), n, simd::Dtype::bf16);
-#pragma omp parallel
-    {
-      const int threads = omp_get_num_threads(), t = omp_get_thread_num();
-      const std::size_t first = std::size_t{w.out} * t / threads,
-                        last = std::size_t{w.out} * (t + 1) / threads;
-      kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(), rows,
-                          y + first, w.out);
-    }
+    decode_attention_.pool().parallel_static(
+        w.out, [&](uint64_t first, uint64_t last, int) noexcept {
+          kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(),
+                              rows, y + first, w.out);
+        });
   } else if (options_.weight_type == MatType::bf16) {
     cache_.kernels().encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
     matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(),
@@ -437,8 +431,9 @@ int32_t LlamaModel::fork_sequence(int32_t src) {
 
 void LlamaModel::set_selector(const select::Policy& policy) {
   selector_.reset();  // one listener at a time: the old one leaves the cache first
-  selector_ = select::Selector::create(policy, cache_, options_.max_seqs,
-                                       cache_.geometry().pages_for(n_ctx_), options_.n_threads);
+  selector_ =
+      select::Selector::create(policy, cache_, options_.max_seqs,
+                               cache_.geometry().pages_for(n_ctx_), decode_attention_.pool());
   selector_->reserve_selection(selection_);
 }
 
@@ -488,7 +483,8 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
                device_check(device_->prefill_attention(l, pos0, T), "prefill_attention");
                return false;
              }
-             prefill_attention_.run(cache_, seq_id, l, pos0, T, q, attn, matmul_);
+             prefill_attention_.run(cache_, seq_id, l, pos0, T, q, attn, matmul_,
+                                    decode_attention_.pool());
              return true;
            });
     done += T;

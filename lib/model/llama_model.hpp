@@ -50,7 +50,7 @@ struct ModelOptions {
   MatType weight_type = MatType::bf16;
   simd::Dtype kv_dtype = simd::Dtype::f16;
   uint32_t page_tokens = 16;
-  int n_threads = 0;  // 0 = OpenMP default
+  int n_threads = 0;  // the model's thread pool, caller included; 0 = the CPUs it may run on
   simd::Isa isa = simd::Isa::avx512;
   // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the weights live and
   // the products, norms, RoPE, SwiGLU and the prefill's attention run there (gpu/device_llama.hpp;
@@ -201,7 +201,7 @@ class LlamaModel {
   select::Selection selection_;
   DecodeObserver* observer_ = nullptr;
   PrefillAttention prefill_attention_;
-  Matmul matmul_;
+  Matmul matmul_{&decode_attention_.pool()};
   ModelStats stats_;
   bool decoding_ = false;  // inside decode(): project() takes the matrix-vector path
 

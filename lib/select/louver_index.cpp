@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <exception>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -142,8 +143,9 @@ struct TreeBuilder {
 
 }  // namespace
 
-LouverIndex::LouverIndex(const LouverParams& params, const float* keys, uint64_t n)
-    : params_(params), rng_state_(params.seed) {
+LouverIndex::LouverIndex(const LouverParams& params, const float* keys, uint64_t n,
+                         ThreadPool* pool)
+    : params_(params), pool_(pool), rng_state_(params.seed) {
   d_ = params.head_dim;
   if (d_ < 16 || d_ > 256 || d_ % 16 != 0)
     fail(Status::invalid_argument, "head_dim=", d_, " is not a multiple of 16 in 16..256");
@@ -202,12 +204,12 @@ LouverIndex::LouverIndex(const LouverParams& params, const float* keys, uint64_t
 }
 
 LouverIndex LouverIndex::from_cache(const KvCache& cache, int32_t seq_id, uint32_t layer,
-                                    uint32_t kv_head, LouverParams params) {
+                                    uint32_t kv_head, LouverParams params, ThreadPool* pool) {
   params.head_dim = cache.geometry().head_dim;
   const uint64_t n = cache.length(seq_id, layer);
   std::vector<float> keys(n * params.head_dim);
   if (n > 0) cache.read_tokens(seq_id, layer, kv_head, 0, n, keys.data(), nullptr);
-  return LouverIndex(params, keys.data(), n);
+  return LouverIndex(params, keys.data(), n, pool);
 }
 
 void LouverIndex::grow(uint64_t key_capacity, uint32_t cluster_capacity) {
@@ -235,8 +237,9 @@ void LouverIndex::cluster_keys(uint64_t first, uint64_t n) {
   if (n == 0) return;
   const uint32_t base = n_clusters_;
   const uint32_t count = static_cast<uint32_t>((n + r_ - 1) / r_);
-#pragma omp parallel for schedule(dynamic) if (n >= 1024)
-  for (uint32_t s = 0; s < S_; ++s) {
+  // A subspace's tree allocates: what it throws is rethrown here, once every subspace has ended.
+  std::vector<std::exception_ptr> errors(S_);
+  auto subspace = [&](uint32_t s) {
     const uint32_t w = subspace_width(s), o = offset_[s];
     std::vector<float> x(n * w);
     for (uint64_t i = 0; i < n; ++i)
@@ -272,7 +275,18 @@ void LouverIndex::cluster_keys(uint64_t first, uint64_t n) {
       }
       radius_[s][cluster] = round_up(rho * (1.0 + 1e-12));
     }
-  }
+  };
+  // Small batches (a buffer flush during decode) are not worth waking threads for.
+  parallel_for(n >= 1024 ? pool_ : nullptr, S_, 1,
+               [&](uint64_t first, uint64_t last, int) noexcept {
+                 for (uint64_t s = first; s < last; ++s) try {
+                     subspace(static_cast<uint32_t>(s));
+                   } catch (...) {
+                     errors[s] = std::current_exception();
+                   }
+               });
+  for (const std::exception_ptr& error : errors)
+    if (error) std::rethrow_exception(error);
   n_clusters_ = base + count;
 }
 
@@ -588,10 +602,10 @@ uint64_t LouverIndex::index_bytes() const noexcept {
 }
 
 void louver_query_many(std::span<LouverIndex* const> indexes, const float* const* q, uint32_t group,
-                       const LouverQuery& query, LouverResult* results) noexcept {
-  const int64_t n = static_cast<int64_t>(indexes.size());
-#pragma omp parallel for schedule(dynamic) if (n > 1)
-  for (int64_t i = 0; i < n; ++i) results[i] = indexes[i]->query(q[i], group, query);
+                       const LouverQuery& query, LouverResult* results, ThreadPool& pool) noexcept {
+  pool.parallel_for(indexes.size(), 1, [&](uint64_t i, uint64_t, int) noexcept {
+    results[i] = indexes[i]->query(q[i], group, query);
+  });
 }
 
 void LouverIndex::center(uint32_t s, uint32_t cluster, float* out) const noexcept {

@@ -82,6 +82,7 @@
 #include <vector>
 
 #include "lib/core/aligned.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "simd/louver_kernels.hpp"
 
 namespace kvsift {
@@ -147,12 +148,15 @@ class LouverIndex {
  public:
   // Builds over keys [n, head_dim] float32 (rounded to fp16, the cache's storage; keys read from
   // the cache round-trip exactly). n may be 0. Throws Error (invalid_argument for bad params or a
-  // non-finite key, out_of_memory).
-  LouverIndex(const LouverParams& params, const float* keys, uint64_t n);
+  // non-finite key, out_of_memory). pool: where the clustering of a large batch of keys runs its
+  // subspaces, now and on later appends (borrowed: it must outlive the index); nullptr: the
+  // calling thread.
+  LouverIndex(const LouverParams& params, const float* keys, uint64_t n,
+              ThreadPool* pool = nullptr);
   // Builds over the stored keys of one (sequence, layer, KV head) of the cache (after prefill).
   // Throws what KvCache::read_tokens and the constructor throw.
   static LouverIndex from_cache(const KvCache& cache, int32_t seq_id, uint32_t layer,
-                                uint32_t kv_head, LouverParams params);
+                                uint32_t kv_head, LouverParams params, ThreadPool* pool = nullptr);
 
   // Appends one key [head_dim] (the next token id); flushes the buffer into the index when it is
   // full. Allocates only when a capacity is outgrown (reserve() avoids that). Throws Error.
@@ -231,6 +235,7 @@ class LouverIndex {
   uint32_t gate_head(const float* q, float tau, const LouverQuery& query, uint32_t* out) noexcept;
 
   LouverParams params_;
+  ThreadPool* pool_;
   const simd::LouverKernels* kernels_;
   uint32_t d_, S_, r_;
   uint32_t offset_[simd::kLouverMaxSubspaces + 1] = {};
@@ -258,10 +263,10 @@ class LouverIndex {
   uint64_t bytes_read_ = 0;
 };
 
-// One decode step's queries over many indexes (every KV head of a layer, say), one OpenMP loop
-// iteration per index: q[i] is index i's [group, head_dim] query, results[i] its answer. The
-// indexes must be distinct and the query validated for each of them.
+// One decode step's queries over many indexes (every KV head of a layer, say), one index per
+// iteration of a loop on `pool`: q[i] is index i's [group, head_dim] query, results[i] its answer.
+// The indexes must be distinct and the query validated for each of them.
 void louver_query_many(std::span<LouverIndex* const> indexes, const float* const* q, uint32_t group,
-                       const LouverQuery& query, LouverResult* results) noexcept;
+                       const LouverQuery& query, LouverResult* results, ThreadPool& pool) noexcept;
 
 }  // namespace kvsift

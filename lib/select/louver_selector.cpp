@@ -54,8 +54,8 @@ gpu::LouverIndexView louver_device_view(const LouverIndex& index) noexcept {
 }
 
 LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                               uint64_t max_pages, int n_threads)
-    : Selector(policy, cache, max_batch, max_pages, n_threads) {
+                               uint64_t max_pages, ThreadPool& pool)
+    : Selector(policy, cache, max_batch, max_pages, pool) {
   const CacheGeometry& g = cache.geometry();
   require(g.group_size <= 16, "the louver selector serves groups of up to 16 query heads, not ",
           g.group_size);
@@ -119,7 +119,7 @@ void LouverSelector::prepare(const SelectCall& call, Selection& out) {
     for (uint32_t h = 0; h < H; ++h) {
       std::optional<LouverIndex>& index = indexes_[s][std::size_t{call.layer} * H + h];
       if (!index) {
-        index.emplace(LouverIndex::from_cache(cache_, seq, call.layer, h, params_));
+        index.emplace(LouverIndex::from_cache(cache_, seq, call.layer, h, params_, &pool_));
         // The form select() asks, so that its query() cannot fail.
         index->validate(g.group_size, query_for(1));
       } else {

@@ -1,8 +1,7 @@
 #include "lib/select/page_selector.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -40,13 +39,13 @@ struct BetterPage {
 }  // namespace
 
 PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                           uint64_t max_pages, int n_threads)
-    : Selector(policy, cache, max_batch, max_pages, n_threads),
+                           uint64_t max_pages, ThreadPool& pool)
+    : Selector(policy, cache, max_batch, max_pages, pool),
       scale_(1.0f / std::sqrt(static_cast<float>(cache.geometry().head_dim))) {
   const CacheGeometry& g = cache.geometry();
   const std::size_t per_head = std::size_t{g.group_size} * max_pages;
   region_.resize(std::size_t{max_batch} * g.n_kv_heads + 1);
-  scratch_.resize(static_cast<std::size_t>(n_threads_));
+  scratch_.resize(static_cast<std::size_t>(pool_.size()));
   for (Scratch& s : scratch_) {
     s.keys.resize(g.page_elems());
     s.head.resize(per_head);
@@ -88,12 +87,12 @@ void PageSelector::summarise_existing() {
 
 void PageSelector::build_summaries() noexcept {
   if (n_pending_ == 0) return;
-  const auto n = static_cast<int64_t>(n_pending_);
-#pragma omp parallel for schedule(dynamic, 16) num_threads(n_threads_)
-  for (int64_t i = 0; i < n; ++i) {
-    const uint32_t slot = pending_slots_[static_cast<std::size_t>(i)];
-    summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
-  }
+  pool_.parallel_for(n_pending_, 16, [&](uint64_t begin, uint64_t end, int) noexcept {
+    for (uint64_t i = begin; i < end; ++i) {
+      const uint32_t slot = pending_slots_[i];
+      summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
+    }
+  });
   summaries_built(pending_slots_.data(), n_pending_);
   n_pending_ = 0;
 }
@@ -142,18 +141,21 @@ void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
     const uint64_t tokens = cache_.length_unchecked(call.seq_ids[i / H], call.layer);
     region_[i + 1] = region_[i] + static_cast<uint32_t>(g.pages_for(tokens));
   }
-#pragma omp parallel for schedule(dynamic) num_threads(n_threads_) reduction(+ : bytes)
-  for (uint32_t i = 0; i < pairs; ++i) {
-    const uint32_t seq_index = i / H, h = i % H;
+  std::atomic<uint64_t> bytes_sum{0};
+  pool_.parallel_for(pairs, 1, [&](uint64_t i, uint64_t, int thread) noexcept {
+    const uint32_t seq_index = static_cast<uint32_t>(i) / H, h = static_cast<uint32_t>(i) % H;
     const int32_t seq = call.seq_ids[seq_index];
     PairView pair;
     pair.q = call.q + (std::size_t{seq_index} * H * G + std::size_t{h} * G) * d;
     pair.table = cache_.page_table(seq, call.layer, h);
     pair.tokens = cache_.length_unchecked(seq, call.layer);
     pair.n_pages = region_[i + 1] - region_[i];
-    Scratch& s = scratch_[static_cast<std::size_t>(omp_get_thread_num())];
-    select_pair(pair, i, region_[i], out, s, bytes);
-  }
+    uint64_t pair_bytes = 0;
+    select_pair(pair, static_cast<uint32_t>(i), region_[i], out,
+                scratch_[static_cast<std::size_t>(thread)], pair_bytes);
+    bytes_sum.fetch_add(pair_bytes, std::memory_order_relaxed);
+  });
+  bytes = bytes_sum.load(std::memory_order_relaxed);
   // Compact: offsets[i + 1] held pair i's count.
   uint32_t at = 0;
   for (uint32_t i = 0; i < pairs; ++i) {
@@ -380,8 +382,8 @@ class OracleSelector final : public PageSelector {
 class QuestSelector final : public PageSelector {
  public:
   QuestSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                int n_threads)
-      : PageSelector(policy, cache, max_batch, max_pages, n_threads),
+                ThreadPool& pool)
+      : PageSelector(policy, cache, max_batch, max_pages, pool),
         bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim) {}
 
   std::size_t summary_bytes_per_page() const noexcept override {
@@ -451,8 +453,8 @@ class QuestSelector final : public PageSelector {
 class LocksSelector final : public PageSelector {
  public:
   LocksSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                int n_threads)
-      : PageSelector(policy, cache, max_batch, max_pages, n_threads),
+                ThreadPool& pool)
+      : PageSelector(policy, cache, max_batch, max_pages, pool),
         shape_{cache.geometry().head_dim, cache.geometry().page_tokens, kLocksDefaultRank},
         record_bytes_(locks_record_bytes(shape_)),
         records_(cache.pool().capacity() * record_bytes_),
@@ -681,17 +683,17 @@ class LocksSelector final : public PageSelector {
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
                                                  uint32_t max_batch, uint64_t max_pages,
-                                                 int n_threads) {
+                                                 ThreadPool& pool) {
   switch (policy.kind) {
     case Kind::dense:
-      return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, n_threads);
+      return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, pool);
     case Kind::oracle:
-      return std::make_unique<OracleSelector>(policy, cache, max_batch, max_pages, n_threads);
+      return std::make_unique<OracleSelector>(policy, cache, max_batch, max_pages, pool);
     case Kind::quest:
-      return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, n_threads);
+      return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, pool);
     case Kind::locks:
     case Kind::locks_certified:
-      return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, n_threads);
+      return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
     case Kind::s4r:
     case Kind::louver: break;  // token-level: Selector::create makes them
   }

@@ -51,7 +51,7 @@ class PageSelector : public Selector {
   virtual uint64_t device_bytes() const noexcept { return 0; }
 
   PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-               int n_threads);
+               ThreadPool& pool);
 
  protected:
   // Whether sealed pages need a summary at all.
@@ -94,6 +94,6 @@ class PageSelector : public Selector {
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
                                                  uint32_t max_batch, uint64_t max_pages,
-                                                 int n_threads);
+                                                 ThreadPool& pool);
 
 }  // namespace kvsift::select

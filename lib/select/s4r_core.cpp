@@ -328,7 +328,8 @@ uint64_t relevance_workspace_floats(uint32_t n_queries, uint32_t groups, uint64_
 void relevance(const float* query_coeffs, uint32_t n_queries, uint32_t groups, uint32_t rank,
                const uint16_t* key_coeffs, simd::Dtype dtype, uint64_t n_tokens,
                uint32_t pool_kernel, Pooling pooling, GroupAggregation aggregation,
-               const simd::Kernels& kernels, float* workspace, float* relevance_out, bool causal) {
+               const simd::Kernels& kernels, float* workspace, float* relevance_out, bool causal,
+               ThreadPool* pool) {
   require(rank > 0, "relevance: rank must be > 0");
   require(groups > 0, "relevance: groups must be > 0");
   require(n_queries > 0, "relevance: n_queries must be > 0");
@@ -351,70 +352,74 @@ void relevance(const float* query_coeffs, uint32_t n_queries, uint32_t groups, u
   for (uint32_t q = 0; q < n_queries; ++q) seeing += visible(q) > 0;
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(rank));
-  const int64_t logit_blocks = static_cast<int64_t>((L + kLogitTokens - 1) / kLogitTokens);
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < logit_blocks; ++b) {
-    logits_block(query_coeffs, n_rows, rank, key_coeffs, dtype, L, uint64_t(b) * kLogitTokens,
-                 scale, kernels, z);
-  }
+  const uint64_t logit_blocks = (L + kLogitTokens - 1) / kLogitTokens;
+  parallel_static(pool, logit_blocks, [&](uint64_t first, uint64_t last, int) noexcept {
+    for (uint64_t b = first; b < last; ++b)
+      logits_block(query_coeffs, n_rows, rank, key_coeffs, dtype, L, b * kLogitTokens, scale,
+                   kernels, z);
+  });
 
   // Softmax of each row over the tokens its query sees, in place; inv folds in the query mean.
-#pragma omp parallel for schedule(static)
-  for (uint32_t row = 0; row < n_rows; ++row) {
-    const uint64_t seen = visible(row / groups);
-    float* zr = z + uint64_t{row} * L;
-    if (seen == 0) {
-      inv[row] = 0.0f;
-      continue;
+  parallel_static(pool, n_rows, [&](uint64_t first, uint64_t last, int) noexcept {
+    for (uint64_t row = first; row < last; ++row) {
+      const uint64_t seen = visible(static_cast<uint32_t>(row / groups));
+      float* zr = z + row * L;
+      if (seen == 0) {
+        inv[row] = 0.0f;
+        continue;
+      }
+      const float m = row_max(zr, seen);
+      double sum = 0.0;
+      for (uint64_t t = 0; t < seen; ++t) {
+        zr[t] = std::exp(zr[t] - m);
+        sum += zr[t];
+      }
+      inv[row] = static_cast<float>(1.0 / (sum * seeing));
     }
-    const float m = row_max(zr, seen);
-    double sum = 0.0;
-    for (uint64_t t = 0; t < seen; ++t) {
-      zr[t] = std::exp(zr[t] - m);
-      sum += zr[t];
-    }
-    inv[row] = static_cast<float>(1.0 / (sum * seeing));
-  }
+  });
 
   constexpr uint64_t kAccTokens = 1024;
-  const int64_t acc_blocks = static_cast<int64_t>((L + kAccTokens - 1) / kAccTokens);
-#pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < acc_blocks; ++b) {
-    const uint64_t t0 = uint64_t(b) * kAccTokens, t1 = std::min(L, t0 + kAccTokens);
-    for (uint32_t g = 0; g < groups; ++g) {
-      float* a = acc + uint64_t{g} * L;
-      std::fill(a + t0, a + t1, 0.0f);
-      for (uint32_t q = 0; q < n_queries; ++q) {
-        const uint32_t row = q * groups + g;
-        const float* zr = z + uint64_t{row} * L;
-        const float w = inv[row];
-        const uint64_t end = std::min(t1, visible(q));
-        for (uint64_t t = t0; t < end; ++t) a[t] += zr[t] * w;
+  const uint64_t acc_blocks = (L + kAccTokens - 1) / kAccTokens;
+  parallel_static(pool, acc_blocks, [&](uint64_t first, uint64_t last, int) noexcept {
+    for (uint64_t b = first; b < last; ++b) {
+      const uint64_t t0 = b * kAccTokens, t1 = std::min(L, t0 + kAccTokens);
+      for (uint32_t g = 0; g < groups; ++g) {
+        float* a = acc + uint64_t{g} * L;
+        std::fill(a + t0, a + t1, 0.0f);
+        for (uint32_t q = 0; q < n_queries; ++q) {
+          const uint32_t row = q * groups + g;
+          const float* zr = z + uint64_t{row} * L;
+          const float w = inv[row];
+          const uint64_t end = std::min(t1, visible(q));
+          for (uint64_t t = t0; t < end; ++t) a[t] += zr[t] * w;
+        }
       }
     }
-  }
+  });
 
   const int64_t half = pool_kernel / 2;
   const float inv_groups = 1.0f / static_cast<float>(groups);
-#pragma omp parallel for schedule(static)
-  for (int64_t t = 0; t < int64_t(L); ++t) {
-    const int64_t lo = std::max<int64_t>(0, t - half), hi = std::min<int64_t>(L - 1, t + half);
-    float out = aggregation == GroupAggregation::max ? -std::numeric_limits<float>::infinity() : 0;
-    for (uint32_t g = 0; g < groups; ++g) {
-      const float* a = acc + uint64_t{g} * L;
-      float pooled;
-      if (pooling == Pooling::max) {
-        pooled = a[lo];
-        for (int64_t u = lo + 1; u <= hi; ++u) pooled = std::max(pooled, a[u]);
-      } else {
-        float sum = 0.0f;
-        for (int64_t u = lo; u <= hi; ++u) sum += a[u];
-        pooled = sum / static_cast<float>(hi - lo + 1);
+  parallel_static(pool, L, [&](uint64_t first, uint64_t last, int) noexcept {
+    for (int64_t t = int64_t(first); t < int64_t(last); ++t) {
+      const int64_t lo = std::max<int64_t>(0, t - half), hi = std::min<int64_t>(L - 1, t + half);
+      float out =
+          aggregation == GroupAggregation::max ? -std::numeric_limits<float>::infinity() : 0;
+      for (uint32_t g = 0; g < groups; ++g) {
+        const float* a = acc + uint64_t{g} * L;
+        float pooled;
+        if (pooling == Pooling::max) {
+          pooled = a[lo];
+          for (int64_t u = lo + 1; u <= hi; ++u) pooled = std::max(pooled, a[u]);
+        } else {
+          float sum = 0.0f;
+          for (int64_t u = lo; u <= hi; ++u) sum += a[u];
+          pooled = sum / static_cast<float>(hi - lo + 1);
+        }
+        out = aggregation == GroupAggregation::max ? std::max(out, pooled) : out + pooled;
       }
-      out = aggregation == GroupAggregation::max ? std::max(out, pooled) : out + pooled;
+      relevance_out[t] = aggregation == GroupAggregation::max ? out : out * inv_groups;
     }
-    relevance_out[t] = aggregation == GroupAggregation::max ? out : out * inv_groups;
-  }
+  });
 }
 
 void top_k(const float* scores, uint64_t n, uint32_t k, uint32_t* workspace, uint32_t* ids_out) {

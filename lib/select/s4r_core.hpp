@@ -145,6 +145,7 @@ uint64_t relevance_workspace_floats(uint32_t n_queries, uint32_t groups, uint64_
 //   pool_kernel: odd, >= 1 (papers.md: 7, max pooling, group mean).
 //   workspace: [relevance_workspace_floats(n_queries, groups, n_tokens)].
 //   relevance_out: [n_tokens].
+//   pool: the threads its passes run on; nullptr: the calling thread.
 //   causal: which tokens each query sees.
 //     false: every query sees every token, for queries that come after all the scored tokens
 //       (kvsift stores decode tokens exactly, so the compressed prompt precedes every window
@@ -158,7 +159,7 @@ void relevance(const float* query_coeffs, uint32_t n_queries, uint32_t groups, u
                const uint16_t* key_coeffs, simd::Dtype dtype, uint64_t n_tokens,
                uint32_t pool_kernel, Pooling pooling, GroupAggregation aggregation,
                const simd::Kernels& kernels, float* workspace, float* relevance_out,
-               bool causal = false);
+               bool causal = false, ThreadPool* pool = nullptr);
 
 // The k highest scores' ids [0, n), ascending by id. Ordered by score, ties to the lower id, NaN
 // below everything: deterministic. workspace: [n] uint32. ids_out: [k]. Throws on k > n or

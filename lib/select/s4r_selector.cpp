@@ -25,8 +25,8 @@ constexpr double kRecentShare = 0.7;
 }  // namespace
 
 S4rSelector::S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                         uint64_t max_pages, int n_threads)
-    : Selector(policy, cache, max_batch, max_pages, n_threads) {
+                         uint64_t max_pages, ThreadPool& pool)
+    : Selector(policy, cache, max_batch, max_pages, pool), matmul_(&pool) {
   require(cache.key_form() == KeyForm::pre_rope,
           "the s4r selector compresses keys before RoPE: it needs a cache that takes pre-RoPE "
           "keys (key form pre_rope)");
@@ -205,7 +205,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
       std::min(n, std::max(recent, budget > exact_tokens ? budget - exact_tokens : 0));
   s4r::relevance(unit.queries.data(), unit.n_queries, G, rank, unit.key_coeffs.data(), g.dtype, n,
                  kPoolKernel, s4r::Pooling::max, s4r::GroupAggregation::mean, kernels,
-                 relevance_ws_.data(), relevance_.data());
+                 relevance_ws_.data(), relevance_.data(), false, &pool_);
   const auto top = static_cast<uint32_t>(m - recent);
   s4r::top_k(relevance_.data(), n - recent, top, top_ws_.data(), chosen_.data());
   for (uint64_t r = 0; r < recent; ++r) chosen_[top + r] = static_cast<uint32_t>(n - recent + r);

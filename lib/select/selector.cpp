@@ -1,7 +1,5 @@
 #include "lib/select/selector.hpp"
 
-#include <omp.h>
-
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -116,12 +114,8 @@ double Selection::worst_dropped_bound() const noexcept {
 }
 
 Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                   int n_threads)
-    : cache_(cache),
-      policy_(policy),
-      max_batch_(max_batch),
-      max_pages_(max_pages),
-      n_threads_(n_threads > 0 ? n_threads : omp_get_max_threads()) {
+                   ThreadPool& pool)
+    : cache_(cache), policy_(policy), max_batch_(max_batch), max_pages_(max_pages), pool_(pool) {
   require(max_batch > 0, "max_batch must be > 0");
   require(max_pages > 0, "max_pages must be > 0");
 }
@@ -139,7 +133,7 @@ void Selector::reserve_selection(Selection& selection) const {
 }
 
 std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                                           uint64_t max_pages, int n_threads) {
+                                           uint64_t max_pages, ThreadPool& pool) {
   policy.validate();
   // Compressed sequences live on only in the selector that compressed them.
   require(!cache.has_released_pages(),
@@ -148,14 +142,14 @@ std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,
   if (policy.kind == Kind::s4r || policy.kind == Kind::louver) {
     std::unique_ptr<Selector> selector;
     if (policy.kind == Kind::s4r)
-      selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, n_threads);
+      selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, pool);
     else
-      selector = std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, n_threads);
+      selector = std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, pool);
     cache.add_seal_listener(selector.get());
     return selector;
   }
   std::unique_ptr<PageSelector> selector =
-      make_page_selector(policy, cache, max_batch, max_pages, n_threads);
+      make_page_selector(policy, cache, max_batch, max_pages, pool);
   cache.add_seal_listener(selector.get());
   selector->summarise_existing();
   return selector;

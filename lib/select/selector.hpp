@@ -25,6 +25,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/aligned.hpp"
+#include "lib/core/thread_pool.hpp"
 
 namespace kvsift::select {
 
@@ -142,10 +143,11 @@ class Selector : public SealListener {
  public:
   // Registers itself with the cache as a seal listener (and removes itself when destroyed) and
   // summarises the pages already sealed. max_batch: most sequences per select(); max_pages: most
-  // pages one (sequence, layer, KV head) holds. Throws Error (invalid_argument for a bad policy,
+  // pages one (sequence, layer, KV head) holds; pool: the threads of the handle it serves
+  // (borrowed: it must outlive the selector). Throws Error (invalid_argument for a bad policy,
   // out_of_memory).
   static std::unique_ptr<Selector> create(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                                          uint64_t max_pages, int n_threads);
+                                          uint64_t max_pages, ThreadPool& pool);
   ~Selector() override;
 
   // Work a step needs before select() that may fail: S4R compresses the prompt of each (sequence,
@@ -173,14 +175,14 @@ class Selector : public SealListener {
 
  protected:
   Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-           int n_threads);
+           ThreadPool& pool);
   // Whether select() returns token rows besides pages.
   virtual bool selects_rows() const noexcept { return false; }
   KvCache& cache_;
   Policy policy_;
   uint32_t max_batch_;
   uint64_t max_pages_;
-  int n_threads_;
+  ThreadPool& pool_;
 };
 
 }  // namespace kvsift::select

@@ -1,0 +1,121 @@
+// kvsift's threads: one small pool per handle (a cache, a model), n_threads - 1 workers plus the
+// thread that calls in, which always takes part.
+//
+// Why not OpenMP: libgomp reads its wait policy from the environment once, at load time, and
+// spins its idle threads by default. A library cannot change that from inside someone else's
+// process, and spinning threads cost a busy host almost everything (README, "Threads"). This
+// pool waits passively: a short bounded spin (kSpinMicroseconds in thread_pool.cpp), then a futex
+// sleep. It changes nothing process-wide.
+//
+// Contract: one thread calls into a pool at a time (the handle's thread-safety rule); bodies are
+// noexcept (an exception escaping one terminates, as it did inside an OpenMP region); a call
+// allocates nothing and returns when every participant has finished its part.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <thread>
+#include <vector>
+
+namespace kvsift {
+
+class ThreadPool {
+ public:
+  // n_threads: threads taking part in a parallel call, the caller's included; 0 = the CPUs in
+  // the process's affinity mask (sched_getaffinity). Throws Error(invalid_argument) outside
+  // 0..4096, Error(out_of_memory) when a thread cannot be started.
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+
+  int size() const noexcept { return n_threads_; }
+
+  // body(begin, end, thread) over [0, n) in chunks of `chunk` handed out first come, first served
+  // (balances threads whose speed differs, as on a busy host); thread in 0..size()-1 indexes
+  // per-thread scratch, 0 being the caller.
+  template <class Body>
+  void parallel_for(uint64_t n, uint64_t chunk, const Body& body) noexcept {
+    if (chunk == 0) chunk = 1;
+    const uint64_t chunks = (n + chunk - 1) / chunk;
+    if (chunks == 0) return;
+    struct Context {
+      const Body* body;
+      uint64_t n, chunk;
+      std::atomic<uint64_t> next{0};
+    } ctx{&body, n, chunk};
+    static_assert(noexcept(body(uint64_t{0}, uint64_t{0}, 0)), "bodies are noexcept");
+    run(
+        [](void* raw, int thread) noexcept {
+          auto& c = *static_cast<Context*>(raw);
+          for (;;) {
+            const uint64_t begin = c.next.fetch_add(c.chunk, std::memory_order_relaxed);
+            if (begin >= c.n) return;
+            (*c.body)(begin, begin + c.chunk < c.n ? begin + c.chunk : c.n, thread);
+          }
+        },
+        &ctx, chunks < uint64_t(n_threads_) ? static_cast<int>(chunks) : n_threads_);
+  }
+
+  // body(begin, end, thread) once per thread over equal contiguous parts of [0, n): for loops
+  // whose iterations cost the same and where a fixed split keeps results bit-identical run to run
+  // (a kernel whose rounding depends on where its range starts).
+  template <class Body>
+  void parallel_static(uint64_t n, const Body& body) noexcept {
+    if (n == 0) return;
+    const int parts = n < uint64_t(n_threads_) ? static_cast<int>(n) : n_threads_;
+    struct Context {
+      const Body* body;
+      uint64_t n;
+      int parts;
+    } ctx{&body, n, parts};
+    static_assert(noexcept(body(uint64_t{0}, uint64_t{0}, 0)), "bodies are noexcept");
+    run(
+        [](void* raw, int thread) noexcept {
+          const auto& c = *static_cast<const Context*>(raw);
+          (*c.body)(c.n * thread / c.parts, c.n * (thread + 1) / c.parts, thread);
+        },
+        &ctx, parts);
+  }
+
+ private:
+  using Task = void (*)(void* ctx, int thread) noexcept;
+  // Runs task(ctx, t) for t in [0, participants) on the caller (t = 0) and participants - 1
+  // workers; returns when all have.
+  void run(Task task, void* ctx, int participants) noexcept;
+  void worker(int index) noexcept;
+  void publish() noexcept;  // wakes the workers for the job just written (or for stop_)
+  void stop() noexcept;
+
+  int n_threads_;
+  std::vector<std::thread> workers_;
+  // The job, written by the caller before generation_ is bumped (release) and read by a worker
+  // after it sees the new generation (acquire).
+  Task task_ = nullptr;
+  void* ctx_ = nullptr;
+  int participants_ = 0;
+  bool stop_ = false;
+  std::atomic<uint32_t> generation_{0};
+  std::atomic<uint32_t> pending_{0};     // workers yet to acknowledge the current job
+  std::atomic<int> worker_sleepers_{0};  // workers asleep on generation_
+  std::atomic<int> caller_sleepers_{0};  // 1 while the caller sleeps on pending_
+};
+
+// The two loops over an optional pool: without one (nullptr), the calling thread runs it all as
+// thread 0.
+template <class Body>
+void parallel_for(ThreadPool* pool, uint64_t n, uint64_t chunk, const Body& body) noexcept {
+  if (pool != nullptr)
+    pool->parallel_for(n, chunk, body);
+  else if (n > 0)
+    body(uint64_t{0}, n, 0);
+}
+template <class Body>
+void parallel_static(ThreadPool* pool, uint64_t n, const Body& body) noexcept {
+  if (pool != nullptr)
+    pool->parallel_static(n, body);
+  else if (n > 0)
+    body(uint64_t{0}, n, 0);
+}
+
+}  // namespace kvsift
