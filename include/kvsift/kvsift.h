@@ -11,11 +11,19 @@
  *   - Keys are given after RoPE (what an inference engine has in hand after its projections).
  *   - Storage is fp16 (default) or bf16; all arithmetic is float32; outputs are float32.
  *
- * Enums: each ends with a *_MAX_ENUM value that only widens the type to 32 bits, so that any int
- * a C caller stores is a valid value; unknown values are rejected with INVALID_ARGUMENT.
+ * Enums: each ends with a *_MAX_ENUM value that only widens the type to 32 bits. kvsift reads every
+ * enum argument and field as a 32-bit integer before comparing it, so any value a C caller stores
+ * (a negative one, a struct memset to 0xFF) is safe to pass; unknown values are rejected with
+ * INVALID_ARGUMENT.
  *
  * Errors: every call that can fail returns a kvsift_status. On failure, kvsift_last_error() gives
- * a message naming the offending argument. No call aborts, throws or prints.
+ * a message naming the offending argument. No call aborts, throws or prints. A call that returns
+ * an error leaves every handle as it was before the call: lengths, sequences, selector policies,
+ * statistics and generator states are unchanged, and later calls give what they would have given
+ * had the failed call never been made. (Output buffers may have been written; the two-call size
+ * queries set the size they report.) Non-finite numbers (NaN, infinities) in queries, keys,
+ * values, logits and policy fields are refused with INVALID_ARGUMENT, except where a function
+ * documents a meaning for them.
  *
  * Thread safety (the one rule): a handle (kvsift_cache) is used by one thread at a time; distinct
  * handles may be used from distinct threads concurrently. The process-wide settings
@@ -448,7 +456,11 @@ typedef struct kvsift_chat_message {
 
 /* Renders messages with the file's chat template (ChatML is supported; the default system turn is
  * inserted when the first message is not a system message). add_assistant nonzero opens the
- * assistant's turn. Output as for kvsift_detokenize. Errors: UNSUPPORTED for other templates. */
+ * assistant's turn. Output as for kvsift_detokenize. Errors: UNSUPPORTED for other templates;
+ * INVALID_ARGUMENT for a role other than "system", "user" or "assistant", and for a role or
+ * content that contains the text of one of the model's special tokens (such as "<|im_end|>"),
+ * which would let the text close its turn and speak as another role: such text is refused, never
+ * rewritten. */
 KVSIFT_API kvsift_status kvsift_chat_template(const kvsift_model* model,
                                               const kvsift_chat_message* messages,
                                               size_t n_messages, int add_assistant, char* text,
@@ -539,7 +551,9 @@ KVSIFT_API void kvsift_sampler_params_init(kvsift_sampler_params* params);
 KVSIFT_API kvsift_status kvsift_sampler_create(const kvsift_sampler_params* params,
                                                kvsift_sampler** out);
 KVSIFT_API void kvsift_sampler_free(kvsift_sampler* sampler);
-/* *token receives the chosen id among n logits. */
+/* *token receives the chosen id among n >= 1 logits. A logit of -inf excludes its token (a mask).
+ * Errors: INVALID_ARGUMENT for a NaN or +inf logit or when every logit is -inf (the generator does
+ * not advance then). */
 KVSIFT_API kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const float* logits,
                                                size_t n, int32_t* token);
 

@@ -6,6 +6,7 @@
 #include <new>
 
 #include "lib/core/error.hpp"
+#include "lib/core/finite.hpp"
 
 namespace kvsift {
 
@@ -98,6 +99,8 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   require(v != nullptr, "v is NULL");
   Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
   const uint32_t B = geometry_.page_tokens, H = geometry_.n_kv_heads, d = geometry_.head_dim;
+  require_finite(k, std::size_t{n_tokens} * H * d, "k");
+  require_finite(v, std::size_t{n_tokens} * H * d, "v");
   const uint64_t before = seq.tokens[layer];
   const uint64_t after = before + n_tokens;
   const uint64_t new_pages_per_head = geometry_.pages_for(after) - geometry_.pages_for(before);

@@ -13,6 +13,7 @@
 #include "lib/cache/kv_cache.hpp"
 #include "lib/capi/guard.hpp"
 #include "lib/core/error.hpp"
+#include "lib/core/finite.hpp"
 #include "lib/core/log.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "simd/isa.hpp"
@@ -73,6 +74,26 @@ void forward_log(kvsift::LogLevel level, const char* message, void* user) {
   sink->fn(static_cast<kvsift_log_level>(level), message, sink->user);
 }
 
+// After the call's sizes were validated.
+void require_finite_queries(const kvsift_cache& handle, const kvsift::AttendCall& call) {
+  const kvsift::CacheGeometry& g = handle.cache.geometry();
+  kvsift::require_finite(call.q, std::size_t{call.n_seqs} * g.n_query_heads() * g.head_dim, "q");
+}
+
+// All or nothing: the new selector and its Selection are built beside the current ones (both
+// listen to the cache's seals meanwhile) and swapped in only when everything succeeded, so a
+// refused policy leaves the previous selector, with whatever it holds (S4R's compressed tokens),
+// in place.
+void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
+  std::unique_ptr<kvsift::select::Selector> selector =
+      kvsift::select::Selector::create(policy, handle.cache, handle.attention.max_batch(),
+                                       handle.cache.pool().capacity(), handle.attention.pool());
+  kvsift::select::Selection selection;
+  selector->reserve_selection(selection);
+  handle.selector = std::move(selector);
+  handle.selection = std::move(selection);
+}
+
 }  // namespace
 
 extern "C" {
@@ -91,7 +112,7 @@ const char* kvsift_version_string(void) {
 }
 
 const char* kvsift_status_string(kvsift_status status) {
-  switch (status) {
+  switch (kvsift::capi::enum_bits(status)) {
     case KVSIFT_STATUS_OK: return "ok";
     case KVSIFT_STATUS_INVALID_ARGUMENT: return "invalid argument";
     case KVSIFT_STATUS_UNSUPPORTED: return "unsupported";
@@ -102,7 +123,7 @@ const char* kvsift_status_string(kvsift_status status) {
     case KVSIFT_STATUS_INVALID_FILE: return "invalid file";
     case KVSIFT_STATUS_INTERNAL: return "internal error";
     case KVSIFT_STATUS_BUFFER_TOO_SMALL: return "buffer too small";
-    case KVSIFT_STATUS_MAX_ENUM: break;
+    default: break;
   }
   return "unknown status";
 }
@@ -117,7 +138,10 @@ void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_
     return;
   }
   g_c_log = CLogSink{fn, user};
-  kvsift::set_log_sink(forward_log, &g_c_log, static_cast<kvsift::LogLevel>(min_level));
+  // A level beyond the known ones keeps only errors; one below them keeps everything.
+  const int32_t level =
+      std::clamp<int32_t>(kvsift::capi::enum_bits(min_level), KVSIFT_LOG_DEBUG, KVSIFT_LOG_ERROR);
+  kvsift::set_log_sink(forward_log, &g_c_log, static_cast<kvsift::LogLevel>(level));
 }
 
 kvsift_isa kvsift_isa_supported(void) {
@@ -125,16 +149,19 @@ kvsift_isa kvsift_isa_supported(void) {
 }
 
 kvsift_status kvsift_set_max_isa(kvsift_isa max_isa) {
-  return guard(__func__, [&] { kvsift::simd::set_max_isa(to_isa(max_isa, "max_isa")); });
+  return guard(__func__, [&] {
+    kvsift::simd::set_max_isa(to_isa(kvsift::capi::enum_bits(max_isa), "max_isa"));
+  });
 }
 
 const char* kvsift_isa_name(kvsift_isa isa) {
-  switch (isa) {
+  const int32_t bits = kvsift::capi::enum_bits(isa);
+  switch (bits) {
     case KVSIFT_ISA_SCALAR:
     case KVSIFT_ISA_AVX2:
-    case KVSIFT_ISA_AVX512: return kvsift::simd::isa_name(static_cast<kvsift::simd::Isa>(isa));
+    case KVSIFT_ISA_AVX512: return kvsift::simd::isa_name(static_cast<kvsift::simd::Isa>(bits));
     case KVSIFT_ISA_AUTO: return "auto";
-    case KVSIFT_ISA_MAX_ENUM: break;
+    default: break;
   }
   return "unknown";
 }
@@ -164,10 +191,10 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
   return guard(__func__, [&] {
     require_pointer(params, "params");
     require_pointer(out, "out");
-    kvsift::require(
-        params->key_form == KVSIFT_KEYS_POST_ROPE || params->key_form == KVSIFT_KEYS_PRE_ROPE,
-        "params->key_form=", static_cast<int>(params->key_form), " is not a kvsift_key_form");
-    kvsift::require(params->key_form == KVSIFT_KEYS_POST_ROPE ||
+    const int32_t key_form = kvsift::capi::enum_bits(params->key_form);
+    kvsift::require(key_form == KVSIFT_KEYS_POST_ROPE || key_form == KVSIFT_KEYS_PRE_ROPE,
+                    "params->key_form=", key_form, " is not a kvsift_key_form");
+    kvsift::require(key_form == KVSIFT_KEYS_POST_ROPE ||
                         (std::isfinite(params->rope_theta) && params->rope_theta > 0.0f),
                     "params->rope_theta=", params->rope_theta, " is not a positive number");
     kvsift::require(params->n_threads >= 0, "params->n_threads=", params->n_threads,
@@ -178,16 +205,16 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     geometry.group_size = params->group_size;
     geometry.head_dim = params->head_dim;
     geometry.page_tokens = params->page_tokens;
-    geometry.dtype = to_dtype(params->dtype, "params->dtype");
+    geometry.dtype = to_dtype(kvsift::capi::enum_bits(params->dtype), "params->dtype");
     kvsift::CacheOptions options;
     options.max_pages = params->max_pages;
-    options.key_form = params->key_form == KVSIFT_KEYS_PRE_ROPE ? kvsift::KeyForm::pre_rope
-                                                                : kvsift::KeyForm::post_rope;
+    options.key_form =
+        key_form == KVSIFT_KEYS_PRE_ROPE ? kvsift::KeyForm::pre_rope : kvsift::KeyForm::post_rope;
     options.rope_theta = params->rope_theta;
     kvsift::require(params->device >= -1, "params->device=", params->device,
                     " is neither -1 (CPU) nor a device index");
     options.pinned = params->pinned != 0 || params->device >= 0;
-    options.isa = to_supported_isa(params->isa, "params->isa");
+    options.isa = to_supported_isa(kvsift::capi::enum_bits(params->isa), "params->isa");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
     std::unique_ptr<kvsift_cache> handle(
@@ -282,6 +309,7 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
       call.pages = &lists;
     }
     cache->backend().validate(cache->cache, call);
+    require_finite_queries(*cache, call);
     cache->backend().attend(cache->cache, call);
   });
 }
@@ -314,7 +342,7 @@ constexpr kvsift::select::Kind kKinds[] = {
 
 const char* kvsift_selector_name(kvsift_selector selector) {
   for (kvsift::select::Kind kind : kKinds)
-    if (static_cast<int>(kind) == static_cast<int>(selector))
+    if (static_cast<int32_t>(kind) == kvsift::capi::enum_bits(selector))
       return kvsift::select::kind_name(kind).data();  // string literals: NUL-terminated
   return "unknown";
 }
@@ -335,18 +363,6 @@ kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selec
   });
 }
 
-namespace {
-
-void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
-  handle.selector.reset();  // one selector listens at a time
-  handle.selector =
-      kvsift::select::Selector::create(policy, handle.cache, handle.attention.max_batch(),
-                                       handle.cache.pool().capacity(), handle.attention.pool());
-  handle.selector->reserve_selection(handle.selection);
-}
-
-}  // namespace
-
 kvsift_status kvsift_cache_set_selector(kvsift_cache* cache, const kvsift_selector_policy* policy) {
   return guard(__func__, [&] {
     require_pointer(cache, "cache");
@@ -364,6 +380,7 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
     kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
     // Validated first: the selector trusts its call (ids, layer, sizes).
     cache->attention.validate_sequences(cache->cache, call);
+    require_finite_queries(*cache, call);
     kvsift::select::Selection& sel = cache->selection;
     const kvsift::select::SelectCall select_call{layer, n_seqs, seq_ids, q};
     cache->selector->prepare(select_call, sel);

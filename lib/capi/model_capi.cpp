@@ -54,10 +54,10 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
     options.max_seqs = params->max_seqs;
     options.prefill_chunk = params->prefill_chunk;
     options.weight_type = params->weights_f32 ? kvsift::MatType::f32 : kvsift::MatType::bf16;
-    options.kv_dtype = kvsift::capi::to_dtype(params->kv_dtype, "params->kv_dtype");
+    options.kv_dtype = kvsift::capi::to_dtype(kvsift::capi::enum_bits(params->kv_dtype), "params->kv_dtype");
     options.page_tokens = params->page_tokens;
     options.n_threads = params->n_threads;
-    options.isa = kvsift::capi::to_supported_isa(params->isa, "params->isa");
+    options.isa = kvsift::capi::to_supported_isa(kvsift::capi::enum_bits(params->isa), "params->isa");
     kvsift::require(params->device >= -1, "params->device=", params->device,
                     " is neither -1 (CPU) nor a device index");
     options.device = params->device;

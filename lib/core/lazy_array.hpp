@@ -34,6 +34,8 @@ class LazyArray {
   const T& operator[](std::size_t i) const noexcept { return data()[i]; }
   T* begin() noexcept { return data(); }
   T* end() noexcept { return data() + size_; }
+  const T* begin() const noexcept { return data(); }
+  const T* end() const noexcept { return data() + size_; }
   std::size_t size() const noexcept { return size_; }
 
  private:

@@ -430,11 +430,15 @@ int32_t LlamaModel::fork_sequence(int32_t src) {
 }
 
 void LlamaModel::set_selector(const select::Policy& policy) {
-  selector_.reset();  // one listener at a time: the old one leaves the cache first
-  selector_ =
+  // All or nothing: built beside the current selector (both listen to seals meanwhile) and swapped
+  // in only when everything succeeded, so a refused policy leaves the model decoding as before.
+  std::unique_ptr<select::Selector> selector =
       select::Selector::create(policy, cache_, options_.max_seqs,
                                cache_.geometry().pages_for(n_ctx_), decode_attention_.pool());
-  selector_->reserve_selection(selection_);
+  select::Selection selection;
+  selector->reserve_selection(selection);
+  selector_ = std::move(selector);
+  selection_ = std::move(selection);
 }
 
 void LlamaModel::free_sequence(int32_t seq_id) {
@@ -449,6 +453,16 @@ uint64_t LlamaModel::position(int32_t seq_id) const {
   return cache_.length(seq_id, 0);
 }
 
+void LlamaModel::require_free_pages(uint64_t pages_per_head, const char* what) const {
+  // A step appends layer by layer, so a pool that ran dry halfway would leave the first layers
+  // appended and the sequence unusable: the pages of every layer are counted before the first.
+  const uint64_t needed =
+      pages_per_head * cache_.geometry().n_layers * cache_.geometry().n_kv_heads;
+  if (needed > cache_.pool().available())
+    fail(Status::capacity_exceeded, what, " needs ", needed, " KV pages; ",
+         cache_.pool().available(), " of ", cache_.pool().capacity(), " are free");
+}
+
 void LlamaModel::check_sequence(int32_t seq_id) const {
   if (!cache_.has_sequence(seq_id))
     fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
@@ -457,7 +471,7 @@ void LlamaModel::check_sequence(int32_t seq_id) const {
 void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
                          void (*progress)(uint64_t, uint64_t, void*), void* user) {
   check_sequence(seq_id);
-  require(!tokens.empty(), "no tokens to prefill");
+  require(!tokens.empty(), "n_tokens=0: nothing to prefill");
   const uint64_t start = position(seq_id);
   if (start + tokens.size() > n_ctx_)
     fail(Status::capacity_exceeded, "sequence ", seq_id, " would hold ", start + tokens.size(),
@@ -465,6 +479,8 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
   for (std::size_t i = 0; i < tokens.size(); ++i)
     require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i,
             "]=", tokens[i], " is not in the vocabulary (", config_.n_vocab, " tokens)");
+  const CacheGeometry& g = cache_.geometry();
+  require_free_pages(g.pages_for(start + tokens.size()) - g.pages_for(start), "the prompt");
   const auto t0 = Clock::now();
   const uint32_t chunk = options_.prefill_chunk, E = config_.n_embd;
   std::vector<uint64_t> positions(chunk);
@@ -504,8 +520,8 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
 
 void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens) {
   const uint32_t n = static_cast<uint32_t>(seq_ids.size());
-  require(n >= 1 && n <= options_.max_seqs, "decoding ", n, " sequences; max_seqs is ",
-          options_.max_seqs);
+  require(seq_ids.size() >= 1 && seq_ids.size() <= options_.max_seqs, "n_seqs=", seq_ids.size(),
+          " is not in 1..", options_.max_seqs, " (max_seqs)");
   require(tokens.size() == seq_ids.size(), "tokens and seq_ids differ in length");
   std::vector<uint64_t> positions(n);
   for (uint32_t i = 0; i < n; ++i) {
@@ -518,6 +534,11 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     if (positions[i] >= n_ctx_)
       fail(Status::capacity_exceeded, "sequence ", seq_ids[i], " is full: ", n_ctx_, " positions");
   }
+  uint64_t new_pages = 0;  // per (layer, KV head)
+  for (uint32_t i = 0; i < n; ++i)
+    new_pages +=
+        cache_.geometry().pages_for(positions[i] + 1) - cache_.geometry().pages_for(positions[i]);
+  require_free_pages(new_pages, "the step");
   const auto t0 = Clock::now();
   double attention_seconds = 0.0;
   // Decode rows take the matrix-vector path; prefill always the matrix products, so a prompt's

@@ -176,6 +176,9 @@ class LlamaModel {
   // Offload mode, before a prefill of seq_id from pos0: the device's prefill scratch must hold the
   // sequence's positions [0, pos0), reloaded from the host cache where it does not.
   void restore_prefill_scratch(int32_t seq_id, uint64_t pos0);
+  // Throws capacity_exceeded unless the pool has pages_per_head free pages for every (layer, KV
+  // head): what a prefill or decode step about to append will take.
+  void require_free_pages(uint64_t pages_per_head, const char* what) const;
   void output_logits(const float* hidden, uint32_t rows, float* logits);
   void check_sequence(int32_t seq_id) const;
 

@@ -48,28 +48,53 @@ PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_ba
   scratch_.resize(static_cast<std::size_t>(pool_.size()));
   for (Scratch& s : scratch_) {
     s.keys.resize(g.page_elems());
-    s.head.resize(per_head);
-    s.mass.resize(per_head);
-    s.slack.resize(per_head);
-    s.suffix.resize(std::size_t{g.group_size} * (max_pages + 1));
-    s.combined.resize(max_pages);
-    s.order.resize(max_pages);
-    s.chosen.resize(max_pages);
+    s.head = LazyArray<float>(per_head);
+    s.mass = LazyArray<float>(per_head);
+    s.slack = LazyArray<float>(per_head);
+    s.suffix = LazyArray<double>(std::size_t{g.group_size} * (max_pages + 1));
+    s.combined = LazyArray<float>(max_pages);
+    s.order = LazyArray<uint32_t>(max_pages);
+    s.chosen = LazyArray<uint8_t>(max_pages);
   }
+}
+
+void PageSelector::add_pending(uint32_t slot) noexcept {
+  if (pending_index_[slot] != 0) return;
+  pending_[n_pending_] = slot;
+  pending_index_[slot] = static_cast<uint32_t>(++n_pending_);
+}
+
+void PageSelector::remove_pending(uint32_t slot) noexcept {
+  const uint32_t at = pending_index_[slot];
+  if (at == 0) return;
+  const uint32_t last = pending_[--n_pending_];
+  pending_[at - 1] = last;
+  pending_index_[last] = at;
+  pending_index_[slot] = 0;
 }
 
 void PageSelector::on_page_sealed(const SealedPage& page) noexcept {
   if (!summarises()) return;
   const std::size_t offset = reinterpret_cast<const std::byte*>(page.k) - cache_.pool().base();
-  // pending_slots_ has room for every slot (sized in summarise_existing): a slot can be pending
-  // at most once per seal, and a page seals once before its slot is freed and reused.
-  if (n_pending_ < pending_slots_.size())
-    pending_slots_[n_pending_++] = static_cast<uint32_t>(offset / cache_.pool().slot_bytes());
+  add_pending(static_cast<uint32_t>(offset / cache_.pool().slot_bytes()));
+}
+
+void PageSelector::on_sequence_freed(int32_t seq_id) noexcept {
+  if (!summarises()) return;
+  const CacheGeometry& g = geometry();
+  for (uint32_t layer = 0; layer < g.n_layers; ++layer) {
+    const uint64_t pages = g.pages_for(cache_.length_unchecked(seq_id, layer));
+    for (uint32_t h = 0; h < g.n_kv_heads; ++h) {
+      const uint32_t* table = cache_.page_table(seq_id, layer, h);
+      for (uint64_t p = 0; p < pages; ++p) remove_pending(table[p]);
+    }
+  }
 }
 
 void PageSelector::summarise_existing() {
   if (!summarises()) return;
-  pending_slots_.resize(cache_.pool().capacity());
+  pending_ = LazyArray<uint32_t>(cache_.pool().capacity());
+  pending_index_ = LazyArray<uint32_t>(cache_.pool().capacity());
   const CacheGeometry& g = geometry();
   for (int32_t seq = 0; seq < cache_.sequence_id_bound(); ++seq) {
     if (!cache_.has_sequence(seq)) continue;
@@ -77,8 +102,7 @@ void PageSelector::summarise_existing() {
       const uint64_t sealed = cache_.length_unchecked(seq, layer) / g.page_tokens;
       for (uint32_t h = 0; h < g.n_kv_heads; ++h) {
         const uint32_t* table = cache_.page_table(seq, layer, h);
-        for (uint64_t p = 0; p < sealed && n_pending_ < pending_slots_.size(); ++p)
-          pending_slots_[n_pending_++] = table[p];
+        for (uint64_t p = 0; p < sealed; ++p) add_pending(table[p]);
       }
     }
   }
@@ -89,11 +113,12 @@ void PageSelector::build_summaries() noexcept {
   if (n_pending_ == 0) return;
   pool_.parallel_for(n_pending_, 16, [&](uint64_t begin, uint64_t end, int) noexcept {
     for (uint64_t i = begin; i < end; ++i) {
-      const uint32_t slot = pending_slots_[i];
+      const uint32_t slot = pending_[i];
       summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
     }
   });
-  summaries_built(pending_slots_.data(), n_pending_);
+  summaries_built(pending_.data(), n_pending_);
+  for (std::size_t i = 0; i < n_pending_; ++i) pending_index_[pending_[i]] = 0;
   n_pending_ = 0;
 }
 
@@ -384,7 +409,7 @@ class QuestSelector final : public PageSelector {
   QuestSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
                 ThreadPool& pool)
       : PageSelector(policy, cache, max_batch, max_pages, pool),
-        bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim) {}
+        bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim, /*huge_pages=*/true) {}
 
   std::size_t summary_bytes_per_page() const noexcept override {
     return 2 * std::size_t{geometry().head_dim} * sizeof(uint16_t);
@@ -436,7 +461,7 @@ class QuestSelector final : public PageSelector {
   }
 
  private:
-  AlignedVector<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
+  LazyArray<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
 };
 
 // LOCKS (papers.md section 2): page-local rank-r summaries, int4 basis, int8 coefficients and
@@ -457,8 +482,8 @@ class LocksSelector final : public PageSelector {
       : PageSelector(policy, cache, max_batch, max_pages, pool),
         shape_{cache.geometry().head_dim, cache.geometry().page_tokens, kLocksDefaultRank},
         record_bytes_(locks_record_bytes(shape_)),
-        records_(cache.pool().capacity() * record_bytes_),
-        key_norms_(certified() ? cache.pool().capacity() : 0) {
+        records_(cache.pool().capacity() * record_bytes_, /*huge_pages=*/true),
+        key_norms_(certified() ? cache.pool().capacity() : 0, /*huge_pages=*/true) {
     locks_check_shape(shape_);
     if (policy.device >= 0) start_device(max_batch, max_pages);
   }
@@ -488,7 +513,10 @@ class LocksSelector final : public PageSelector {
 
   // A sequence's sealed table entries change only when it is freed (its id may come back with
   // other pages) or its pages are released: its tables get new names for the scorer then.
-  void on_sequence_freed(int32_t seq_id) noexcept override { rename_tables(seq_id); }
+  void on_sequence_freed(int32_t seq_id) noexcept override {
+    PageSelector::on_sequence_freed(seq_id);
+    rename_tables(seq_id);
+  }
   void on_pages_released(int32_t seq_id, uint32_t, uint64_t, uint64_t) noexcept override {
     rename_tables(seq_id);
   }
@@ -665,8 +693,8 @@ class LocksSelector final : public PageSelector {
 
   LocksShape shape_;
   std::size_t record_bytes_;
-  AlignedVector<std::byte> records_;  // [pool slots, record_bytes_]
-  AlignedVector<float> key_norms_;    // [pool slots] certified: the page's largest key norm
+  LazyArray<std::byte> records_;  // [pool slots, record_bytes_]
+  LazyArray<float> key_norms_;    // [pool slots] certified: the page's largest key norm
   // Device mode: the scorer, the slots summarised since the last upload (each listed once), the
   // call's pairs.
   std::unique_ptr<gpu::LocksScorer> scorer_;

@@ -9,6 +9,7 @@
 #include <memory>
 
 #include "lib/core/aligned.hpp"
+#include "lib/core/lazy_array.hpp"
 #include "lib/select/selector.hpp"
 
 namespace kvsift::select {
@@ -21,24 +22,25 @@ struct PairView {
   uint32_t n_pages;
 };
 
-// Per-thread workspace, sized at creation.
+// Per-thread workspace, sized at creation for the most pages a pair can hold; the rows are lazy
+// (lib/core/lazy_array.hpp), so resident memory follows the pages the pairs really hold.
 struct Scratch {
-  AlignedVector<float> keys;   // [page_tokens, head_dim]
-  AlignedVector<float> head;   // [G, max_pages] per-head page scores
-  AlignedVector<float> slack;  // [G, max_pages] certified: score uncertainty per head and page
-  AlignedVector<float> mass;   // [G, max_pages] e^(score - top[h]) of the selectable pages
-  double top[kMaxGroupSize];   // per head: its best selectable page score
+  AlignedVector<float> keys;  // [page_tokens, head_dim]
+  LazyArray<float> head;      // [G, max_pages] per-head page scores
+  LazyArray<float> slack;     // [G, max_pages] certified: score uncertainty per head and page
+  LazyArray<float> mass;      // [G, max_pages] e^(score - top[h]) of the selectable pages
+  double top[kMaxGroupSize];  // per head: its best selectable page score
   double selectable_mass[kMaxGroupSize];  // per head: sum of its row of `mass`
-  AlignedVector<double> suffix;   // [G, max_pages + 1] certified: bound on the mass left out
-  AlignedVector<float> combined;  // [max_pages]
-  AlignedVector<uint32_t> order;  // [max_pages]
-  AlignedVector<uint8_t> chosen;  // [max_pages]
+  LazyArray<double> suffix;   // [G, max_pages + 1] certified: bound on the mass left out
+  LazyArray<float> combined;  // [max_pages]
+  LazyArray<uint32_t> order;  // [max_pages]
+  LazyArray<uint8_t> chosen;  // [max_pages]
 };
 
 class PageSelector : public Selector {
  public:
   void on_page_sealed(const SealedPage& page) noexcept override;
-  void on_sequence_freed(int32_t) noexcept override {}
+  void on_sequence_freed(int32_t seq_id) noexcept override;
   void select(const SelectCall& call, Selection& out) noexcept override;
   void build_summaries() noexcept override;
 
@@ -86,8 +88,15 @@ class PageSelector : public Selector {
   void certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last, uint64_t budget,
                uint32_t& n_chosen, float& bound) const noexcept;
 
-  AlignedVector<uint32_t> pending_slots_;  // sealed since the last build; room for every slot
+  // Slots sealed since the last build and not freed since, each listed once: pending_[0, n) and,
+  // per slot, 1 + its index there (0: not pending). A freed slot leaves the list at once, so a
+  // summary is only ever built from the content of a live sealed page, and the list never holds
+  // more than the pool's slots.
+  LazyArray<uint32_t> pending_;
+  LazyArray<uint32_t> pending_index_;
   std::size_t n_pending_ = 0;
+  void add_pending(uint32_t slot) noexcept;
+  void remove_pending(uint32_t slot) noexcept;
   std::vector<Scratch> scratch_;  // [n_threads]
   std::vector<uint32_t> region_;  // [max pairs + 1] where each pair's pages go in a Selection
 };

@@ -60,8 +60,8 @@ void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, bool rows) {
   chunk_offsets.assign(std::size_t{max_pairs} + 1, 0);
   row_counts.assign(max_pairs, 0);
   const auto pages = static_cast<std::size_t>(max_pages);
-  page_ids.resize(pages);
-  scores.resize(pages);
+  page_ids = LazyArray<uint32_t>(pages);
+  scores = LazyArray<float>(pages);
   kept_estimate.resize(max_pairs);
   dropped_bound.resize(max_pairs);
   n_pairs = 0;

@@ -25,6 +25,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/aligned.hpp"
+#include "lib/core/lazy_array.hpp"
 #include "lib/core/thread_pool.hpp"
 
 namespace kvsift::select {
@@ -87,11 +88,13 @@ struct Policy {
 // prepare() (rows); select() does not allocate.
 struct Selection {
   uint32_t n_pairs = 0;
-  AlignedVector<uint32_t> offsets;   // [pairs + 1]
-  AlignedVector<uint32_t> page_ids;  // ascending logical page ids per pair
+  AlignedVector<uint32_t> offsets;  // [pairs + 1]
+  // Sized for the most pages one call can choose and lazy (lib/core/lazy_array.hpp): resident
+  // memory follows the pages calls really choose.
+  LazyArray<uint32_t> page_ids;  // ascending logical page ids per pair
   // Per chosen page: the selector's combined score (estimated log-mass for oracle and locks, the
   // q.k upper bound for quest); +inf for mandatory pages, which are chosen unscored.
-  AlignedVector<float> scores;
+  LazyArray<float> scores;
   // Per pair: the estimated share of the group's softmax mass the chosen pages hold (1 when every
   // page is chosen; S4R: the share of its latent relevance; NaN where the selector makes no
   // estimate: Louver), and a proven upper bound on the share left out (the largest over the G
