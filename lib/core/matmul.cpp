@@ -70,8 +70,8 @@ struct Matmul::Impl {
   // scratchpad, tied to the thread that created a primitive, is not used).
   std::vector<dnnl::stream> streams;
   std::vector<AlignedVector<std::byte>> scratch;
-  std::vector<Entry*> slice_entry;         // per thread, for the call in progress
-  std::vector<std::exception_ptr> errors;  // per thread: what its slice threw, rethrown by run()
+  std::vector<Entry*> slice_entry;         // per part of the call in progress
+  std::vector<std::exception_ptr> errors;  // per part: what it threw, rethrown by run()
 
   explicit Impl(ThreadPool* p) : pool(p) {
     const int threads = p != nullptr ? p->size() : 1;
@@ -133,9 +133,10 @@ void Matmul::run(MatType type, const void* x, int64_t M, int64_t K, const void* 
         &impl.primitive(type, M, K, N, last - first, layout);
   }
   const std::size_t elem = type == MatType::f32 ? 4 : 2;
-  auto body = [&](uint64_t, uint64_t, int t) noexcept {
-    const auto [first, last] = slice(t);
-    const Impl::Entry& entry = *impl.slice_entry[static_cast<std::size_t>(t)];
+  // Part `part` of the split on thread `t` (its stream and scratchpad).
+  auto body = [&](uint64_t part, uint64_t, int t) noexcept {
+    const auto [first, last] = slice(static_cast<int>(part));
+    const Impl::Entry& entry = *impl.slice_entry[part];
     const std::byte* w_first =
         static_cast<const std::byte*>(w) +
         (layout == WeightLayout::rows_are_outputs ? first * K : first) * elem;
@@ -153,7 +154,7 @@ void Matmul::run(MatType type, const void* x, int64_t M, int64_t K, const void* 
                                   {DNNL_ARG_SCRATCHPAD, s_mem}});
       stream.wait();
     } catch (...) {
-      impl.errors[static_cast<std::size_t>(t)] = std::current_exception();
+      impl.errors[part] = std::current_exception();
     }
   };
   if (impl.pool != nullptr && parts > 1)

@@ -71,7 +71,11 @@ int affinity_cpus() noexcept {
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads == 0 ? affinity_cpus() : n_threads) {
+constexpr uint64_t kClosed = uint64_t{1} << 31;
+constexpr uint64_t kMembers = kClosed - 1;
+
+ThreadPool::ThreadPool(int n_threads)
+    : n_threads_(n_threads == 0 ? affinity_cpus() : n_threads), state_(kClosed) {
   require(n_threads >= 0 && n_threads <= 4096, "n_threads=", n_threads, " is not in 0..4096");
   try {
     workers_.reserve(static_cast<std::size_t>(n_threads_ - 1));
@@ -90,15 +94,12 @@ ThreadPool::~ThreadPool() {
 void ThreadPool::stop() noexcept {
   if (workers_.empty()) return;
   stop_ = true;
-  publish();
+  wake_workers();
   for (std::thread& t : workers_) t.join();
   workers_.clear();
 }
 
-void ThreadPool::publish() noexcept {
-  // Every worker acknowledges every job (those not taking part too), so none still reads the job
-  // when the next one is written.
-  pending_.store(static_cast<uint32_t>(workers_.size()), std::memory_order_relaxed);
+void ThreadPool::wake_workers() noexcept {
   generation_.fetch_add(1, std::memory_order_seq_cst);
   if (worker_sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(generation_);
 }
@@ -110,22 +111,39 @@ void ThreadPool::run(Task task, void* ctx, int participants) noexcept {
   }
   task_ = task;
   ctx_ = ctx;
-  participants_ = participants;
-  publish();
+  state_.store(uint64_t{++job_} << 32, std::memory_order_release);  // open, no members
+  wake_workers();
   task(ctx, 0);
-  for (uint32_t left = pending_.load(std::memory_order_acquire); left != 0;)
-    left = wait_change(pending_, left, caller_sleepers_);
+  uint64_t state = state_.fetch_or(kClosed, std::memory_order_acq_rel);
+  while ((state & kMembers) != 0) {
+    // Read exits_ before re-checking the members, so that a leave after the check changes the
+    // futex word this thread sleeps on.
+    const uint32_t exits = exits_.load(std::memory_order_seq_cst);
+    state = state_.load(std::memory_order_acquire);
+    if ((state & kMembers) == 0) break;
+    wait_change(exits_, exits, caller_sleepers_);
+    state = state_.load(std::memory_order_acquire);
+  }
 }
 
 void ThreadPool::worker(int index) noexcept {
-  uint32_t seen = 0;
+  uint32_t seen = 0, last_job = 0;
   for (;;) {
     seen = wait_change(generation_, seen, worker_sleepers_);
     if (stop_) return;
-    if (index < participants_) task_(ctx_, index);
-    if (pending_.fetch_sub(1, std::memory_order_seq_cst) == 1 &&
-        caller_sleepers_.load(std::memory_order_seq_cst) > 0)
-      futex_wake(pending_);
+    // Join the open job unless already in it (a job is opened before its generation is bumped,
+    // so a worker can see it before its wake-up).
+    uint64_t state = state_.load(std::memory_order_acquire);
+    bool joined = false;
+    while (!joined && (state & kClosed) == 0 && static_cast<uint32_t>(state >> 32) != last_job)
+      joined = state_.compare_exchange_weak(state, state + 1, std::memory_order_acq_rel,
+                                            std::memory_order_acquire);
+    if (!joined) continue;
+    last_job = static_cast<uint32_t>(state >> 32);
+    task_(ctx_, index);
+    state_.fetch_sub(1, std::memory_order_acq_rel);
+    exits_.fetch_add(1, std::memory_order_seq_cst);
+    if (caller_sleepers_.load(std::memory_order_seq_cst) > 0) futex_wake(exits_);
   }
 }
 

@@ -57,48 +57,59 @@ class ThreadPool {
         &ctx, chunks < uint64_t(n_threads_) ? static_cast<int>(chunks) : n_threads_);
   }
 
-  // body(begin, end, thread) once per thread over equal contiguous parts of [0, n): for loops
-  // whose iterations cost the same and where a fixed split keeps results bit-identical run to run
-  // (a kernel whose rounding depends on where its range starts).
+  // body(begin, end, thread) over min(n, size()) equal contiguous parts of [0, n), whichever
+  // thread is free taking the next part: for loops whose iterations cost the same and where a
+  // fixed split keeps results bit-identical run to run (a kernel whose rounding depends on where
+  // its range starts). Part p is [n p / parts, n (p + 1) / parts).
   template <class Body>
   void parallel_static(uint64_t n, const Body& body) noexcept {
     if (n == 0) return;
-    const int parts = n < uint64_t(n_threads_) ? static_cast<int>(n) : n_threads_;
+    const uint64_t parts = n < uint64_t(n_threads_) ? n : uint64_t(n_threads_);
     struct Context {
       const Body* body;
-      uint64_t n;
-      int parts;
+      uint64_t n, parts;
+      std::atomic<uint64_t> next{0};
     } ctx{&body, n, parts};
     static_assert(noexcept(body(uint64_t{0}, uint64_t{0}, 0)), "bodies are noexcept");
     run(
         [](void* raw, int thread) noexcept {
-          const auto& c = *static_cast<const Context*>(raw);
-          (*c.body)(c.n * thread / c.parts, c.n * (thread + 1) / c.parts, thread);
+          auto& c = *static_cast<Context*>(raw);
+          for (;;) {
+            const uint64_t p = c.next.fetch_add(1, std::memory_order_relaxed);
+            if (p >= c.parts) return;
+            (*c.body)(c.n * p / c.parts, c.n * (p + 1) / c.parts, thread);
+          }
         },
-        &ctx, parts);
+        &ctx, static_cast<int>(parts));
   }
 
  private:
   using Task = void (*)(void* ctx, int thread) noexcept;
-  // Runs task(ctx, t) for t in [0, participants) on the caller (t = 0) and participants - 1
-  // workers; returns when all have.
+  // Runs task(ctx, thread) on the caller (thread 0) and on every worker that wakes in time to
+  // join; the task hands out the work, so all of it is done by whoever joined. Returns when the
+  // caller's task has returned and every worker that joined has left. A worker that had not
+  // joined by then is not waited for: on a busy host a sleeping worker the scheduler has not run
+  // yet costs nothing but the work the caller did instead. participants <= 1: the caller alone.
   void run(Task task, void* ctx, int participants) noexcept;
   void worker(int index) noexcept;
-  void publish() noexcept;  // wakes the workers for the job just written (or for stop_)
+  void wake_workers() noexcept;
   void stop() noexcept;
 
   int n_threads_;
   std::vector<std::thread> workers_;
-  // The job, written by the caller before generation_ is bumped (release) and read by a worker
-  // after it sees the new generation (acquire).
+  // The job, written by the caller before it opens the job in state_ (release) and read by a
+  // worker after it joined through state_ (acquire).
   Task task_ = nullptr;
   void* ctx_ = nullptr;
-  int participants_ = 0;
   bool stop_ = false;
-  std::atomic<uint32_t> generation_{0};
-  std::atomic<uint32_t> pending_{0};     // workers yet to acknowledge the current job
+  uint32_t job_ = 0;  // the caller's count of jobs
+  // (job << 32) | kClosed | members: the current job, whether it still takes members, and how
+  // many workers are in it.
+  std::atomic<uint64_t> state_;
+  std::atomic<uint32_t> generation_{0};  // bumped per job: the workers' futex word
+  std::atomic<uint32_t> exits_{0};       // bumped when a worker leaves a job: the caller's
   std::atomic<int> worker_sleepers_{0};  // workers asleep on generation_
-  std::atomic<int> caller_sleepers_{0};  // 1 while the caller sleeps on pending_
+  std::atomic<int> caller_sleepers_{0};  // 1 while the caller sleeps on exits_
 };
 
 // The two loops over an optional pool: without one (nullptr), the calling thread runs it all as
