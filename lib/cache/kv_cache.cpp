@@ -99,16 +99,17 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   require(v != nullptr, "v is NULL");
   Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
   const uint32_t B = geometry_.page_tokens, H = geometry_.n_kv_heads, d = geometry_.head_dim;
-  require_finite(k, std::size_t{n_tokens} * H * d, "k");
-  require_finite(v, std::size_t{n_tokens} * H * d, "v");
   const uint64_t before = seq.tokens[layer];
   const uint64_t after = before + n_tokens;
   const uint64_t new_pages_per_head = geometry_.pages_for(after) - geometry_.pages_for(before);
   if (geometry_.pages_for(after) > kMaxPages)
     fail(Status::capacity_exceeded, "sequence ", seq_id, " would exceed ", kMaxPages, " pages");
 
-  // Everything that can fail happens before the first change.
+  // Everything that can fail happens before the first change; the sizes first, so that the
+  // buffers are read only for an append the pool can take.
   pool_.reserve(new_pages_per_head * H, "append");
+  require_finite(k, std::size_t{n_tokens} * H * d, "k");
+  require_finite(v, std::size_t{n_tokens} * H * d, "v");
   for (uint32_t h = 0; h < H; ++h)
     seq.tables[std::size_t{layer} * H + h].reserve(geometry_.pages_for(after));
   if (rope_) {
