@@ -167,7 +167,10 @@ typedef struct kvsift_cache_params {
   int pinned;         /* nonzero: page pool in pinned (page-locked) memory for GPU transfers;
                          UNSUPPORTED when built without CUDA. Default 0. */
   uint32_t max_batch; /* most sequences in one attention call. Default 64. */
-  int n_threads;      /* OpenMP threads for attention; 0 = the OpenMP default. Default 0. */
+  int n_threads;      /* Threads of this cache's own pool (attention, selection), the calling
+                         thread included; 0 = the CPUs in the process's affinity mask. Idle
+                         threads sleep; nothing process-wide changes (README, "Threads").
+                         Default 0. */
   kvsift_isa isa;     /* ISA for this handle, capped by the process cap. Default AUTO. */
   /* Offload mode: a CUDA device index, or -1 (default) for attention on the CPU. With a device the
    * pool is pinned (whatever `pinned` says) and kvsift_attend / kvsift_attend_selected run on the
@@ -400,10 +403,11 @@ typedef struct kvsift_model_params {
                              default bf16, closer to the file's values). Default 0. */
   kvsift_dtype kv_dtype;  /* KV cache storage. Default KVSIFT_DTYPE_F16. */
   uint32_t page_tokens;   /* KV page size: 16, 32 or 64. Default 16. */
-  int n_threads;          /* OpenMP threads; 0 = the OpenMP default. A positive value also sets
-                             the process's OpenMP default (omp_set_num_threads): oneDNN, which runs
-                             the model's matrix products, takes its thread count from there.
-                             Default 0. */
+  int n_threads;          /* Threads of this model's own pool, the calling thread included: its
+                             products (oneDNN, one slice per thread, never an OpenMP team),
+                             attention and selection; 0 = the CPUs in the process's affinity
+                             mask. Idle threads sleep; the process's OpenMP settings are left as
+                             they are (README, "Threads"). Default 0. */
   kvsift_isa isa;         /* Default AUTO. */
   int device;             /* Offload mode: a CUDA device index, or -1 for the CPU only (default).
                              The KV cache stays in host memory (pinned), selection runs on the
