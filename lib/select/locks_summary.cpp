@@ -41,16 +41,18 @@ void store_u16(std::byte* p, uint16_t x) noexcept {
   std::memcpy(p, &x, sizeof x);
 }
 
-// The bf16 scale absmax / levels, and each value's code against that stored scale (rounded to
-// nearest even, then clamped: the bf16 rounding may leave max/scale a hair above `levels`).
+// The scale absmax / levels, stored as bf16, and each value's code against the float32 scale
+// before that rounding (to nearest even, then clamped), as the authors' build does
+// (tests/test_locks_peer.cpp checks the codes against theirs; rounding against the stored bf16
+// scale instead moved ~1% of the codes by one and every page score by ~0.01 nats).
 // A zero (or underflowed) scale gives zero codes, and so does a NaN value.
 template <class Code>
 uint16_t quantize(const float* x, std::size_t n, float levels, int lowest, int highest,
                   Code&& store_code) noexcept {
   float absmax = 0.0f;
   for (std::size_t i = 0; i < n; ++i) absmax = std::max(absmax, std::fabs(x[i]));
-  const uint16_t scale_bits = simd::f32_to_bf16(absmax / levels);
-  const float scale = simd::bf16_to_f32(scale_bits);
+  const float scale = absmax / levels;
+  const uint16_t scale_bits = simd::f32_to_bf16(scale);
   const bool usable = scale > 0.0f && std::isfinite(scale);
   for (std::size_t i = 0; i < n; ++i) {
     const float code = usable ? std::nearbyint(x[i] / scale) : 0.0f;

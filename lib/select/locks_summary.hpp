@@ -10,7 +10,7 @@
 //   V = D^T U_r diag(1/sigma) (d x r, orthonormal columns), so D ~ C V^T (the rank-r truncated
 //   SVD). Quantised: V int4 per column (scale max|col|/7, clamp [-8, 7]), C int8 per token
 //   (max|c_i|/127), mu int8 (max|mu|/127), every scale stored as bf16 and the codes rounded
-//   (to nearest even) against the stored scale.
+//   (to nearest even) against the float32 scale before that rounding, as the authors' build.
 // Plus, for certified selection, e = max_i ||k_i - (mu + V c_i)|| with the dequantised mu, V, C
 // (what scoring uses), computed in float64 and rounded up to float32, so that for every query q
 // and token i of the page, exactly: q . k_i <= q . (mu + V c_i) + ||q|| * e. It bounds the
