@@ -294,14 +294,17 @@ void PageSelector::combine(Scratch& s, uint32_t first, uint32_t last) const noex
       S[p] = best;
     }
   } else {
-    // s.mass rows are e^(score - the head's best selectable score): nrm sums them as they are,
-    // share_avg first divides each head's row by its sum.
+    // s.mass rows are e^(score - the head's best selectable score): share_avg divides each
+    // head's row by its sum; nrm rescales it to e^(score - the head's best page, sinks included),
+    // as the authors' kernel normalises (tests/test_locks_peer.cpp; docs/methods.md).
     std::fill(S + first, S + last, 0.0f);
     for (uint32_t h = 0; h < G; ++h) {
       const float* mh = s.mass.data() + h * max_pages_;
-      const float weight = combine_mode() == GqaCombine::share_avg
-                               ? 1.0f / (static_cast<float>(s.selectable_mass[h]) * G)
-                               : 1.0f;
+      float weight = 1.0f / (static_cast<float>(s.selectable_mass[h]) * G);
+      if (combine_mode() == GqaCombine::nrm) {
+        const float* sh = s.head.data() + h * max_pages_;
+        weight = std::exp(static_cast<float>(s.top[h]) - *std::max_element(sh, sh + last));
+      }
       for (uint32_t p = first; p < last; ++p) S[p] += mh[p] * weight;
     }
   }
