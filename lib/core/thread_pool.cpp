@@ -93,7 +93,7 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::stop() noexcept {
   if (workers_.empty()) return;
-  stop_ = true;
+  stop_.store(true, std::memory_order_release);
   wake_workers();
   for (std::thread& t : workers_) t.join();
   workers_.clear();
@@ -130,7 +130,7 @@ void ThreadPool::worker(int index) noexcept {
   uint32_t seen = 0, last_job = 0;
   for (;;) {
     seen = wait_change(generation_, seen, worker_sleepers_);
-    if (stop_) return;
+    if (stop_.load(std::memory_order_acquire)) return;
     // Join the open job unless already in it (a job is opened before its generation is bumped,
     // so a worker can see it before its wake-up).
     uint64_t state = state_.load(std::memory_order_acquire);

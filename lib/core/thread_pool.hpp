@@ -101,7 +101,6 @@ class ThreadPool {
   // worker after it joined through state_ (acquire).
   Task task_ = nullptr;
   void* ctx_ = nullptr;
-  bool stop_ = false;
   uint32_t job_ = 0;  // the caller's count of jobs
   // (job << 32) | kClosed | members: the current job, whether it still takes members, and how
   // many workers are in it.
@@ -110,6 +109,10 @@ class ThreadPool {
   std::atomic<uint32_t> exits_{0};       // bumped when a worker leaves a job: the caller's
   std::atomic<int> worker_sleepers_{0};  // workers asleep on generation_
   std::atomic<int> caller_sleepers_{0};  // 1 while the caller sleeps on exits_
+  // Set by stop() before the generation bump that wakes the workers for the last time. Atomic: a
+  // worker woken by the job before may still be reading it (tests/test_thread_stress.cpp, a race
+  // ThreadSanitizer reported between a handle's destruction and its workers).
+  std::atomic<bool> stop_{false};
 };
 
 // The two loops over an optional pool: without one (nullptr), the calling thread runs it all as
