@@ -1,12 +1,14 @@
 # The two commands of the README, and the steps behind them.
 #   make demo   set up, build, run the demo on its built-in default
-#   make test   set up, build, run every test (release build, then an ASan+UBSan build)
+#   make test   set up, build, run every test (release build, an ASan+UBSan build, then the
+#               thread stress test under ThreadSanitizer)
 #   make bench  build and run the benchmarks (never part of make test)
 #   make eval   build and run the evaluation's default suite; writes docs/RESULTS.md, docs/results/
 #   make eval-full  the larger suite; writes docs/RESULTS-full.md, docs/results-full/
 
 BUILD      ?= build
 ASAN_BUILD ?= build-asan
+TSAN_BUILD ?= build-tsan
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
 
@@ -37,7 +39,27 @@ test-asan: build-asan
 	ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
 	  ctest --test-dir $(ASAN_BUILD) --output-on-failure
 
-test: test-release test-asan
+# ThreadSanitizer on the one binary that exists for it (tests/test_thread_stress.cpp: 8 caches,
+# then 8 models, on 8 threads, bit for bit against serial), so the build stays a few minutes. It
+# runs with no OMP_* variable and no suppressions; the uninstrumented parts:
+# - OpenMP: lib/ is compiled without -fopenmp (its loops run on lib/core/thread_pool.hpp, which
+#   is instrumented), and oneDNN is called from the pool with the thread's OpenMP count at 1
+#   (lib/core/matmul.cpp), so libgomp never starts a team and its barriers never run.
+# - oneDNN (Debian's build): TSan sees its allocations, copies and pthread locks but not its
+#   atomics. kvsift creates primitives under one lock (lib/core/matmul.cpp; without it this test
+#   reports a race in oneDNN's primitive cache) and hands each product's slices to the pool's
+#   threads through the pool's instrumented atomics, each thread with its own stream and
+#   scratchpad, so every order between threads that touch oneDNN's objects is one TSan sees.
+.PHONY: build-tsan test-tsan
+build-tsan: deps
+	cmake -S . -B $(TSAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSIFT_TSAN=ON \
+	  -DKVSIFT_ENABLE_CUDA=OFF -DKVSIFT_BUILD_BENCH=OFF -DKVSIFT_BUILD_APPS=OFF $(CMAKE_ARGS)
+	cmake --build $(TSAN_BUILD) -j $(JOBS) --target kvsift_thread_stress_tests
+
+test-tsan: build-tsan
+	$(TSAN_BUILD)/tests/kvsift_thread_stress_tests
+
+test: test-release test-asan test-tsan
 
 demo: build
 	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" $(BUILD)/apps/kvsift-demo
@@ -65,4 +87,4 @@ format:
 	git ls-files '*.cpp' '*.hpp' '*.h' '*.c' '*.cu' | xargs clang-format -i
 
 clean:
-	rm -rf $(BUILD) $(ASAN_BUILD)
+	rm -rf $(BUILD) $(ASAN_BUILD) $(TSAN_BUILD)

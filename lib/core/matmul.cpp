@@ -28,8 +28,9 @@ constexpr int64_t kSliceColumns = 16;
 
 // oneDNN's primitive cache is process-wide and its locking lives in the uninstrumented library,
 // so a ThreadSanitizer build sees two handles creating primitives at once as a race on the cache's
-// entries. Creation is a cold path (once per shape and handle): one lock orders it for TSan at no
-// measurable cost.
+// entries (without this lock, tests/test_thread_stress.cpp reports a reader-writer lock one thread
+// allocated inside libdnnl being taken by another with no order between them). Creation is a cold
+// path (once per shape and handle): one lock orders it for TSan at no measurable cost.
 std::mutex& creation_mutex() {
   static std::mutex mutex;
   return mutex;
