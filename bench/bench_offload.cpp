@@ -41,6 +41,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
+#include "lib/engine/decode_engine.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/page_selector.hpp"
 #include "lib/select/selector.hpp"
@@ -481,21 +482,25 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   const uint64_t max_pages = std::max<uint64_t>(policy.budget_tokens(max_tokens) / kPageTokens,
                                                 policy.sink_pages + policy.window_pages) +
                              4;
-  OffloadOptions options;
+  // The library's decode engine, as the C API and the model runner hold it: its own LOCKS
+  // selector (built over the context here) and the offload backend.
+  EngineOptions options;
   options.max_batch = batch;
-  options.max_pages_per_pair = max_pages;
+  options.n_threads = cfg.threads;
+  options.max_pages_per_pair = cache.geometry().pages_for(max_tokens);
+  options.device = 0;
   // Twice a step's pages: room for the working set and for what the drift brings in.
-  options.cache_pages = static_cast<uint32_t>(
-      std::min<uint64_t>(2 * uint64_t{batch} * kKvHeads * max_pages, uint64_t{1} << 31));
+  options.device_cache_pages = static_cast<uint32_t>(
+      std::min<uint64_t>(2 * uint64_t{batch} * kKvHeads * max_pages, (uint64_t{1} << 31) - 1));
   row.c_max_pages = static_cast<uint32_t>(max_pages);
-  row.c_cache_pages = options.cache_pages;
-  row.c_parts = std::min(options.step_parts, batch);
-  auto offload = OffloadAttention::create(cache, options);
+  row.c_cache_pages = options.device_cache_pages;
+  row.c_parts = std::min(options.device_step_parts, batch);
+  DecodeEngine engine(cache, options);
+  engine.set_selector(policy);
+  const OffloadAttention& offload = *engine.offload();
   say("  (c) device cache of %u pages (twice a step's), at most %lu pages per (sequence, KV head), "
       "%u part(s) per step",
-      options.cache_pages, static_cast<unsigned long>(max_pages), row.c_parts);
-  select::Selection selection;
-  host.selector->reserve_selection(selection);
+      options.device_cache_pages, static_cast<unsigned long>(max_pages), row.c_parts);
   std::vector<float> out(host.q.size());
   std::vector<float> k(std::size_t{kKvHeads} * kHeadDim), v(k.size());
 
@@ -509,22 +514,23 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
     }
     drift(host.q, host.anchor, static_cast<uint64_t>(s), cfg.drift_noise);
     const AttendCall call{0, batch, host.ids.data(), host.q.data(), out.data()};
-    offload->step(*host.selector, selection, cache, call);
+    engine.attend_selected(call);
     if (s < cfg.c_warmup) continue;
-    const OffloadStats& st = offload->last_step();
-    total.push_back(st.total_us);
-    sel.push_back(st.select_us);
+    const OffloadStats& st = offload.last_step();
+    const LayerStepStats& step = engine.last_step();
+    total.push_back(st.total_us + step.select_us);
+    sel.push_back(step.select_us);
     hst.push_back(st.host_us);
     xfer.push_back(st.transfer_us);
     att.push_back(st.attend_us);
     cout.push_back(st.copy_out_us);
-    ovl.push_back(st.overlap_us);
+    ovl.push_back(step.overlap_us);
     pages.push_back(static_cast<double>(st.pages_listed));
     moved.push_back(static_cast<double>(st.misses + st.refreshed));
     page_mb.push_back(st.page_bytes_h2d * 1e-6);
     h2d_mb.push_back(st.bytes_h2d * 1e-6);
     if (st.transfer_us > 0) gbps.push_back(st.page_bytes_h2d / st.transfer_us * 1e-3);
-    kept.push_back(st.pairs ? st.kept_estimate_sum / st.pairs : NAN);
+    kept.push_back(step.pairs ? step.kept_estimate_sum / step.pairs : NAN);
     hits += st.hits;
     misses += st.misses;
   }

@@ -17,6 +17,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
+#include "lib/engine/decode_engine.hpp"
 #include "lib/model/llama_model.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
@@ -124,25 +125,29 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
   policy.budget = 0.05;
   // One selector per mode, each seeing the same seals: the CPU-only and the offload mode must
   // choose the same pages for the same inputs.
-  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
-  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
-  Selection cpu_selection, gpu_selection;
+  auto cpu_selector =
+      Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  Selection cpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
-  gpu_selector->reserve_selection(gpu_selection);
   DecodeAttention cpu(g, c.batch, 2);
-  OffloadOptions options;
+  EngineOptions options;
   options.max_batch = c.batch;
-  options.max_pages_per_pair = c.max_pages_per_pair;
-  options.cache_pages = static_cast<uint32_t>(c.batch * H * c.max_pages_per_pair);
+  options.n_threads = 2;
+  options.max_pages_per_pair = model.max_pages() + 64;
+  options.device = 0;
+  options.device_cache_pages = static_cast<uint32_t>(c.batch * H * c.max_pages_per_pair);
   // One part: the checks below read what the device attended for the whole batch
   // (attended_*() report the last part); the split is checked by its own test.
-  options.step_parts = 1;
-  auto offload = OffloadAttention::create(model.cache(), options);
+  options.device_step_parts = 1;
+  DecodeEngine engine(model.cache(), options);
+  engine.set_selector(policy);
+  OffloadAttention* offload = engine.offload();
+  const Selection& gpu_selection = engine.selection();
 
   const std::size_t out_elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
   std::vector<float> out_cpu(out_elems), out_gpu(out_elems);
   std::vector<std::byte> device_page(g.slot_bytes());
-  double worst_error = 0.0;
+  double worst_error = 0.0, select_us = 0.0;
   std::printf("%-18s %4s %5s %6s %5s %5s %5s %5s %9s %8s %8s %8s %8s %8s\n", c.name, "step",
               "layer", "pages", "hit", "miss", "evict", "fresh", "KiB_h2d", "sel_us", "host_us",
               "xfer_us", "attn_us", "total_us");
@@ -159,7 +164,7 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
       const AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(),
                             out_gpu.data()};
       std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
-      offload->step(*gpu_selector, gpu_selection, model.cache(), call);
+      engine.attend_selected(call);
 
       const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
                                            model.q().data()};
@@ -219,8 +224,9 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
                   "", step, layer, static_cast<unsigned long>(s.pages_listed),
                   static_cast<unsigned long>(s.hits), static_cast<unsigned long>(s.misses),
                   static_cast<unsigned long>(s.evictions), static_cast<unsigned long>(s.refreshed),
-                  s.bytes_h2d / 1024.0, s.select_us, s.host_us, s.transfer_us, s.attend_us,
-                  s.total_us);
+                  s.bytes_h2d / 1024.0, engine.last_step().select_us, s.host_us, s.transfer_us,
+                  s.attend_us, s.total_us);
+      select_us += engine.last_step().select_us;
     }
   }
   const OffloadStats& t = offload->totals();
@@ -232,7 +238,7 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
       "%.1f out %.1f total %.1f\n",
       c.name, worst_error, static_cast<unsigned long>(t.calls), t.hit_rate(),
       t.page_bytes_h2d / 1024.0 / t.calls, static_cast<unsigned long>(t.refreshed),
-      t.select_us / t.calls, t.host_us / t.calls, t.transfer_us / t.calls, t.attend_us / t.calls,
+      select_us / t.calls, t.host_us / t.calls, t.transfer_us / t.calls, t.attend_us / t.calls,
       t.copy_out_us / t.calls, t.total_us / t.calls);
 }
 
@@ -327,7 +333,8 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
     select::Policy policy;
     policy.kind = kind;
     policy.budget = 0.1;
-    auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+    auto selector =
+        Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
     Selection selection;
     selector->reserve_selection(selection);
     DecodeAttention cpu(g, c.batch, 2);
@@ -384,20 +391,25 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
   select::Policy policy;
   policy.kind = Kind::locks;
   policy.budget = 0.05;
-  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
-  auto gpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
-  Selection cpu_selection, gpu_selection;
+  auto cpu_selector =
+      Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  Selection cpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
-  gpu_selector->reserve_selection(gpu_selection);
   DecodeAttention cpu(g, c.batch, 2);
   for (const uint32_t parts : {2u, 3u}) {
     SCOPED_TRACE(parts);
-    OffloadOptions options;
+    EngineOptions options;
     options.max_batch = c.batch;
-    options.max_pages_per_pair = c.max_pages_per_pair;
-    options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * c.max_pages_per_pair);
-    options.step_parts = parts;
-    auto offload = OffloadAttention::create(model.cache(), options);
+    options.n_threads = 2;
+    options.max_pages_per_pair = model.max_pages() + 64;
+    options.device = 0;
+    options.device_cache_pages =
+        static_cast<uint32_t>(c.batch * g.n_kv_heads * c.max_pages_per_pair);
+    options.device_step_parts = parts;
+    DecodeEngine engine(model.cache(), options);
+    engine.set_selector(policy);
+    const OffloadAttention* offload = engine.offload();
+    double select_us = 0.0, overlap_us = 0.0;
     const std::size_t elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
     std::vector<float> out_cpu(elems), out_gpu(elems);
     for (uint32_t step = 1; step <= c.steps; ++step) {
@@ -406,7 +418,7 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
         for (int32_t id : model.seq_ids()) model.append(id, layer, 1);
         AttendCall call{layer, c.batch, model.seq_ids().data(), model.q().data(), out_gpu.data()};
         std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
-        offload->step(*gpu_selector, gpu_selection, model.cache(), call);
+        engine.attend_selected(call);
         const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
                                              model.q().data()};
         cpu_selector->select(select_call, cpu_selection);
@@ -417,17 +429,20 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
         for (std::size_t i = 0; i < elems; ++i)
           ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
         EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
-        const OffloadStats& s = offload->last_step();
+        const LayerStepStats& s = engine.last_step();
         EXPECT_EQ(s.pairs, c.batch * g.n_kv_heads);
-        EXPECT_EQ(s.pages_listed, cpu_selection.pages_chosen());
+        EXPECT_EQ(offload->last_step().pages_listed, cpu_selection.pages_chosen());
+        EXPECT_EQ(offload->last_step().parts, parts);
         EXPECT_NEAR(s.kept_estimate_sum, cpu_selection.kept_estimate_sum(), 1e-3);
+        select_us += s.select_us;
+        overlap_us += s.overlap_us;
       }
     }
     const OffloadStats& t = offload->totals();
     std::printf(
         "parts %u: %lu calls, mean us per call: select %.1f (hidden %.1f) host %.1f "
         "transfer %.1f attend %.1f total %.1f\n",
-        parts, static_cast<unsigned long>(t.calls), t.select_us / t.calls, t.overlap_us / t.calls,
+        parts, static_cast<unsigned long>(t.calls), select_us / t.calls, overlap_us / t.calls,
         t.host_us / t.calls, t.transfer_us / t.calls, t.attend_us / t.calls, t.total_us / t.calls);
   }
 }

@@ -215,7 +215,9 @@ void check_property(const Policy& policy, uint32_t seed, int steps) {
     }
   }
   EXPECT_GT(selections, steps / 10);
-  if (policy.kind == Kind::locks_certified) EXPECT_GT(certified_checks, 0);
+  if (policy.kind == Kind::locks_certified) {
+    EXPECT_GT(certified_checks, 0);
+  }
 }
 
 Policy policy_of(Kind kind) {

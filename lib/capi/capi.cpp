@@ -11,10 +11,12 @@
 #include "kvsift/kvsift.h"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
+#include "lib/capi/cache_handle.hpp"
 #include "lib/capi/guard.hpp"
 #include "lib/core/error.hpp"
 #include "lib/core/finite.hpp"
 #include "lib/core/log.hpp"
+#include "lib/engine/decode_engine.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "simd/isa.hpp"
 
@@ -42,24 +44,6 @@ static_assert(static_cast<int>(kvsift::simd::Isa::scalar) == KVSIFT_ISA_SCALAR);
 static_assert(static_cast<int>(kvsift::simd::Isa::avx2) == KVSIFT_ISA_AVX2);
 static_assert(static_cast<int>(kvsift::simd::Isa::avx512) == KVSIFT_ISA_AVX512);
 
-struct kvsift_cache {
-  kvsift::KvCache cache;
-  kvsift::DecodeAttention attention;
-  // After the cache, which both listen to (and leave before it goes). Offload mode only.
-  std::unique_ptr<kvsift::OffloadAttention> offload;
-  // Dense until set.
-  std::unique_ptr<kvsift::select::Selector> selector;
-  kvsift::select::Selection selection;
-
-  // Where attend calls run: the device in offload mode, else the CPU.
-  kvsift::AttentionBackend& backend() {
-    return offload ? static_cast<kvsift::AttentionBackend&>(*offload) : attention;
-  }
-  const kvsift::AttentionBackend& backend() const {
-    return offload ? static_cast<const kvsift::AttentionBackend&>(*offload) : attention;
-  }
-};
-
 namespace {
 
 // The host's C callback, reached through lib/core's C++ sink.
@@ -78,20 +62,6 @@ void forward_log(kvsift::LogLevel level, const char* message, void* user) {
 void require_finite_queries(const kvsift_cache& handle, const kvsift::AttendCall& call) {
   const kvsift::CacheGeometry& g = handle.cache.geometry();
   kvsift::require_finite(call.q, std::size_t{call.n_seqs} * g.n_query_heads() * g.head_dim, "q");
-}
-
-// All or nothing: the new selector and its Selection are built beside the current ones (both
-// listen to the cache's seals meanwhile) and swapped in only when everything succeeded, so a
-// refused policy leaves the previous selector, with whatever it holds (S4R's compressed tokens),
-// in place.
-void set_selector(kvsift_cache& handle, const kvsift::select::Policy& policy) {
-  std::unique_ptr<kvsift::select::Selector> selector =
-      kvsift::select::Selector::create(policy, handle.cache, handle.attention.max_batch(),
-                                       handle.cache.pool().capacity(), handle.attention.pool());
-  kvsift::select::Selection selection;
-  selector->reserve_selection(selection);
-  handle.selector = std::move(selector);
-  handle.selection = std::move(selection);
 }
 
 }  // namespace
@@ -217,30 +187,17 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     options.isa = to_supported_isa(kvsift::capi::enum_bits(params->isa), "params->isa");
     if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
       kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
-    std::unique_ptr<kvsift_cache> handle(
-        new kvsift_cache{kvsift::KvCache(geometry, options),
-                         kvsift::DecodeAttention(geometry, params->max_batch, params->n_threads),
-                         nullptr, nullptr, kvsift::select::Selection{}});
-    if (params->device >= 0) {
-      // A decoder appends every layer alike, so one (sequence, layer, KV head) holds at most the
-      // pool's pages over n_layers * n_kv_heads.
-      const uint64_t per_layer = (params->max_pages + params->n_layers - 1) / params->n_layers;
-      kvsift::OffloadOptions o;
-      o.device = params->device;
-      o.max_batch = params->max_batch;
-      o.max_pages_per_pair = std::max<uint64_t>(
-          1, params->max_pages / (uint64_t{params->n_layers} * params->n_kv_heads));
-      o.cache_pages = params->device_cache_pages != 0
-                          ? params->device_cache_pages
-                          : static_cast<uint32_t>(std::min<uint64_t>(per_layer, (1u << 31) - 1));
-      o.max_row_chunks = o.cache_pages;
-      handle->offload = kvsift::OffloadAttention::create(handle->cache, o);
-    }
+    kvsift::EngineOptions engine;
+    engine.max_batch = params->max_batch;
+    engine.n_threads = params->n_threads;
+    engine.device = params->device;
+    engine.device_cache_pages = params->device_cache_pages;
+    auto handle = std::make_unique<kvsift_cache>(geometry, options, engine);
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
                   std::string("cache created: isa=") +
                       kvsift::simd::isa_name(handle->cache.kernels().isa) +
-                      ", threads=" + std::to_string(handle->attention.n_threads()) +
+                      ", threads=" + std::to_string(handle->engine.n_threads()) +
                       ", pool bytes=" + std::to_string(handle->cache.pool().region().size()));
     *out = handle.release();
   });
@@ -308,9 +265,9 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
       lists.page_ids = pages->page_ids;
       call.pages = &lists;
     }
-    cache->backend().validate(cache->cache, call);
+    cache->engine.backend().validate(cache->cache, call);
     require_finite_queries(*cache, call);
-    cache->backend().attend(cache->cache, call);
+    cache->engine.attend(call);
   });
 }
 
@@ -367,7 +324,7 @@ kvsift_status kvsift_cache_set_selector(kvsift_cache* cache, const kvsift_select
   return guard(__func__, [&] {
     require_pointer(cache, "cache");
     require_pointer(policy, "policy");
-    set_selector(*cache, kvsift::capi::to_policy(*policy));
+    cache->engine.set_selector(kvsift::capi::to_policy(*policy));
   });
 }
 
@@ -376,33 +333,25 @@ kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t layer, uint32
                                      kvsift_selection_stats* stats) {
   return guard(__func__, [&] {
     require_pointer(cache, "cache");
-    if (!cache->selector) set_selector(*cache, kvsift::select::Policy{});
-    kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
-    // Validated first: the selector trusts its call (ids, layer, sizes).
-    cache->attention.validate_sequences(cache->cache, call);
+    const kvsift::AttendCall call{layer, n_seqs, seq_ids, q, out, nullptr};
+    // The sizes first: the query check reads n_seqs rows of q.
+    cache->engine.validate_sequences(call);
     require_finite_queries(*cache, call);
-    kvsift::select::Selection& sel = cache->selection;
-    const kvsift::select::SelectCall select_call{layer, n_seqs, seq_ids, q};
-    cache->selector->prepare(select_call, sel);
-    cache->selector->select(select_call, sel);
-    const kvsift::PageLists lists = sel.lists();
-    const kvsift::RowChunks rows = sel.rows();
-    call.pages = &lists;
-    call.rows = sel.has_rows ? &rows : nullptr;
-    cache->backend().validate(cache->cache, call);
-    cache->backend().attend(cache->cache, call);
+    cache->engine.attend_selected(call);
     if (stats == nullptr) return;
+    const kvsift::LayerStepStats& step = cache->engine.last_step();
     *stats = kvsift_selection_stats{};
-    stats->pairs = sel.n_pairs;
-    stats->pages_chosen = sel.pages_chosen();
+    stats->pairs = step.pairs;
+    stats->pages_chosen = step.pages_chosen;
     for (uint32_t i = 0; i < n_seqs; ++i)
       stats->pages_stored +=
           cache->cache.geometry().n_kv_heads *
           cache->cache.geometry().pages_for(cache->cache.length_unchecked(seq_ids[i], layer));
-    stats->index_bytes_read = sel.index_bytes_read;
-    stats->kv_bytes_read = cache->backend().last_stats().bytes_read;
-    stats->kept_estimate = sel.n_pairs > 0 ? sel.kept_estimate_sum() / sel.n_pairs : 1.0;
-    stats->dropped_bound = sel.worst_dropped_bound();
+    stats->index_bytes_read = step.index_bytes_read;
+    stats->kv_bytes_read = step.attended.bytes_read;
+    stats->kept_estimate =
+        step.pairs > 0 ? step.kept_estimate_sum / static_cast<double>(step.pairs) : 1.0;
+    stats->dropped_bound = step.dropped_bound;
   });
 }
 
@@ -411,7 +360,7 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     require_pointer(cache, "cache");
     require_pointer(stats, "stats");
     const kvsift::PagePool& pool = cache->cache.pool();
-    const kvsift::AttendStats& last = cache->backend().last_stats();
+    const kvsift::AttendStats& last = cache->engine.backend().last_stats();
     *stats = kvsift_cache_stats{};
     stats->pages_capacity = pool.capacity();
     stats->pages_in_use = pool.in_use();
@@ -423,9 +372,9 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
     stats->last_pages_read = last.pages_read;
     stats->last_tokens_read = last.tokens_read;
     stats->last_bytes_read = last.bytes_read;
-    stats->selector_bytes_held = cache->selector ? cache->selector->held_bytes() : 0;
-    if (cache->offload) {
-      const kvsift::OffloadStats& o = cache->offload->last_step();
+    stats->selector_bytes_held = cache->engine.selector().held_bytes();
+    if (const kvsift::OffloadAttention* offload = cache->engine.offload()) {
+      const kvsift::OffloadStats& o = offload->last_step();
       stats->last_h2d_bytes = o.bytes_h2d;
       stats->last_cache_hits = o.hits;
       stats->last_cache_misses = o.misses;

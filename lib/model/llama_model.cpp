@@ -139,6 +139,18 @@ CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& op
   return o;
 }
 
+EngineOptions engine_options_for(const LlamaConfig& config, const ModelOptions& options) {
+  EngineOptions o;
+  o.max_batch = options.max_seqs;
+  o.n_threads = options.n_threads;
+  // A pair never holds more pages than a sequence's context.
+  o.max_pages_per_pair =
+      (context_for(config, options) + options.page_tokens - 1) / options.page_tokens;
+  o.device = options.device;
+  o.device_cache_pages = options.device_cache_pages;
+  return o;
+}
+
 }  // namespace
 
 LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config,
@@ -150,29 +162,11 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
       n_ctx_(context_for(config, options)),
       rope_(config.rope_theta, config.head_dim),
       cache_(geometry_for(config, options), cache_options_for(config, options)),
-      decode_attention_(geometry_for(config, options), options.max_seqs, options.n_threads),
+      engine_(cache_, engine_options_for(config, options)),
       prefill_attention_(geometry_for(config, options),
                          std::clamp<uint32_t>(options.prefill_chunk, 1, 4096), n_ctx_) {
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
-  attention_ = &decode_attention_;
-  if (options.device >= 0) {
-    // A pair never lists more pages than a sequence holds, nor more token rows than its tokens.
-    const uint64_t pages_per_pair = cache_.geometry().pages_for(n_ctx_);
-    const uint64_t all_pages = uint64_t{options.max_seqs} * config.n_kv_heads * pages_per_pair;
-    require(all_pages <= (1u << 30), "max_seqs * n_kv_heads * pages per sequence=", all_pages,
-            " is too large for the offload mode's device cache");
-    OffloadOptions o;
-    o.device = options.device;
-    o.max_batch = options.max_seqs;
-    o.max_pages_per_pair = pages_per_pair;
-    o.max_row_chunks = all_pages;
-    o.cache_pages = options.device_cache_pages != 0 ? options.device_cache_pages
-                                                    : static_cast<uint32_t>(all_pages);
-    offload_ = OffloadAttention::create(cache_, o);
-    attention_ = offload_.get();
-  }
-  set_selector(select::Policy{});
   const uint32_t E = config.n_embd, qdim = config.n_heads * config.head_dim,
                  kvdim = config.n_kv_heads * config.head_dim;
   layers_.resize(config.n_layers);
@@ -263,7 +257,7 @@ LlamaModel::Linear LlamaModel::load_linear(
   else
     w.f32.resize(std::size_t{in} * w.out);
   const simd::Kernels& kernels = cache_.kernels();
-  ThreadPool& pool = decode_attention_.pool();
+  ThreadPool& pool = engine_.pool();
   std::vector<float> row_buffers(bf16 ? std::size_t{in} * pool.size() : 0);  // [threads, in]
   uint32_t first_row = 0;
   for (const auto& [name, out] : parts) {
@@ -293,11 +287,10 @@ void LlamaModel::project(const Linear& w, const float* x, uint32_t rows, float* 
     const std::size_t n = std::size_t{rows} * w.in;
     kernels.encode(x, x_bf16_.data(), n, simd::Dtype::bf16);
     kernels.decode(x_bf16_.data(), x_rounded_.data(), n, simd::Dtype::bf16);
-    decode_attention_.pool().parallel_static(
-        w.out, [&](uint64_t first, uint64_t last, int) noexcept {
-          kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(),
-                              rows, y + first, w.out);
-        });
+    engine_.pool().parallel_static(w.out, [&](uint64_t first, uint64_t last, int) noexcept {
+      kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(), rows,
+                          y + first, w.out);
+    });
   } else if (options_.weight_type == MatType::bf16) {
     cache_.kernels().encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
     matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(),
@@ -339,7 +332,7 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
           attend(l, device_->q_host(), device_->k_host(), device_->v_host(), device_->attn_host());
       device_check(device_->finish_layer(l, host), "finish_layer");
       // While the device runs the rest of the layer.
-      selector_->build_summaries();
+      engine_.build_summaries();
     }
     return;
   }
@@ -370,7 +363,7 @@ void LlamaModel::blocks(uint32_t rows, const uint64_t* positions, Attend&& atten
     }
     project(L.w_down, ffn_.data(), rows, h_.data());
     for (std::size_t i = 0; i < std::size_t{rows} * E; ++i) x_[i] += h_[i];
-    selector_->build_summaries();
+    engine_.build_summaries();
   }
 }
 
@@ -430,15 +423,7 @@ int32_t LlamaModel::fork_sequence(int32_t src) {
 }
 
 void LlamaModel::set_selector(const select::Policy& policy) {
-  // All or nothing: built beside the current selector (both listen to seals meanwhile) and swapped
-  // in only when everything succeeded, so a refused policy leaves the model decoding as before.
-  std::unique_ptr<select::Selector> selector =
-      select::Selector::create(policy, cache_, options_.max_seqs,
-                               cache_.geometry().pages_for(n_ctx_), decode_attention_.pool());
-  select::Selection selection;
-  selector->reserve_selection(selection);
-  selector_ = std::move(selector);
-  selection_ = std::move(selection);
+  engine_.set_selector(policy);
 }
 
 void LlamaModel::free_sequence(int32_t seq_id) {
@@ -499,8 +484,7 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
                device_check(device_->prefill_attention(l, pos0, T), "prefill_attention");
                return false;
              }
-             prefill_attention_.run(cache_, seq_id, l, pos0, T, q, attn, matmul_,
-                                    decode_attention_.pool());
+             prefill_attention_.run(cache_, seq_id, l, pos0, T, q, attn, matmul_, engine_.pool());
              return true;
            });
     done += T;
@@ -553,8 +537,6 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   AttendCall call;
   call.n_seqs = n;
   call.seq_ids = seq_ids.data();
-  PageLists lists;
-  RowChunks rows;
   StepStats step;
   double kept_sum = 0.0;
   blocks(n, positions.data(),
@@ -566,51 +548,24 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
            call.layer = l;
            call.q = q;
            call.out = attn;
-           if (offload_ != nullptr && observer_ == nullptr) {
-             // Selection of one part of the batch overlaps the device's work on the previous part.
-             // An observer needs the whole batch's selection at once, so it gets the sequential
-             // path.
-             offload_->step(*selector_, selection_, cache_, call);
-             const OffloadStats& s = offload_->last_step();
-             step.index_bytes_read += s.index_bytes_read;
-             step.pairs += s.pairs;
-             kept_sum += s.kept_estimate_sum;
-             step.dropped_bound = select::worse_bound(step.dropped_bound, s.dropped_bound);
-             step.select_us += s.select_us;
-             step.overlap_us += s.overlap_us;
-           } else {
-             const select::SelectCall select_call{l, n, seq_ids.data(), q};
-             const auto s0 = Clock::now();
-             selector_->prepare(select_call, selection_);
-             selector_->select(select_call, selection_);
-             step.select_us += 1e6 * seconds_since(s0);
-             // After prepare(): it may have grown the row storage.
-             lists = selection_.lists();
-             rows = selection_.rows();
-             call.pages = &lists;
-             call.rows = selection_.has_rows ? &rows : nullptr;
-             attention_->validate(cache_, call);
-             const auto t0 = Clock::now();
-             attention_->attend(cache_, call);
-             if (offload_ == nullptr) step.attend_us += 1e6 * seconds_since(t0);
-             step.index_bytes_read += selection_.index_bytes_read;
-             step.pairs += selection_.n_pairs;
-             kept_sum += selection_.kept_estimate_sum();
-             step.dropped_bound =
-                 select::worse_bound(step.dropped_bound, selection_.worst_dropped_bound());
-           }
-           step.kv_bytes_read += attention_->last_stats().bytes_read;
-           step.tokens_read += attention_->last_stats().tokens_read;
-           if (offload_ != nullptr) {
-             const OffloadStats& s = offload_->last_step();
-             step.transfer_us += s.transfer_us;
-             step.attend_us += s.attend_us;
-             step.h2d_bytes += s.bytes_h2d;
-             step.cache_hits += s.hits;
-             step.cache_misses += s.misses;
-           }
+           // An observer reads the whole batch's selection, so the step selects it in one piece.
+           engine_.attend_selected(call, /*whole_batch=*/observer_ != nullptr);
+           const LayerStepStats& s = engine_.last_step();
+           step.kv_bytes_read += s.attended.bytes_read;
+           step.tokens_read += s.attended.tokens_read;
+           step.index_bytes_read += s.index_bytes_read;
+           step.pairs += s.pairs;
+           kept_sum += s.kept_estimate_sum;
+           step.dropped_bound = select::worse_bound(step.dropped_bound, s.dropped_bound);
+           step.select_us += s.select_us;
+           step.overlap_us += s.overlap_us;
+           step.transfer_us += s.transfer_us;
+           step.attend_us += s.attend_us;
+           step.h2d_bytes += s.h2d_bytes;
+           step.cache_hits += s.cache_hits;
+           step.cache_misses += s.cache_misses;
            attention_seconds += seconds_since(a0);
-           if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q, selection_, attn);
+           if (observer_ != nullptr) observer_->on_layer(l, seq_ids, q, engine_.selection(), attn);
            return true;
          });
   for (uint32_t r = 0; r < n; ++r) pass_logits(r, 1, logits_[seq_ids[r]].data());

@@ -22,9 +22,9 @@
 #include "lib/cache/rope.hpp"
 #include "lib/core/aligned.hpp"
 #include "lib/core/matmul.hpp"
+#include "lib/engine/decode_engine.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/tokenizer.hpp"
-#include "lib/offload/offload_attention.hpp"
 #include "lib/select/selector.hpp"
 
 namespace kvsift::model {
@@ -115,7 +115,7 @@ class LlamaModel {
   const ModelStats& stats() const noexcept { return stats_; }
   uint32_t n_ctx() const noexcept { return n_ctx_; }
   // Where decode attention runs: "cpu" or "cuda:<device>".
-  const char* attention_backend() const noexcept { return attention_->name(); }
+  const char* attention_backend() const noexcept { return engine_.backend().name(); }
 
   int32_t create_sequence();
   // A new sequence holding a copy of src's tokens, K/V and logits (one prefill, many decodes).
@@ -125,7 +125,7 @@ class LlamaModel {
   // The selector every later decode step uses (dense at load). Summarises the pages already
   // stored. Throws invalid_argument for a bad policy.
   void set_selector(const select::Policy& policy);
-  const select::Selector& selector() const noexcept { return *selector_; }
+  const select::Selector& selector() const noexcept { return engine_.selector(); }
   // nullptr removes it; the observer must outlive its registration.
   void set_observer(DecodeObserver* observer) noexcept { observer_ = observer; }
   uint64_t position(int32_t seq_id) const;  // tokens processed so far
@@ -194,17 +194,13 @@ class LlamaModel {
   Rope rope_;
 
   KvCache cache_;
-  DecodeAttention decode_attention_;
-  std::unique_ptr<OffloadAttention> offload_;  // offload mode; after cache_, which it listens to
-  AttentionBackend* attention_ = nullptr;      // decode_attention_ or offload_
-  std::unique_ptr<gpu::DeviceLlama> device_;   // offload mode: the weights and the compute
-  int32_t prefill_seq_ = -1;                   // the sequence the device's prefill scratch holds
-  std::vector<uint32_t> pass_rows_;            // offload mode: 0, 1, ..., max_rows_ - 1
-  std::unique_ptr<select::Selector> selector_;
-  select::Selection selection_;
+  DecodeEngine engine_;                       // after cache_, which it listens to
+  std::unique_ptr<gpu::DeviceLlama> device_;  // offload mode: the weights and the compute
+  int32_t prefill_seq_ = -1;                  // the sequence the device's prefill scratch holds
+  std::vector<uint32_t> pass_rows_;           // offload mode: 0, 1, ..., max_rows_ - 1
   DecodeObserver* observer_ = nullptr;
   PrefillAttention prefill_attention_;
-  Matmul matmul_{&decode_attention_.pool()};
+  Matmul matmul_{&engine_.pool()};
   ModelStats stats_;
   bool decoding_ = false;  // inside decode(): project() takes the matrix-vector path
 

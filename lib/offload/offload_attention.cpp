@@ -235,9 +235,9 @@ void OffloadAttention::drain() noexcept {
   if (stream_.mark(kDone).ok) stream_.wait(kDone);
 }
 
-gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& call,
-                                      uint32_t part_index, uint32_t row0,
-                                      PartCounts& counts) noexcept {
+gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCall& call,
+                                           uint32_t part_index, uint32_t row0,
+                                           PartCounts& counts) noexcept {
   Part& part = parts_[part_index];
   const uint32_t H = geometry_.n_kv_heads, B = geometry_.page_tokens;
   const uint32_t pairs = call.n_seqs * H;
@@ -372,7 +372,7 @@ gpu::Result OffloadAttention::enqueue(const KvCache& cache, const AttendCall& ca
   return r;
 }
 
-gpu::Result OffloadAttention::finish(uint32_t n_seqs, float* out) noexcept {
+gpu::Result OffloadAttention::copy_out(uint32_t n_seqs, float* out) noexcept {
   const std::size_t bytes =
       std::size_t{n_seqs} * geometry_.n_query_heads() * geometry_.head_dim * sizeof(float);
   gpu::Result r = stream_.copy_to_host(out_host_, out_device_, bytes);
@@ -386,6 +386,7 @@ void OffloadAttention::record(uint32_t parts, const PartCounts& counts, double h
                               double total_us, uint32_t n_seqs) noexcept {
   last_ = OffloadStats{};
   last_.calls = 1;
+  last_.parts = parts;
   last_.pages_listed = counts.listed;
   last_.hits = counts.hits;
   last_.misses = counts.misses;
@@ -417,12 +418,7 @@ void OffloadAttention::add_to_totals() noexcept {
   totals_.page_bytes_h2d += last_.page_bytes_h2d;
   totals_.bytes_h2d += last_.bytes_h2d;
   totals_.bytes_d2h += last_.bytes_d2h;
-  totals_.pairs += last_.pairs;
-  totals_.index_bytes_read += last_.index_bytes_read;
-  totals_.kept_estimate_sum += last_.kept_estimate_sum;
-  totals_.dropped_bound = select::worse_bound(totals_.dropped_bound, last_.dropped_bound);
-  totals_.select_us += last_.select_us;
-  totals_.overlap_us += last_.overlap_us;
+  totals_.parts += last_.parts;
   totals_.host_us += last_.host_us;
   totals_.transfer_us += last_.transfer_us;
   totals_.attend_us += last_.attend_us;
@@ -436,9 +432,9 @@ Status OffloadAttention::run(const KvCache& cache, const AttendCall& call) noexc
   // thread); the stream and the buffers belong to create()'s.
   gpu::Result r = gpu::set_device(options_.device);
   PartCounts counts;
-  if (r.ok) r = enqueue(cache, call, 0, 0, counts);
+  if (r.ok) r = enqueue_part(cache, call, 0, 0, counts);
   const Clock::time_point t_enqueued = Clock::now();
-  if (r.ok) r = finish(call.n_seqs, call.out);
+  if (r.ok) r = copy_out(call.n_seqs, call.out);
   if (!r.ok) {
     fail_run(r);
     return Status::internal;
@@ -452,72 +448,42 @@ void OffloadAttention::attend(const KvCache& cache, const AttendCall& call) {
   if (run(cache, call) != Status::ok) fail(Status::internal, "OffloadAttention: ", error_);
 }
 
-void OffloadAttention::step(select::Selector& selector, select::Selection& selection,
-                            const KvCache& cache, const AttendCall& call) {
-  checker_.validate_sequences(cache, call);
-  const Clock::time_point t0 = Clock::now();
+void OffloadAttention::begin() {
+  step_start_ = Clock::now();
+  step_parts_ = 0;
+  step_counts_ = PartCounts{};
+  step_host_us_ = 0.0;
   check(gpu::set_device(options_.device), "set device");
-  const uint32_t parts = std::min(options_.step_parts, call.n_seqs);
-  const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
-  PartCounts counts;
-  OffloadStats telemetry;
-  double select_us = 0.0, host_us = 0.0, part_select_us[kMaxParts] = {};
-  for (uint32_t p = 0, row0 = 0; p < parts; ++p) {
-    const uint32_t rows = call.n_seqs / parts + (p < call.n_seqs % parts ? 1 : 0);
-    AttendCall part = call;
-    part.n_seqs = rows;
-    part.seq_ids = call.seq_ids + row0;
-    part.q = call.q + row0 * q_row;
-    const select::SelectCall select_call{call.layer, rows, part.seq_ids, part.q};
-    const Clock::time_point s0 = Clock::now();
-    try {
-      selector.prepare(select_call, selection);
-    } catch (...) {
-      // What is already enqueued reads buffers this object owns: let it finish first.
-      drain();
-      throw;
-    }
-    selector.select(select_call, selection);
-    const Clock::time_point s1 = Clock::now();
-    part_select_us[p] = micros(s0, s1);
-    select_us += part_select_us[p];
-    telemetry.pairs += selection.n_pairs;
-    telemetry.index_bytes_read += selection.index_bytes_read;
-    telemetry.kept_estimate_sum += selection.kept_estimate_sum();
-    telemetry.dropped_bound =
-        select::worse_bound(telemetry.dropped_bound, selection.worst_dropped_bound());
-    const PageLists lists = selection.lists();
-    const RowChunks chunk_rows = selection.rows();
-    part.pages = &lists;
-    part.rows = selection.has_rows ? &chunk_rows : nullptr;
-    try {
-      validate(cache, part);
-    } catch (...) {
-      drain();
-      throw;
-    }
-    if (gpu::Result r = enqueue(cache, part, p, row0, counts); !r.ok) {
-      fail_run(r);
-      fail(Status::internal, "OffloadAttention: ", error_);
-    }
-    host_us += micros(s1, Clock::now());
-    row0 += rows;
+}
+
+void OffloadAttention::enqueue(const KvCache& cache, const AttendCall& part, uint32_t row0) {
+  const Clock::time_point t0 = Clock::now();
+  if (step_parts_ >= options_.step_parts) {
+    drain();
+    fail(Status::internal,
+         "OffloadAttention: more than OffloadOptions.step_parts=", options_.step_parts,
+         " parts in one call");
   }
-  if (gpu::Result r = finish(call.n_seqs, call.out); !r.ok) {
+  if (gpu::Result r = enqueue_part(cache, part, step_parts_, row0, step_counts_); !r.ok) {
     fail_run(r);
     fail(Status::internal, "OffloadAttention: ", error_);
   }
-  const double total_us = micros(t0, Clock::now());
-  record(parts, counts, host_us, total_us, call.n_seqs);
-  last_.pairs = telemetry.pairs;
-  last_.index_bytes_read = telemetry.index_bytes_read;
-  last_.kept_estimate_sum = telemetry.kept_estimate_sum;
-  last_.dropped_bound = telemetry.dropped_bound;
-  last_.select_us = select_us;
-  for (uint32_t p = 1; p < parts; ++p)
-    last_.overlap_us += std::min(
-        part_select_us[p], 1e3 * stream_.elapsed_ms(part_event(p - 1, 1), part_event(p - 1, 2)));
+  ++step_parts_;
+  step_host_us_ += micros(t0, Clock::now());
+}
+
+void OffloadAttention::finish(const AttendCall& call) {
+  if (gpu::Result r = copy_out(call.n_seqs, call.out); !r.ok) {
+    fail_run(r);
+    fail(Status::internal, "OffloadAttention: ", error_);
+  }
+  record(step_parts_, step_counts_, step_host_us_, micros(step_start_, Clock::now()), call.n_seqs);
   add_to_totals();
+}
+
+double OffloadAttention::part_attend_us(uint32_t part) const noexcept {
+  return part < last_.parts ? 1e3 * stream_.elapsed_ms(part_event(part, 1), part_event(part, 2))
+                            : 0.0;
 }
 
 std::span<const uint32_t> OffloadAttention::attended_offsets() const noexcept {

@@ -19,10 +19,11 @@
 // cache (PageCacheConfig::reserved_slots), and the call runs the kernel's token form over the
 // pages' rows and the chunks' rows. Calls without rows keep the page form.
 //
-// Overlap. step() splits a batch into OffloadOptions.step_parts parts: while the device moves and
-// attends part i, the CPU selects part i + 1 (the step's only CPU work that can run beside the
-// device: the query of layer l + 1 depends on layer l's output). One stream orders the parts, so a
-// later part's moves never overwrite slots an earlier part's kernel still reads.
+// Overlap. A call can come in parts (begin(), enqueue() per part, finish()): while the device
+// moves and attends part i, the caller plans part i + 1 (lib/engine/decode_engine.hpp selects it:
+// the step's only CPU work that can run beside the device, since the query of layer l + 1 depends
+// on layer l's output). One stream orders the parts, so a later part's moves never overwrite slots
+// an earlier part's kernel still reads.
 //
 // No CUDA graph here: the static part of a call is one kernel launch, and it is not static either,
 // since SparseDecodeAttention sizes its splits per call from the longest list, so a graph would be
@@ -31,6 +32,7 @@
 // graph per (layer, batch size).
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -44,7 +46,6 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
-#include "lib/select/selector.hpp"
 
 namespace kvsift {
 
@@ -64,8 +65,10 @@ struct OffloadOptions {
   // automatic: the mapped-memory gather kernel (measured faster than staging at every size on
   // the H200 host, gpu/page_transfer.hpp).
   gpu::TransferPath path = gpu::TransferPath::automatic;
-  // step(): parts of the batch selected and attended in turn so that selection overlaps the device
-  // (1..4, at most the batch). 1: select the whole batch, then attend it.
+  // The most parts a call comes in (begin(), enqueue() per part, finish()), 1..kMaxParts: each
+  // part has list buffers of its own, so that they are not rewritten while an earlier part's
+  // copies are in flight. The decode engine splits a batch into this many parts (at most the
+  // batch) so that selection overlaps the device.
   uint32_t step_parts = 2;
 };
 
@@ -82,22 +85,12 @@ struct OffloadStats {
   uint64_t page_bytes_h2d = 0;  // (misses + refreshed) * slot_bytes
   uint64_t bytes_h2d = 0;       // page bytes + q + the lists
   uint64_t bytes_d2h = 0;       // the output
-  // step() only: the selections' telemetry over all parts (Selection holds the last part's):
-  // pairs, index bytes read, the sum of kept_estimate and the worst dropped_bound.
-  uint64_t pairs = 0;
-  uint64_t index_bytes_read = 0;
-  double kept_estimate_sum = 0.0;
-  double dropped_bound = 0.0;
-  double select_us = 0.0;  // CPU: the selector (step() only)
-  // step(): the device work hidden behind selection: per part after the first, the earlier
-  // part's attention kernel (enqueued last, so it runs while the CPU selects this part), up to
-  // this part's selection time. The earlier part's transfers overlap its own host planning.
-  double overlap_us = 0.0;
-  double host_us = 0.0;      // CPU: list translation, the cache's planning, the launches
-  double transfer_us = 0.0;  // GPU: q, page misses and refreshes, the lists
-  double attend_us = 0.0;    // GPU: the sparse attention kernel
-  double copy_out_us = 0.0;  // GPU: the output back to host
-  double total_us = 0.0;     // wall clock of run(), including its final wait
+  uint32_t parts = 0;           // parts the call came in
+  double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
+  double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
+  double attend_us = 0.0;       // GPU: the sparse attention kernel
+  double copy_out_us = 0.0;     // GPU: the output back to host
+  double total_us = 0.0;        // wall clock of run(), including its final wait
 
   double hit_rate() const noexcept {
     return hits + misses == 0 ? 1.0
@@ -136,14 +129,20 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   const AttendStats& last_stats() const noexcept override { return attend_stats_; }
   const char* name() const noexcept override { return name_.c_str(); }
 
-  // A whole layer step: per part of the batch (options().step_parts), selector.prepare() and
-  // select() on call's layer, the part's sequences and q (timed as select_us), then validate() and
-  // the part's transfers and attention, enqueued without waiting; one wait at the end. call.pages
-  // and call.rows are ignored. selection: reserved by selector.reserve_selection(); it holds the
-  // last part's choice afterwards. Throws Error: what validate() or prepare() throws, or internal
-  // when a device call fails.
-  void step(select::Selector& selector, select::Selection& selection, const KvCache& cache,
-            const AttendCall& call);
+  // A call in parts, planned one after another while the device works (FlashInfer's plan/run,
+  // with the run cut where the caller plans): begin(); per part, a call that validate() accepted,
+  // given to enqueue() with the row of the batch it starts at (its q and output rows); then
+  // finish() with the whole batch's call, which waits once and writes call.out. Up to kMaxParts
+  // parts. Each throws Error{internal} when a device call fails, having drained the stream; a
+  // caller that gives up between begin() and finish() calls abort(). run() is the one-part case.
+  static constexpr uint32_t kMaxParts = 4;
+  void begin();
+  void enqueue(const KvCache& cache, const AttendCall& part, uint32_t row0);
+  void finish(const AttendCall& call);
+  void abort() noexcept { drain(); }
+  // After finish(): the device's attention kernel time of one part, in microseconds (event
+  // interval), so that a caller can tell how much of it ran beside its planning.
+  double part_attend_us(uint32_t part) const noexcept;
 
   const OffloadStats& last_step() const noexcept { return last_; }
   const OffloadStats& totals() const noexcept { return totals_; }
@@ -170,7 +169,6 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
                          uint64_t end_page) noexcept override;
 
  private:
-  static constexpr uint32_t kMaxParts = 4;
   // The pinned (mapped) and device buffers of one part of a step, so that a part's host buffers
   // are not rewritten while an earlier part's copies are in flight. Pinned: refresh moves
   // [max_listed_]; page lists (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device
@@ -196,10 +194,10 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   // Enqueues one part: q rows [row0, row0 + call.n_seqs) to the device, the listed pages made
   // resident and refreshed, the rows staged, the lists, the attention into the device output at
   // row0; records events 3 * part .. 3 * part + 2. Waits for nothing on the device.
-  gpu::Result enqueue(const KvCache& cache, const AttendCall& call, uint32_t part, uint32_t row0,
-                      PartCounts& counts) noexcept;
+  gpu::Result enqueue_part(const KvCache& cache, const AttendCall& call, uint32_t part,
+                           uint32_t row0, PartCounts& counts) noexcept;
   // Copies the output rows [0, n_seqs) back, waits, and writes out. Event kDone.
-  gpu::Result finish(uint32_t n_seqs, float* out) noexcept;
+  gpu::Result copy_out(uint32_t n_seqs, float* out) noexcept;
   // The token lists' offsets take [max_pairs_ + 1] words, padded so that the addresses after them
   // are 16-byte aligned (the kernel loads each as one 8-byte word).
   std::size_t token_offset_words() const noexcept { return (std::size_t{max_pairs_} + 4) / 4 * 4; }
@@ -249,6 +247,11 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]
 
   uint32_t last_part_ = 0, last_pairs_ = 0;
+  // The call begin() started: its parts so far, what they moved, their host time, its start.
+  uint32_t step_parts_ = 0;
+  PartCounts step_counts_{};
+  double step_host_us_ = 0.0;
+  std::chrono::steady_clock::time_point step_start_{};
   OffloadStats last_{}, totals_{};
   AttendStats attend_stats_{};
   std::string error_;

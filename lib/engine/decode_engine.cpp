@@ -1,0 +1,185 @@
+#include "lib/engine/decode_engine.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <limits>
+
+#include "lib/core/error.hpp"
+#include "lib/offload/offload_attention.hpp"
+
+namespace kvsift {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double micros(Clock::time_point from, Clock::time_point to) {
+  return std::chrono::duration<double, std::micro>(to - from).count();
+}
+
+// The offload backend's sizes, from the cache and the engine's options: the one place they are
+// computed. A pair lists at most the pages it holds; a layer's device cache defaults to every
+// page one layer of the pool holds (a decoder appends every layer alike), and as many row slots
+// again are reserved for the token rows Louver gathers and S4R reconstructs.
+OffloadOptions offload_options(const KvCache& cache, const EngineOptions& options) {
+  const CacheGeometry& g = cache.geometry();
+  const uint64_t capacity = cache.pool().capacity();
+  const uint64_t per_layer = (capacity + g.n_layers - 1) / g.n_layers;
+  OffloadOptions o;
+  o.device = options.device;
+  o.max_batch = options.max_batch;
+  o.max_pages_per_pair =
+      options.max_pages_per_pair != 0
+          ? options.max_pages_per_pair
+          : std::max<uint64_t>(1, capacity / (uint64_t{g.n_layers} * g.n_kv_heads));
+  o.cache_pages = options.device_cache_pages != 0
+                      ? options.device_cache_pages
+                      : static_cast<uint32_t>(std::min<uint64_t>(per_layer, (1u << 31) - 1));
+  o.max_row_chunks = o.cache_pages;
+  o.step_parts = options.device_step_parts;
+  return o;
+}
+
+}  // namespace
+
+DecodeEngine::DecodeEngine(KvCache& cache, const EngineOptions& options)
+    : cache_(cache),
+      cpu_(cache.geometry(), options.max_batch, options.n_threads),
+      selector_max_pages_(options.max_pages_per_pair != 0 ? options.max_pages_per_pair
+                                                          : cache.pool().capacity()) {
+  require(options.device >= -1, "device=", options.device,
+          " is neither -1 (CPU) nor a device index");
+  if (options.device >= 0)
+    offload_ = OffloadAttention::create(cache, offload_options(cache, options));
+  set_selector(select::Policy{});
+}
+
+DecodeEngine::~DecodeEngine() = default;
+
+AttentionBackend& DecodeEngine::mutable_backend() noexcept {
+  return offload_ ? static_cast<AttentionBackend&>(*offload_) : cpu_;
+}
+
+const AttentionBackend& DecodeEngine::backend() const noexcept {
+  return offload_ ? static_cast<const AttentionBackend&>(*offload_) : cpu_;
+}
+
+void DecodeEngine::set_selector(const select::Policy& policy) {
+  std::unique_ptr<select::Selector> selector =
+      select::Selector::create(policy, cache_, cpu_.max_batch(), selector_max_pages_, cpu_.pool());
+  select::Selection selection;
+  selector->reserve_selection(selection);
+  selector_ = std::move(selector);
+  selection_ = std::move(selection);
+}
+
+void DecodeEngine::attend(const AttendCall& call) {
+  AttentionBackend& b = mutable_backend();
+  b.validate(cache_, call);
+  const Clock::time_point t0 = Clock::now();
+  b.attend(cache_, call);
+  last_ = LayerStepStats{};
+  last_.attended = b.last_stats();
+  if (offload_) {
+    const OffloadStats& o = offload_->last_step();
+    last_.transfer_us = o.transfer_us;
+    last_.attend_us = o.attend_us;
+    last_.h2d_bytes = o.bytes_h2d;
+    last_.cache_hits = o.hits;
+    last_.cache_misses = o.misses;
+  } else {
+    last_.attend_us = micros(t0, Clock::now());
+  }
+}
+
+void DecodeEngine::select_part(const select::SelectCall& call) {
+  const Clock::time_point t0 = Clock::now();
+  selector_->prepare(call, selection_);
+  selector_->select(call, selection_);
+  last_.select_us += micros(t0, Clock::now());
+  last_.pairs += selection_.n_pairs;
+  last_.pages_chosen += selection_.pages_chosen();
+  last_.index_bytes_read += selection_.index_bytes_read;
+  last_.kept_estimate_sum += selection_.kept_estimate_sum();
+  last_.dropped_bound = select::worse_bound(last_.dropped_bound, selection_.worst_dropped_bound());
+}
+
+void DecodeEngine::attend_selected(const AttendCall& call, bool whole_batch) {
+  // The selector trusts its call (ids, layer, sizes): validated before it runs.
+  cpu_.validate_sequences(cache_, call);
+  const uint32_t parts =
+      offload_ && !whole_batch ? std::min(offload_->options().step_parts, call.n_seqs) : 1;
+  if (parts > 1) {
+    attend_in_parts(call);
+    return;
+  }
+  last_ = LayerStepStats{};
+  select_part(select::SelectCall{call.layer, call.n_seqs, call.seq_ids, call.q});
+  const PageLists lists = selection_.lists();
+  const RowChunks rows = selection_.rows();
+  AttendCall selected = call;
+  selected.pages = &lists;
+  selected.rows = selection_.has_rows ? &rows : nullptr;
+  const LayerStepStats selection_stats = last_;
+  attend(selected);
+  const LayerStepStats attention_stats = last_;
+  last_ = selection_stats;
+  last_.attended = attention_stats.attended;
+  last_.attend_us = attention_stats.attend_us;
+  last_.transfer_us = attention_stats.transfer_us;
+  last_.h2d_bytes = attention_stats.h2d_bytes;
+  last_.cache_hits = attention_stats.cache_hits;
+  last_.cache_misses = attention_stats.cache_misses;
+}
+
+void DecodeEngine::select(const AttendCall& call) {
+  cpu_.validate_sequences(cache_, call);
+  last_ = LayerStepStats{};
+  select_part(select::SelectCall{call.layer, call.n_seqs, call.seq_ids, call.q});
+}
+
+void DecodeEngine::attend_in_parts(const AttendCall& call) {
+  OffloadAttention& device = *offload_;
+  const uint32_t parts = std::min(device.options().step_parts, call.n_seqs);
+  const std::size_t q_row =
+      std::size_t{cache_.geometry().n_query_heads()} * cache_.geometry().head_dim;
+  last_ = LayerStepStats{};
+  double part_select_us[OffloadAttention::kMaxParts] = {};
+  device.begin();
+  for (uint32_t p = 0, row0 = 0; p < parts; ++p) {
+    const uint32_t rows = call.n_seqs / parts + (p < call.n_seqs % parts ? 1 : 0);
+    AttendCall part = call;
+    part.n_seqs = rows;
+    part.seq_ids = call.seq_ids + row0;
+    part.q = call.q + row0 * q_row;
+    const double select_before = last_.select_us;
+    try {
+      select_part(select::SelectCall{call.layer, rows, part.seq_ids, part.q});
+      part_select_us[p] = last_.select_us - select_before;
+      const PageLists lists = selection_.lists();
+      const RowChunks chunk_rows = selection_.rows();
+      part.pages = &lists;
+      part.rows = selection_.has_rows ? &chunk_rows : nullptr;
+      device.validate(cache_, part);
+      device.enqueue(cache_, part, row0);
+    } catch (...) {
+      // What is already enqueued reads buffers the backend owns: let it finish first.
+      device.abort();
+      throw;
+    }
+    row0 += rows;
+  }
+  device.finish(call);
+  const OffloadStats& o = device.last_step();
+  last_.attended = device.last_stats();
+  last_.transfer_us = o.transfer_us;
+  last_.attend_us = o.attend_us;
+  last_.h2d_bytes = o.bytes_h2d;
+  last_.cache_hits = o.hits;
+  last_.cache_misses = o.misses;
+  // Part p - 1's kernel, enqueued last, runs while the CPU selects part p.
+  for (uint32_t p = 1; p < parts; ++p)
+    last_.overlap_us += std::min(part_select_us[p], device.part_attend_us(p - 1));
+}
+
+}  // namespace kvsift
