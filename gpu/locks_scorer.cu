@@ -401,7 +401,8 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
   __shared__ float logits[kMaxGroup * kMaxPageTokens];
   __shared__ float top[kMaxGroup];
   __shared__ double mass[kMaxGroup];
-  __shared__ float weight[kMaxGroup];  // share_avg's 1 / (mass G), else 1
+  __shared__ float top_all[kMaxGroup];  // per head: its best page before the window, sinks in
+  __shared__ float weight[kMaxGroup];   // share_avg's 1 / (mass G), nrm's e^(top - top_all), else 1
   __shared__ float red_f[32 * kHeadsPerPass];
   __shared__ double red_d[32 * kHeadsPerPass];
   __shared__ uint32_t total_hist[256];
@@ -410,6 +411,7 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
   __shared__ uint32_t s_bits, s_k, s_done, s_offset;
   // Read by the other CTAs of the cluster.
   __shared__ float part_best[kMaxGroup];
+  __shared__ float part_best_all[kMaxGroup];
   __shared__ double part_sum[kMaxGroup];
   __shared__ uint32_t hist[2][256];
   __shared__ uint32_t part_count;
@@ -472,9 +474,9 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
   // pass; the scores move to shared memory on the way.
   for (uint32_t h0 = 0; h0 < G; h0 += kHeadsPerPass) {
     const uint32_t nh = min(G - h0, uint32_t(kHeadsPerPass));
-    float best[kHeadsPerPass];
+    float best[kHeadsPerPass], best_all[kHeadsPerPass];
 #pragma unroll
-    for (int j = 0; j < kHeadsPerPass; ++j) best[j] = -INFINITY;
+    for (int j = 0; j < kHeadsPerPass; ++j) best[j] = best_all[j] = -INFINITY;
     for (uint32_t q = lo + tid; q < hi; q += blockDim.x) {
       const bool selectable = q >= first && q < last;
 #pragma unroll
@@ -483,16 +485,23 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
           const float x = head[std::size_t{h0 + j} * n + q];
           if (stage_head) hs[std::size_t{h0 + j} * hs_stride + q] = x;
           if (selectable) best[j] = fmaxf(best[j], x);
+          if (q < last) best_all[j] = fmaxf(best_all[j], x);
         }
     }
     block_reduce_n(best, MaxF{}, -INFINITY, red_f);
     if (tid < nh) part_best[h0 + tid] = best[tid];
+    __syncthreads();  // red_f is read by the first reduction's broadcast
+    block_reduce_n(best_all, MaxF{}, -INFINITY, red_f);
+    if (tid < nh) part_best_all[h0 + tid] = best_all[tid];
     cluster.sync();
     if (tid < nh) {
-      float b = -INFINITY;
-      for (uint32_t r = 0; r < kSelectCluster; ++r)
+      float b = -INFINITY, a = -INFINITY;
+      for (uint32_t r = 0; r < kSelectCluster; ++r) {
         b = fmaxf(b, cluster.map_shared_rank(part_best, r)[h0 + tid]);
+        a = fmaxf(a, cluster.map_shared_rank(part_best_all, r)[h0 + tid]);
+      }
       top[h0 + tid] = b;
+      top_all[h0 + tid] = a;
     }
     __syncthreads();
     double sum[kHeadsPerPass] = {};
@@ -509,8 +518,12 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
       for (uint32_t r = 0; r < kSelectCluster; ++r)
         s += cluster.map_shared_rank(part_sum, r)[h0 + tid];
       mass[h0 + tid] = s;
+      // nrm takes each head's masses relative to its best page sinks included, as the CPU's
+      // combine() and the authors' kernel do (docs/methods.md).
       weight[h0 + tid] = v.combine == uint32_t(LocksCombine::share_avg)
                              ? __fdiv_rn(1.0f, __fmul_rn(float(s), float(G)))
+                         : v.combine == uint32_t(LocksCombine::nrm)
+                             ? expf(top[h0 + tid] - top_all[h0 + tid])
                              : 1.0f;
     }
     __syncthreads();

@@ -29,13 +29,11 @@
 #include "lib/model/llama_model.hpp"
 #include "lib/select/locks_summary.hpp"
 #include "lib/select/selector.hpp"
-#include "model_handle.hpp"
-#if __has_include("lib/core/thread_pool.hpp")
-#include "lib/core/thread_pool.hpp"
-#endif
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
+#include "tests/model_handle.hpp"
+#include "tests/test_util.hpp"
 
 using namespace kvsift;
 using nlohmann::json;
@@ -279,19 +277,9 @@ struct Heads {
   uint64_t pages_capacity() const { return (keys_tokens + kPageTokens - 1) / kPageTokens; }
 };
 
-// Selector::create takes a thread count, or (after the thread-pool change to lib/select) a pool
-// the selector borrows: this file compiles against either.
-template <class S = select::Selector>
 std::unique_ptr<select::Selector> create_selector(const select::Policy& p, KvCache& cache,
                                                   uint64_t max_pages) {
-  if constexpr (requires { S::create(p, cache, 1u, max_pages, 2); }) {
-    return S::create(p, cache, 1u, max_pages, 2);
-#if __has_include("lib/core/thread_pool.hpp")
-  } else {
-    static ThreadPool pool(2);
-    return S::create(p, cache, 1u, max_pages, pool);
-#endif
-  }
+  return select::Selector::create(p, cache, 1u, max_pages, test::pool(2));
 }
 
 select::Policy policy_of(select::Kind kind, double budget_tokens, select::GqaCombine combine) {
