@@ -1175,7 +1175,7 @@ TEST(CApi, selector_policy_init_fills_the_documented_defaults) {
   EXPECT_EQ(policy.budget, 0.0);
   EXPECT_EQ(policy.sink_pages, 1u);
   EXPECT_EQ(policy.window_pages, 1u);
-  EXPECT_EQ(policy.combine, KVSIFT_GQA_SHARE_AVG);
+  EXPECT_EQ(policy.combine, KVSIFT_GQA_NRM);
   EXPECT_EQ(policy.int8_query, 1);
   EXPECT_EQ(policy.epsilon, 1e-3);
   EXPECT_EQ(policy.device, -1);

@@ -72,7 +72,7 @@ struct Options {
   double epsilon = 1e-3;
   std::vector<double> compressions = {2.5, 5.0};
   std::string s4r_bases = "layer";
-  std::string combine = "share_avg";
+  std::string combine = "nrm";
   std::string locks_query = "int8";
   bool verbose = false;
 };
@@ -405,8 +405,8 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"layer", "head"}))
       ->capture_default_str();
   app.add_option("--combine", o.combine,
-                 "how a group's query heads share one page ranking: share_avg (the LOCKS paper), "
-                 "nrm (the LOCKS authors' code) or max")
+                 "how a group's query heads share one page ranking: nrm (the LOCKS authors' code, "
+                 "which the paper's numbers came from), share_avg (the LOCKS paper's text) or max")
       ->check(CLI::IsMember({"share_avg", "nrm", "max"}))
       ->capture_default_str();
   app.add_option("--locks-query", o.locks_query,

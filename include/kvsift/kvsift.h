@@ -287,7 +287,8 @@ typedef enum kvsift_selector {
 /* How a group's query heads combine their page scores into one ranking. */
 typedef enum kvsift_gqa_combine {
   KVSIFT_GQA_SHARE_AVG = 0, /* average of each head's estimated mass shares (the LOCKS paper) */
-  KVSIFT_GQA_NRM = 1,       /* sum of exp(score - the head's best score) (the LOCKS code) */
+  KVSIFT_GQA_NRM = 1,       /* sum of exp(score - the head's best score) (the LOCKS code; the
+                               default, since the paper's numbers came from that code) */
   KVSIFT_GQA_MAX = 2,       /* the best head's score */
   KVSIFT_GQA_MAX_ENUM = 0x7fffffff
 } kvsift_gqa_combine;
@@ -304,7 +305,7 @@ typedef struct kvsift_selector_policy {
   uint32_t sink_pages; /* leading pages always attended. Default 1. */
   /* most recent pages always attended, counting the open page (which always is). Default 1. */
   uint32_t window_pages;
-  kvsift_gqa_combine combine; /* Default KVSIFT_GQA_SHARE_AVG. */
+  kvsift_gqa_combine combine; /* Default KVSIFT_GQA_NRM. */
   /* LOCKS: round each query head to int8 before scoring, as the reference does. Default 1. */
   int32_t int8_query;
   /* LOCKS_CERTIFIED: target bound on the dropped share of softmax mass, in (0, 1). Default 1e-3. */

@@ -53,7 +53,8 @@ struct Policy {
   double budget = 0.0;
   uint32_t sink_pages = 1;
   uint32_t window_pages = 1;
-  GqaCombine combine = GqaCombine::share_avg;
+  // The authors' code's combine, which the paper's numbers came from (docs/methods.md).
+  GqaCombine combine = GqaCombine::nrm;
   bool int8_query = true;  // LOCKS scores with q rounded to int8 per head, as the reference does
   // locks_certified: grow the selection until the proven bound on the dropped share of softmax
   // mass is below epsilon for every query head of the group, or the budget is reached.
