@@ -361,6 +361,65 @@ KVSIFT_API kvsift_status kvsift_attend_selected(kvsift_cache* cache, uint32_t la
                                                 const float* q, float* out,
                                                 kvsift_selection_stats* stats);
 
+/* Selection without attention, for an engine that attends with its own paged kernel: runs the
+ * cache's selector (kvsift_cache_set_selector; dense until set) for one layer and a batch, exactly
+ * as kvsift_attend_selected would at this step, and returns what it chose instead of attending.
+ *
+ * Output per (sequence, KV head) pair, sequence-major (pair i = seq index * n_kv_heads + head),
+ * into caller buffers (all of them written by the call only; ownership stays with the caller):
+ *   page_offsets: [n_seqs * n_kv_heads + 1]; the pages of pair i are
+ *                 page_ids[page_offsets[i] .. page_offsets[i+1]). Required.
+ *   page_ids:     [page_capacity] logical page ids, strictly ascending per pair, in the meaning of
+ *                 kvsift_page_list: the two arrays are a valid kvsift_page_list for kvsift_attend
+ *                 on the same layer and batch, and for the page-level selectors (dense, oracle,
+ *                 quest, locks, locks_certified) kvsift_attend over them gives the output
+ *                 kvsift_attend_selected would have given, bit for bit.
+ *   token_offsets, token_positions: the same form for the token-level selectors (louver, s4r),
+ *                 which attend to single tokens besides their pages: token_positions are the
+ *                 positions (index in the sequence) of those tokens, strictly ascending per pair,
+ *                 none inside a listed page. louver: stored tokens, whose K and V
+ *                 kvsift_read_tokens gives; s4r: compressed tokens whose pages went back to the
+ *                 pool, which the selector attends to as reconstructions from its low-rank
+ *                 coefficients (kvsift_read_tokens refuses them; an engine attends to them only
+ *                 with kvsift_attend_selected). For the page-level selectors every pair has no
+ *                 tokens, token_offsets is all zeros, and both pointers may be NULL.
+ *   kept_estimate: [n_seqs * n_kv_heads] or NULL: the estimated share of the group's softmax mass
+ *                 the choice keeps (1 when every page is chosen; s4r: the share of its latent
+ *                 relevance; NaN where the selector makes no estimate: louver).
+ *   dropped_bound: [n_seqs * n_kv_heads] or NULL: the proven upper bound on the share dropped
+ *                 (the largest over the group's query heads; NaN where none is proven).
+ * Sizes: the call needs page_capacity >= every page the batch stores in this layer (summed over
+ * the pairs) and, for the token-level selectors, token_capacity >= every token it stores (the
+ * most a selector can return, known before selecting). When a capacity is smaller the call
+ * returns BUFFER_TOO_SMALL, selects nothing and sets *n_page_ids and *n_token_positions to the
+ * capacities needed: call with 0 first, then with those. On success they receive the ids and
+ * positions written.
+ * Arguments otherwise as kvsift_attend_selected (q: [n_seqs, n_kv_heads * group_size, head_dim]
+ * float32, finite). stats, when not NULL, receives the selection's telemetry; kv_bytes_read is 0
+ * (nothing was attended).
+ * State: a successful call is a selection step for the stateful selectors (s4r compresses a
+ * sequence's prompt on its first step and keeps the query in its window; louver indexes the keys
+ * appended since its last step), as a kvsift_attend_selected call is: per layer and step, call one
+ * of the two, not both. A failed call changes nothing, as everywhere.
+ * Errors: INVALID_ARGUMENT (NULL cache, seq_ids, q, selection, page_offsets or n_* pointers; a NULL
+ * buffer with a nonzero capacity; as kvsift_attend_selected), NOT_FOUND, BUFFER_TOO_SMALL,
+ * OUT_OF_MEMORY. */
+typedef struct kvsift_selection {
+  uint32_t* page_offsets;
+  uint32_t* page_ids;
+  size_t page_capacity;
+  uint32_t* token_offsets;
+  uint32_t* token_positions;
+  size_t token_capacity;
+  float* kept_estimate;
+  float* dropped_bound;
+} kvsift_selection;
+
+KVSIFT_API kvsift_status kvsift_select(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs,
+                                       const int32_t* seq_ids, const float* q,
+                                       const kvsift_selection* selection, size_t* n_page_ids,
+                                       size_t* n_token_positions, kvsift_selection_stats* stats);
+
 /* ---------------------------------------------------------------------------------------------- */
 /* Statistics */
 
