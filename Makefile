@@ -11,6 +11,8 @@ ASAN_BUILD ?= build-asan
 TSAN_BUILD ?= build-tsan
 JOBS       ?= $(shell nproc)
 CMAKE_ARGS ?=
+VENV       ?= .venv
+PYTHON     ?= python3
 
 .PHONY: all deps build build-asan test test-release test-asan demo bench eval eval-full format clean
 
@@ -19,8 +21,10 @@ all: build
 deps:
 	@scripts/setup.sh
 
-build: deps
-	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release $(CMAKE_ARGS)
+# The release build also builds the Python module (python/) with the venv's nanobind.
+build: deps $(VENV)/.installed
+	cmake -S . -B $(BUILD) -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_PYTHON=ON \
+	  -DPython_EXECUTABLE=$(CURDIR)/$(VENV)/bin/python $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
 # The sanitizer build leaves CUDA out, so it also covers the build-without-CUDA entry points;
@@ -60,6 +64,20 @@ test-tsan: build-tsan
 	$(TSAN_BUILD)/tests/kvsift_thread_stress_tests
 
 test: test-release test-asan test-tsan
+
+# The Python tools (python/requirements-dev.txt, pinned) in a git-ignored venv, from PyPI.
+$(VENV)/.installed: python/requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r python/requirements-dev.txt
+	touch $@
+
+# The Python package against numpy float64 references and the C API's own results; the model
+# tests compare with the demo built beside it.
+.PHONY: test-python
+test-python: build
+	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" KVSIFT_DEMO=$(BUILD)/apps/kvsift-demo \
+	PYTHONPATH=$(BUILD)/python $(VENV)/bin/python -m pytest -q python/tests
+test: test-python
 
 demo: build
 	KVSIFT_MODEL="$$(scripts/fetch_model.sh)" $(BUILD)/apps/kvsift-demo
