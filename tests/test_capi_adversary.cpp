@@ -231,10 +231,10 @@ class Adversary {
       const Record& r = records_.at(id);
       for (uint32_t l = 0; l < kLayers; ++l) {
         const auto n = static_cast<uint32_t>(r.k[l].size() / kRow);
-        if (n > 0)
-          EXPECT_EQ(kvsift_append(fresh.get(), f, l, n, r.k[l].data(), r.v[l].data()),
-                    KVSIFT_STATUS_OK)
-              << kvsift_last_error();
+        if (n == 0) continue;
+        EXPECT_EQ(kvsift_append(fresh.get(), f, l, n, r.k[l].data(), r.v[l].data()),
+                  KVSIFT_STATUS_OK)
+            << kvsift_last_error();
       }
     }
     return fresh;
@@ -541,13 +541,14 @@ TEST(CApiAdversary, random_hostile_model_calls_keep_the_contract) {
           tokens.resize(batch.size(), 1);
         }
         s = kvsift_model_decode(model.get(), n, batch.data(), tokens.data());
-        if (s == KVSIFT_STATUS_OK)
+        if (s == KVSIFT_STATUS_OK) {
           for (uint32_t i = 0; i < n; ++i) {
             history[batch[i]].push_back(Call{false, {tokens[i]}});
             ++position[batch[i]];
           }
-        else if (!hostile)
+        } else if (!hostile) {
           EXPECT_EQ(s, KVSIFT_STATUS_CAPACITY_EXCEEDED) << kvsift_last_error();
+        }
         break;
       }
       case 5: {  // a refused policy (a field out of range, or a device this run lacks)
