@@ -275,10 +275,9 @@ struct ModelFree {
 };
 
 constexpr uint32_t kPromptTokens = 40;
-// Decode steps per model: 200 took 12 s under ThreadSanitizer for the 8 parallel and 8 serial runs
-// together (the cache test beside it, 1,000 steps, about 100 s), on the same VM. Every step runs
-// the same loops in the same order, so more steps repeat interleavings more than they add new ones.
-constexpr uint32_t kDecodeSteps = 200;
+// Decode steps per model, as many as the caches take: 200 took 12 s under ThreadSanitizer for the
+// 8 parallel and 8 serial runs together (the cache test beside it, 1,000 steps, about 100 s).
+constexpr uint32_t kDecodeSteps = 1000;
 
 // One model with a two-thread pool: models with an odd t keep float32 weights (decode products
 // through oneDNN; bf16 decode runs kvsift's own kernels), and t = 2, 3, 6, 7 select with LOCKS.
@@ -287,7 +286,7 @@ constexpr uint32_t kDecodeSteps = 200;
 void model_work(const std::string& path, int t, std::vector<float>& outputs) {
   kvsift_model_params params;
   kvsift_model_params_init(&params);
-  params.n_ctx = 512;
+  params.n_ctx = kPromptTokens + kDecodeSteps + 1;
   params.n_threads = 2;
   params.weights_f32 = t % 2;
   kvsift_model* raw = nullptr;
