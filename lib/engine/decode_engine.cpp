@@ -74,22 +74,30 @@ void DecodeEngine::set_selector(const select::Policy& policy) {
 }
 
 void DecodeEngine::attend(const AttendCall& call) {
+  last_ = LayerStepStats{};
+  run_attention(call);
+}
+
+void DecodeEngine::run_attention(const AttendCall& call) {
   AttentionBackend& b = mutable_backend();
   b.validate(cache_, call);
   const Clock::time_point t0 = Clock::now();
   b.attend(cache_, call);
-  last_ = LayerStepStats{};
-  last_.attended = b.last_stats();
-  if (offload_) {
-    const OffloadStats& o = offload_->last_step();
-    last_.transfer_us = o.transfer_us;
-    last_.attend_us = o.attend_us;
-    last_.h2d_bytes = o.bytes_h2d;
-    last_.cache_hits = o.hits;
-    last_.cache_misses = o.misses;
-  } else {
-    last_.attend_us = micros(t0, Clock::now());
+  record_attention(micros(t0, Clock::now()));
+}
+
+void DecodeEngine::record_attention(double cpu_us) noexcept {
+  last_.attended = backend().last_stats();
+  if (!offload_) {
+    last_.attend_us = cpu_us;
+    return;
   }
+  const OffloadStats& o = offload_->last_step();
+  last_.transfer_us = o.transfer_us;
+  last_.attend_us = o.attend_us;
+  last_.h2d_bytes = o.bytes_h2d;
+  last_.cache_hits = o.hits;
+  last_.cache_misses = o.misses;
 }
 
 void DecodeEngine::select_part(const select::SelectCall& call) {
@@ -120,16 +128,7 @@ void DecodeEngine::attend_selected(const AttendCall& call, bool whole_batch) {
   AttendCall selected = call;
   selected.pages = &lists;
   selected.rows = selection_.has_rows ? &rows : nullptr;
-  const LayerStepStats selection_stats = last_;
-  attend(selected);
-  const LayerStepStats attention_stats = last_;
-  last_ = selection_stats;
-  last_.attended = attention_stats.attended;
-  last_.attend_us = attention_stats.attend_us;
-  last_.transfer_us = attention_stats.transfer_us;
-  last_.h2d_bytes = attention_stats.h2d_bytes;
-  last_.cache_hits = attention_stats.cache_hits;
-  last_.cache_misses = attention_stats.cache_misses;
+  run_attention(selected);
 }
 
 void DecodeEngine::select(const AttendCall& call) {
@@ -170,13 +169,7 @@ void DecodeEngine::attend_in_parts(const AttendCall& call) {
     row0 += rows;
   }
   device.finish(call);
-  const OffloadStats& o = device.last_step();
-  last_.attended = device.last_stats();
-  last_.transfer_us = o.transfer_us;
-  last_.attend_us = o.attend_us;
-  last_.h2d_bytes = o.bytes_h2d;
-  last_.cache_hits = o.hits;
-  last_.cache_misses = o.misses;
+  record_attention(0.0);
   // Part p - 1's kernel, enqueued last, runs while the CPU selects part p.
   for (uint32_t p = 1; p < parts; ++p)
     last_.overlap_us += std::min(part_select_us[p], device.part_attend_us(p - 1));

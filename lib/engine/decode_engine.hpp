@@ -107,7 +107,11 @@ class DecodeEngine {
 
  private:
   AttentionBackend& mutable_backend() noexcept;
+  // Selection of one part of a batch, its telemetry added to last_.
   void select_part(const select::SelectCall& call);
+  // Validates and attends, then records the attention's half of last_.
+  void run_attention(const AttendCall& call);
+  void record_attention(double cpu_us) noexcept;
   void attend_in_parts(const AttendCall& call);
 
   KvCache& cache_;
