@@ -162,7 +162,9 @@ typedef struct kvsift_cache_params {
   /* Capacity of the page pool, in pages. One page holds page_tokens tokens of K and of V for one
    * (layer, KV head): 2 * page_tokens * head_dim * 2 bytes. Appends that would need more pages
    * fail with CAPACITY_EXCEEDED. Host memory is reserved up front but committed lazily as pages
-   * are first written (pinned pools are committed up front). Default 65536 pages. */
+   * are first written (pinned pools are committed up front); so are the selectors' per-page
+   * summaries and workspaces sized by it, so resident memory follows the pages in use, not
+   * max_pages. Default 65536 pages. */
   uint64_t max_pages;
   int pinned;         /* nonzero: page pool in pinned (page-locked) memory for GPU transfers;
                          UNSUPPORTED when built without CUDA. Default 0. */
