@@ -265,7 +265,8 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
       lists.page_ids = pages->page_ids;
       call.pages = &lists;
     }
-    cache->engine.backend().validate(cache->cache, call);
+    // The sizes first (the query check reads n_seqs rows of q); the engine validates the rest.
+    cache->engine.validate_sequences(call);
     require_finite_queries(*cache, call);
     cache->engine.attend(call);
   });

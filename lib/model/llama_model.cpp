@@ -144,8 +144,7 @@ EngineOptions engine_options_for(const LlamaConfig& config, const ModelOptions& 
   o.max_batch = options.max_seqs;
   o.n_threads = options.n_threads;
   // A pair never holds more pages than a sequence's context.
-  o.max_pages_per_pair =
-      (context_for(config, options) + options.page_tokens - 1) / options.page_tokens;
+  o.max_pages_per_pair = geometry_for(config, options).pages_for(context_for(config, options));
   o.device = options.device;
   o.device_cache_pages = options.device_cache_pages;
   return o;
