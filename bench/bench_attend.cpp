@@ -5,7 +5,7 @@
 // bytes/s, `bw_ratio`: its KV bytes/s over the bandwidth that BM_read_bandwidth's probe measures
 // with the same thread count (`read_GBps`), measured around each repetition: the median of five
 // passes, three just before its timed loop and two just after. The dev box is noisy (about +-10%,
-// and bimodal on 2 threads: research/env.md section 6), so compare medians of repetitions.
+// and bimodal on 2 threads: docs/platform-notes.md, Timing), so compare medians of repetitions.
 // BM_attend_scattered runs the same attention over pages scattered through the pool (as decode
 // appends them), against the same sequential probe: its ratio says what the scatter costs.
 //

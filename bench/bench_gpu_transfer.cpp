@@ -17,7 +17,7 @@
 // per-page salience (Gaussian, as heavy hitters stay relevant) and q the query, which drifts each
 // step: q <- normalise(sqrt(1 - a^2) q + a g), g a random unit vector. drift slow a = 0.15, fast
 // a = 0.4; `overlap` reports the share of a step's pages the previous step also selected (0.90 and
-// 0.73; shared/research/peers.md 1.3 takes ~60% step-to-step reuse from ShadowKV, nearer fast). The
+// 0.73; ShadowKV reports ~60% step-to-step reuse, nearer fast: docs/platform-notes.md). The
 // cache holds c% of a step's distinct pages; `hit_rate` counts distinct pages over steps 1..255
 // (step 0 is cold), `MB_per_step` the misses' bytes. policy opt is Belady's offline optimum
 // (evict the page needed furthest in the future), the ceiling for any policy.

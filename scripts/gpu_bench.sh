@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The offload benchmark (issue 8 item 6) in one device call: one Llama-3.1-8B layer, contexts x
+# The offload benchmark in one device call: one Llama-3.1-8B layer, contexts x
 # batches, (a) HBM-resident dense attention (torch SDPA and our kernel), (b) dense offload, (c)
 # kvsift offload at a 2% LOCKS budget; one table printed last.
 #
@@ -126,9 +126,10 @@ for r in ours:
         goal(f"(c)/(a{'' if a_t is not None else ' ours'}) <= 1.5 at 128K, B={B}", v,
              v is not None and v <= 1.5)
     # The transfer goal is against the gathered-page bandwidth measured on this host
-    # (research/peers.md 1.1: 33-40 GB/s for a CPU or UVA gather of 16-token pages; the upper end
-    # is taken). (b) moves every page through the transfer engine; (c)'s moves of well under a MB
-    # a step are bound by latency, not bandwidth (the of_cp columns show both against a plain copy).
+    # (docs/platform-notes.md, Transfers: gathering pages: 33-40 GB/s for a CPU or UVA gather of
+    # 16-token pages; the upper end is taken). (b) moves every page through the transfer engine;
+    # (c)'s moves of well under a MB a step are bound by latency, not bandwidth (the of_cp columns
+    # show both against a plain copy).
     if T in (131072, 1048576):
         label = "1M" if T == 1048576 else f"{T // 1024}K"
         share = ratio(g["b_gbps"], GATHERED_GBPS)

@@ -5,7 +5,8 @@ set -euo pipefail
 
 packages=(
   build-essential cmake ninja-build pkg-config
-  libdnnl-dev ocl-icd-opencl-dev   # oneDNN; its CMake config needs the OpenCL package (env.md pitfall 4)
+  # oneDNN; its CMake config needs the OpenCL package (docs/platform-notes.md, Build)
+  libdnnl-dev ocl-icd-opencl-dev
   libxsimd-dev libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   liblapack-dev                    # the tests' eigensolver reference (tests/test_locks.cpp)

@@ -1,4 +1,5 @@
-// Dequantization against blocks built by hand from the layouts in research/eval-data.md 2.4.
+// Dequantization against blocks built by hand from the layouts in docs/eval.md (ggml block
+// layouts).
 // Expected values come from the chosen quantized values and scales, never from the code under
 // test; scales are powers of two (or a noted fp16 value) so every expected float is exact.
 #include <gtest/gtest.h>

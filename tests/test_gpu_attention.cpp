@@ -170,7 +170,8 @@ Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& 
               p.encode(k_values[from] * (1.0f + c.key_growth * page));
           p.pool[slot * slot_elems + std::size_t{B + r} * d + ch] = p.encode(v_values[from]);
         }
-      // A selector always keeps the open page (DESIGN.md section 3); others at random.
+      // A selector always keeps the open page (docs/methods.md, Budget, sinks and window);
+      // others at random.
       if (open || keep(rng)) {
         p.slots.push_back(slot);
         if (c.form == Form::pages)

@@ -1,4 +1,4 @@
-// LOCKS page summaries (papers.md 2 and the checks of 4.2): the small eigensolver against
+// LOCKS page summaries (docs/methods.md, LOCKS; How each is tested): the small eigensolver against
 // LAPACK, the record's size, the factorisation's exactness and SVD properties, the residual
 // bound's soundness, and every ISA's locks_score kernel (the AVX-512 VNNI int8-query one too)
 // against the float64 reference.
@@ -282,8 +282,8 @@ TEST(Locks, record_bytes_follow_the_paper_formula) {
   EXPECT_THROW(select::locks_check_shape({128, 16, 0}), Error);
 }
 
-// papers.md 4.2.2: at r = B - 1 the centered page is reproduced exactly, so the unquantised score
-// is the exact page LSE.
+// At r = B - 1 the centered page is reproduced exactly, so the unquantised score is the exact page
+// LSE (docs/methods.md, LOCKS: summary build).
 TEST(Locks, full_rank_unquantised_score_equals_the_exact_page_lse) {
   uint32_t seed = 1000;
   for (Dtype dtype : {Dtype::f16, Dtype::bf16})
@@ -315,8 +315,8 @@ TEST(Locks, full_rank_unquantised_score_equals_the_exact_page_lse) {
     }
 }
 
-// papers.md 4.2.3: V^T V = I, C V^T is the rank-r truncated SVD of D (LAPACK's dgesvd), and the
-// squared residuals sum to the tail eigenvalues.
+// V^T V = I, C V^T is the rank-r truncated SVD of D (LAPACK's dgesvd), and the squared residuals
+// sum to the tail eigenvalues (docs/methods.md, LOCKS: summary build).
 TEST(Locks, factors_are_the_truncated_svd_of_the_centered_page) {
   uint32_t seed = 2000;
   for (PageKind kind : {PageKind::random, PageKind::low_rank, PageKind::outlier_channel})

@@ -1,5 +1,6 @@
 // Louver index (lib/select/louver_index.hpp): kernels against the scalar reference, structure
-// invariants, ball soundness, and the answer against the brute-force scan (papers.md 4.1).
+// invariants, ball soundness, and the answer against the brute-force scan (docs/methods.md,
+// Louver; How each is tested).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -49,8 +50,8 @@ std::vector<float> exact_scores(const LouverIndex& index, const float* q) {
   return s;
 }
 
-// The thresholds of papers.md 4.1 item 2: k-th largest exact score for several k, +-inf and a
-// random value between the extremes.
+// The thresholds tried (docs/methods.md, How each is tested): k-th largest exact score for several
+// k, +-inf and a random value between the extremes.
 std::vector<float> test_taus(const LouverIndex& index, const float* q, std::mt19937& rng) {
   std::vector<float> s = exact_scores(index, q);
   std::sort(s.begin(), s.end(), std::greater<float>());

@@ -1,6 +1,6 @@
-// S4R's numerical core (papers.md 3 and the checks of 4.3): the rank from the memory model, the
-// hybrid sample, the basis against LAPACK's SVD, projection and reconstruction, the latent
-// relevance and top-k against float64 references written here, and the argument checks.
+// S4R's numerical core (docs/methods.md, S4R; How each is tested): the rank from the memory
+// model, the hybrid sample, the basis against LAPACK's SVD, projection and reconstruction, the
+// latent relevance and top-k against float64 references written here, and the argument checks.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -149,7 +149,7 @@ double projector_difference(const s4r::Basis& b, const LapackSvd& svd) {
 
 // ---- Memory model ----------------------------------------------------------------------------
 
-// papers.md 4.3 item 1 and the 3(b) examples: D' = 1024, G = 4, W = 32, s = 4.
+// The paper's examples, D' = 1024, G = 4, W = 32, s = 4 (docs/methods.md, S4R: memory model).
 TEST(S4rRank, reproduces_the_papers_examples) {
   EXPECT_NEAR(s4r::rank_for_compression(1024, 120000, 4, 4, 32, 5.0), 202.9, 0.1);
   EXPECT_NEAR(s4r::rank_for_compression(1024, 32768, 4, 4, 32, 5.0), 198.3, 0.5);
@@ -201,8 +201,8 @@ TEST(S4rRank, solved_rank_is_the_largest_multiple_within_the_target) {
 
 // ---- Sampling --------------------------------------------------------------------------------
 
-// papers.md 4.3 item 5: |I| = count, 70% a contiguous most-recent block, 30% spread evenly over
-// the earlier positions; ascending, distinct, deterministic.
+// |I| = count, 70% a contiguous most-recent block, 30% spread evenly over the earlier positions;
+// ascending, distinct, deterministic (docs/methods.md, S4R: prefill).
 TEST(S4rSampling, takes_the_recent_block_and_spreads_the_rest_evenly) {
   struct Case {
     uint64_t first, end;
@@ -294,8 +294,8 @@ TEST(S4rBasis, matches_lapack_svd_on_random_matrices) {
   }
 }
 
-// papers.md 4.3 item 4: B^T B = I and the sampled rows' reconstruction error is the SVD tail
-// energy; the normalisation acts on the sampled rows only (scaling a row changes nothing).
+// B^T B = I and the sampled rows' reconstruction error is the SVD tail energy; the normalisation
+// acts on the sampled rows only, scaling a row changes nothing (docs/methods.md, S4R: prefill).
 TEST(S4rBasis, sample_reconstruction_error_is_the_tail_energy) {
   const uint32_t dim = 128;
   const uint64_t n = 5000;
@@ -434,7 +434,8 @@ INSTANTIATE_TEST_SUITE_P(Isa, S4rProjection, testing::Values(Isa::scalar, Isa::a
 
 // ---- Latent relevance and selection ----------------------------------------------------------
 
-// papers.md 3(b) Decode step 2 in float64: logits, causal softmax, query mean, pooling, groups.
+// docs/methods.md, S4R: decode, step 2, in float64: logits, causal softmax, query mean, pooling,
+// groups.
 std::vector<double> reference_relevance(const std::vector<double>& logits /*[q][g][t], scaled*/,
                                         uint32_t nq, uint32_t groups, uint64_t L, uint32_t kernel,
                                         s4r::Pooling pooling, s4r::GroupAggregation aggregation,
@@ -526,9 +527,10 @@ TEST_P(S4rRelevance, matches_the_float64_reference) {
       }
 }
 
-// papers.md 4.3 item 7: with r = D' the basis is orthonormal and complete, so the latent logits
+// With r = D' the basis is orthonormal and complete, so the latent logits
 // C_Q C_K^T are the exact pre-RoPE logits Q K^T, and the relevance is the one of the exact logits
-// at temperature 1/sqrt(D') (up to the keys' fp16 coefficients).
+// at temperature 1/sqrt(D') (up to the keys' fp16 coefficients; docs/methods.md, How each is
+// tested).
 TEST_P(S4rRelevance, full_rank_latent_logits_are_the_exact_logits) {
   Matmul matmul;
   const uint32_t dim = 128, groups = 4, nq = 8;

@@ -28,7 +28,7 @@ struct Record {
   double accuracy = 0.0;
   double accuracy_vs_dense = 0.0;  // accuracy / dense accuracy; NaN when dense scores 0
   double agreement = 0.0;          // share of samples with dense's exact greedy output
-  // The paired view (research/eval-data.md 4.4): samples scoring below and above dense's score
+  // The paired view (docs/eval.md, Comparing against dense): samples below and above dense's score
   // on the same sample. With few samples these say more than the accuracies' difference.
   uint32_t below_dense = 0, above_dense = 0;
   double mass_recall = 0.0;        // mean over samples, steps, layers and query heads

@@ -1,6 +1,6 @@
-// RULER-style synthetic tasks (NVIDIA RULER, arXiv 2404.06654, as described in
-// ../shared/research/eval-data.md sections 1 and 4), generated from a seed with no network and
-// filled to a target length with the evaluated model's own tokenizer.
+// RULER-style synthetic tasks (NVIDIA RULER, arXiv 2404.06654; docs/eval.md, The generated
+// tasks), generated from a seed with no network and filled to a target length with the evaluated
+// model's own tokenizer.
 //
 //   niah_single_noise   one key-value needle in repeated noise lines (RULER niah_single_1)
 //   niah_single_prose   one needle in prose (niah_single_2; prose: The Devil's Dictionary)

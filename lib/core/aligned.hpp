@@ -1,5 +1,5 @@
 // std::vector storage aligned to cache lines: kernels load whole 64-byte lines, and an AVX-512
-// load split across two lines runs 1.75x slower (research/env.md, pitfall 12).
+// load split across two lines runs 1.75x slower (docs/platform-notes.md, CPU: split loads).
 #pragma once
 
 #include <cstddef>

@@ -1,7 +1,7 @@
 // Dense matrix products through oneDNN, with primitives created once per shape and reused.
 //
 // kvsift uses oneDNN only where the work is matrix-shaped: the model's projections and MLP, and
-// prefill attention (research/env.md section 8). Decode attention has its own kernels.
+// prefill attention (docs/platform-notes.md, CPU: oneDNN). Decode attention has its own kernels.
 //
 // Threads: Debian's oneDNN is built on OpenMP, whose threads spin by default (thread_pool.hpp says
 // why kvsift does not use it). A product is split along N over the handle's pool, and each thread

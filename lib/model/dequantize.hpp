@@ -1,4 +1,4 @@
-// ggml block formats to float32 (layouts: research/eval-data.md section 2.4).
+// ggml block formats to float32 (layouts: docs/eval.md, ggml block layouts).
 #pragma once
 
 #include <cstddef>

@@ -3,7 +3,7 @@
 // Every count, length, offset and dimension read from a file is untrusted: it is checked against
 // the bytes that remain and against sane limits before it is used, and a violation throws
 // Error(invalid_file) saying what was wrong and where (byte offset). Format reference: ggml's
-// docs/gguf.md; summary in research/eval-data.md section 2.3.
+// docs/gguf.md (github.com/ggml-org/ggml); summary in docs/eval.md, GGUF, briefly.
 #pragma once
 
 #include <array>
