@@ -68,10 +68,10 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
   const uint32_t pairs = call.n_seqs * g.n_kv_heads;
   if (call.pages == nullptr)
     for (uint32_t i = 0; i < call.n_seqs; ++i) {
-      const auto [first, end] = cache.released_unchecked(call.seq_ids[i], call.layer);
-      require(first == end, "sequence ", call.seq_ids[i], " layer ", call.layer,
-              " has released (compressed) pages [", first, ", ", end,
-              "): attend it through its selector's page lists");
+      require(cache.all_pages_readable(call.seq_ids[i], call.layer), "sequence ",
+              call.seq_ids[i], " layer ", call.layer,
+              " has pages that cannot be read (a compressing selector holds their tokens): attend"
+              " it through its selector's page lists");
     }
   if (call.rows != nullptr) {
     const RowChunks& rows = *call.rows;
@@ -97,13 +97,13 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
     require(begin <= end, "pages->offsets decreases at ", pair + 1);
     const int32_t seq = call.seq_ids[pair / g.n_kv_heads];
     const uint64_t n_pages = geometry_.pages_for(cache.length_unchecked(seq, call.layer));
-    const auto [released_first, released_end] = cache.released_unchecked(seq, call.layer);
     for (uint32_t i = begin; i < end; ++i) {
       const uint32_t id = lists.page_ids[i];
       require(id < n_pages, "pages->page_ids[", i, "]=", id, " is out of range: sequence ", seq,
               " has ", n_pages, " pages in layer ", call.layer);
-      require(id < released_first || id >= released_end, "pages->page_ids[", i, "]=", id,
-              " was released (compressed) in sequence ", seq, " layer ", call.layer);
+      require(cache.page_readable(seq, call.layer, id), "pages->page_ids[", i, "]=", id,
+              " cannot be read (a compressing selector holds its tokens) in sequence ", seq,
+              " layer ", call.layer);
       require(i == begin || lists.page_ids[i - 1] < id, "pages->page_ids[", i, "]=", id,
               " is not above the previous id of its (sequence, KV head) pair");
     }

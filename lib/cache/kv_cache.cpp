@@ -237,9 +237,16 @@ void KvCache::release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page,
   seq.released[layer] = {first_page, end_page};
 }
 
-std::pair<uint64_t, uint64_t> KvCache::released_unchecked(int32_t seq_id,
-                                                          uint32_t layer) const noexcept {
-  return sequences_[static_cast<std::size_t>(seq_id)]->released[layer];
+bool KvCache::page_readable(int32_t seq_id, uint32_t layer, uint64_t page) const noexcept {
+  const Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
+  const auto [released_first, released_end] = seq.released[layer];
+  return page < geometry_.pages_for(seq.tokens[layer]) &&
+         (page < released_first || page >= released_end);
+}
+
+bool KvCache::all_pages_readable(int32_t seq_id, uint32_t layer) const noexcept {
+  const auto [first, end] = sequences_[static_cast<std::size_t>(seq_id)]->released[layer];
+  return first == end;
 }
 
 bool KvCache::has_released_pages() const noexcept {

@@ -85,9 +85,12 @@ class KvCache {
   // its length; the released pages can no longer be read, attended or forked. One range per
   // (sequence, layer), released once. Throws not_found, invalid_argument.
   void release_pages(int32_t seq_id, uint32_t layer, uint64_t first_page, uint64_t end_page);
-  // The released page range [first, end) of one layer of a sequence (empty when none); callers
-  // validated seq_id and layer.
-  std::pair<uint64_t, uint64_t> released_unchecked(int32_t seq_id, uint32_t layer) const noexcept;
+  // Whether page `page` of one layer of a sequence holds K/V that can be read: stored and not
+  // released. Attention and the offload path ask this rather than knowing what a release is.
+  // Callers validated seq_id and layer.
+  bool page_readable(int32_t seq_id, uint32_t layer, uint64_t page) const noexcept;
+  // Whether every stored page of one layer of a sequence can be read (none was released).
+  bool all_pages_readable(int32_t seq_id, uint32_t layer) const noexcept;
   // Whether any live sequence has released pages (selectors that read pages refuse such caches).
   bool has_released_pages() const noexcept;
 

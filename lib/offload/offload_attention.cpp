@@ -182,12 +182,11 @@ void OffloadAttention::forget_copies(uint32_t layer, const uint32_t* table, uint
 void OffloadAttention::on_sequence_freed(int32_t seq_id) noexcept {
   for (uint32_t layer = 0; layer < geometry_.n_layers; ++layer) {
     const uint64_t pages = geometry_.pages_for(cache_.length_unchecked(seq_id, layer));
-    const auto [released_first, released_end] = cache_.released_unchecked(seq_id, layer);
     for (uint32_t h = 0; h < geometry_.n_kv_heads; ++h) {
       const uint32_t* table = cache_.page_table(seq_id, layer, h);
-      // Released pages were forgotten when they were released.
-      forget_copies(layer, table, 0, std::min(released_first, pages));
-      forget_copies(layer, table, std::max(released_end, released_first), pages);
+      // Pages that cannot be read were forgotten when they stopped being readable (released).
+      for (uint64_t p = 0; p < pages; ++p)
+        if (cache_.page_readable(seq_id, layer, p)) forget_copies(layer, table, p, p + 1);
     }
   }
 }
