@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "lib/attend/decode_attention.hpp"
-#include "lib/attend/reference_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "test_util.hpp"
+#include "tests/reference_attention.hpp"
 
 using namespace kvsift;
 

@@ -22,9 +22,9 @@
 
 #include "gpu/host_memory.hpp"
 #include "gpu/sparse_attention.hpp"
-#include "lib/attend/reference_attention.hpp"
 #include "simd/half.hpp"
 #include "test_util.hpp"
+#include "tests/reference_attention.hpp"
 
 #if KVSIFT_TEST_WITH_CUDA
 #include <cuda_runtime.h>

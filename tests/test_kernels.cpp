@@ -9,11 +9,11 @@
 #include <numeric>
 #include <string>
 
-#include "lib/attend/reference_attention.hpp"
 #include "lib/core/aligned.hpp"
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
 #include "test_util.hpp"
+#include "tests/reference_attention.hpp"
 
 using namespace kvsift;
 using simd::Dtype;

@@ -11,13 +11,13 @@
 #include <vector>
 
 #include "lib/attend/decode_attention.hpp"
-#include "lib/attend/reference_attention.hpp"
 #include "lib/core/error.hpp"
 #include "lib/model/llama_model.hpp"
 #include "lib/select/louver_index.hpp"
 #include "lib/select/selector.hpp"
 #include "simd/half.hpp"
 #include "tests/model_handle.hpp"
+#include "tests/reference_attention.hpp"
 #include "tests/test_util.hpp"
 
 namespace kvsift {

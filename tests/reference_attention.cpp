@@ -1,4 +1,4 @@
-#include "lib/attend/reference_attention.hpp"
+#include "tests/reference_attention.hpp"
 
 #include <algorithm>
 #include <cmath>
