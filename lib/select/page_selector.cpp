@@ -7,25 +7,13 @@
 #include <limits>
 #include <vector>
 
-#include "gpu/locks_scorer.hpp"
 #include "lib/core/error.hpp"
-#include "lib/select/locks_summary.hpp"
 
 namespace kvsift::select {
 
 namespace {
 
 constexpr float kInf = std::numeric_limits<float>::infinity();
-
-// Bounds |fl(q . k) - q . k| / (|q| |k|) for the float32 dot products and the few products after
-// them in a page score (about (d + r) * 2^-24 for d <= 256; this is several times that).
-constexpr float kFloatMargin = 2e-4f;
-
-float norm(const float* x, uint32_t n) noexcept {
-  double sq = 0.0;
-  for (uint32_t i = 0; i < n; ++i) sq += double{x[i]} * x[i];
-  return static_cast<float>(std::sqrt(sq));
-}
 
 // Orders pages by score, best first; equal scores by the lower page id (the papers' deterministic
 // exact-b rule).
@@ -132,7 +120,8 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   cache_.kernels().decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
   float key_norm = 0.0f;  // only a certified bound reads the slack
   if (certified())
-    for (uint32_t t = 0; t < n; ++t) key_norm = std::max(key_norm, norm(s.keys.data() + t * d, d));
+    for (uint32_t t = 0; t < n; ++t)
+      key_norm = std::max(key_norm, l2_norm(s.keys.data() + t * d, d));
   for (uint32_t h = 0; h < g.group_size; ++h) {
     const float* q = pair.q + std::size_t{h} * d;
     float logits[64];  // page_tokens <= 64
@@ -147,7 +136,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
     float sum = 0.0f;
     for (uint32_t t = 0; t < n; ++t) sum += std::exp(logits[t] - top);
     s.head[h * max_pages_ + page] = top + std::log(sum);
-    s.slack[h * max_pages_ + page] = scale_ * norm(q, d) * kFloatMargin * key_norm;
+    s.slack[h * max_pages_ + page] = scale_ * l2_norm(q, d) * kFloatMargin * key_norm;
   }
   return uint64_t{n} * d * sizeof(uint16_t);
 }
@@ -382,349 +371,16 @@ void PageSelector::certify(const PairView& pair, Scratch& s, uint32_t first, uin
   }
 }
 
-// ---- Methods -------------------------------------------------------------------------------
-
-namespace {
-
-// Every page, every step: exact attention.
-class DenseSelector final : public PageSelector {
- public:
-  using PageSelector::PageSelector;
-  uint64_t score(const PairView&, Scratch&) const noexcept override { return 0; }
-};
-
-// Exact page log-sum-exp from every key: the ceiling of any budgeted top-b page selector.
-class OracleSelector final : public PageSelector {
- public:
-  using PageSelector::PageSelector;
-  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
-    uint64_t bytes = 0;
-    const auto sealed = static_cast<uint32_t>(pair.tokens / geometry().page_tokens);
-    for (uint32_t p = 0; p < sealed; ++p) bytes += exact_page_lse(pair, p, s);
-    return bytes;
-  }
-};
-
-// Quest: per-page channel-wise min and max of the keys (stored values, so exact in the storage
-// dtype); a page's score is the upper bound sum_c max(q_c min_c, q_c max_c) on its logits.
-class QuestSelector final : public PageSelector {
- public:
-  QuestSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                ThreadPool& pool)
-      : PageSelector(policy, cache, max_batch, max_pages, pool),
-        bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim, /*huge_pages=*/true) {}
-
-  std::size_t summary_bytes_per_page() const noexcept override {
-    return 2 * std::size_t{geometry().head_dim} * sizeof(uint16_t);
-  }
-
- protected:
-  bool summarises() const noexcept override { return true; }
-  bool scores_are_log_mass() const noexcept override { return false; }
-  // A page bound for the group is the largest of its heads' bounds; averaging or summing
-  // exponentiated bounds as if they were masses lost the needle on every generated task
-  // (kvsift-eval, 2K and 4K: 0 of 4 at every budget with share_avg).
-  GqaCombine combine_mode() const noexcept override { return GqaCombine::max; }
-
-  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
-    const CacheGeometry& g = geometry();
-    const uint32_t B = g.page_tokens, d = g.head_dim;
-    float keys[64 * 256];  // page_tokens * head_dim at most
-    cache_.kernels().decode(k, keys, std::size_t{B} * d, g.dtype);
-    uint16_t* lo = bounds_.data() + std::size_t{slot} * 2 * d;
-    uint16_t* hi = lo + d;
-    for (uint32_t c = 0; c < d; ++c) {
-      uint32_t arg_lo = 0, arg_hi = 0;
-      for (uint32_t t = 1; t < B; ++t) {
-        if (keys[t * d + c] < keys[arg_lo * d + c]) arg_lo = t;
-        if (keys[t * d + c] > keys[arg_hi * d + c]) arg_hi = t;
-      }
-      lo[c] = k[arg_lo * d + c];
-      hi[c] = k[arg_hi * d + c];
-    }
-  }
-
-  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
-    const CacheGeometry& g = geometry();
-    const uint32_t d = g.head_dim, G = g.group_size;
-    const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
-    for (uint32_t p = 0; p < sealed; ++p) {
-      cache_.kernels().decode(bounds_.data() + std::size_t{pair.table[p]} * 2 * d, s.keys.data(),
-                              2 * std::size_t{d}, g.dtype);
-      const float* lo = s.keys.data();
-      const float* hi = lo + d;
-      for (uint32_t h = 0; h < G; ++h) {
-        const float* q = pair.q + std::size_t{h} * d;
-        float bound = 0.0f;
-        for (uint32_t c = 0; c < d; ++c) bound += std::max(q[c] * lo[c], q[c] * hi[c]);
-        s.head[h * max_pages_ + p] = bound * scale_;
-      }
-    }
-    return uint64_t{sealed} * summary_bytes_per_page();
-  }
-
- private:
-  LazyArray<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
-};
-
-// LOCKS (papers.md section 2): page-local rank-r summaries, int4 basis, int8 coefficients and
-// centroid, built when a page seals; a page scores the log-sum-exp of its reconstructed logits.
-// locks_certified also keeps each page's largest key norm, and bounds each page's log-mass by the
-// score +- scale |q| (residual + float margin * key norm), scoring with the exact query.
-//
-// Device mode (policy.device >= 0; gpu/locks_scorer.hpp): the records are mirrored on the
-// device (the slots summarised since the last upload travel in prepare(), or in select() when
-// prepare() could not send them), and select() runs the scoring, combine and top-b of every pair
-// of the call there in one batch. Should the device fail at select time, the step runs on the CPU
-// (the records are still here) and device_fallbacks() counts it; a query that is not finite also
-// takes the CPU path (the device does not repeat the CPU's NaN handling), uncounted.
-class LocksSelector final : public PageSelector {
- public:
-  LocksSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                ThreadPool& pool)
-      : PageSelector(policy, cache, max_batch, max_pages, pool),
-        shape_{cache.geometry().head_dim, cache.geometry().page_tokens, kLocksDefaultRank},
-        record_bytes_(locks_record_bytes(shape_)),
-        records_(cache.pool().capacity() * record_bytes_, /*huge_pages=*/true),
-        key_norms_(certified() ? cache.pool().capacity() : 0, /*huge_pages=*/true) {
-    locks_check_shape(shape_);
-    if (policy.device >= 0) start_device(max_batch, max_pages);
-  }
-
-  std::size_t summary_bytes_per_page() const noexcept override {
-    // The paper's bytes; certified selection adds the residual bound and the key norm.
-    return locks_paper_bytes(shape_) + (certified() ? 2 * sizeof(float) : 0);
-  }
-
-  uint64_t device_fallbacks() const noexcept override { return device_fallbacks_; }
-  uint64_t device_bytes() const noexcept override { return scorer_ ? scorer_->device_bytes() : 0; }
-
-  void prepare(const SelectCall& call, Selection&) override {
-    if (!scorer_) return;
-    // Room to name the call's tables, so that select() allocates nothing.
-    for (uint32_t i = 0; i < call.n_seqs; ++i)
-      if (call.seq_ids[i] >= 0 && static_cast<std::size_t>(call.seq_ids[i]) >= table_names_.size())
-        table_names_.resize(static_cast<std::size_t>(call.seq_ids[i]) + 1, 0);
-    // A failed upload stays pending: select() tries again, and falls back to the CPU.
-    build_summaries();
-    upload_pending();
-  }
-
-  void select(const SelectCall& call, Selection& out) noexcept override {
-    if (!scorer_ || !select_on_device(call, out)) PageSelector::select(call, out);
-  }
-
-  // A sequence's sealed table entries change only when it is freed (its id may come back with
-  // other pages) or its pages are released: its tables get new names for the scorer then.
-  void on_sequence_freed(int32_t seq_id) noexcept override {
-    PageSelector::on_sequence_freed(seq_id);
-    rename_tables(seq_id);
-  }
-  void on_pages_released(int32_t seq_id, uint32_t, uint64_t, uint64_t) noexcept override {
-    rename_tables(seq_id);
-  }
-
- protected:
-  bool summarises() const noexcept override { return true; }
-  bool certified() const noexcept override { return policy_.kind == Kind::locks_certified; }
-
-  void summaries_built(const uint32_t* slots, std::size_t n) noexcept override {
-    if (!scorer_) return;
-    for (std::size_t i = 0; i < n; ++i) {
-      if (upload_marked_[slots[i]]) continue;
-      upload_marked_[slots[i]] = 1;
-      upload_slots_[n_upload_++] = slots[i];  // room for every slot: each is listed once
-    }
-  }
-
-  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
-    locks_build(shape_, k, geometry().dtype, records_.data() + std::size_t{slot} * record_bytes_);
-    if (!certified()) return;
-    const uint32_t B = shape_.page_tokens, d = shape_.head_dim;
-    float keys[64 * 256];  // page_tokens * head_dim at most
-    cache_.kernels().decode(k, keys, std::size_t{B} * d, geometry().dtype);
-    float most = 0.0f;
-    for (uint32_t t = 0; t < B; ++t) most = std::max(most, norm(keys + std::size_t{t} * d, d));
-    key_norms_[slot] = most;
-  }
-
-  uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
-    const CacheGeometry& g = geometry();
-    const uint32_t G = g.group_size, d = g.head_dim;
-    const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
-    simd::LocksScoreJob job;
-    job.q = pair.q;
-    job.group = G;
-    job.head_dim = d;
-    job.page_tokens = shape_.page_tokens;
-    job.rank = shape_.rank;
-    job.int8_query = policy_.int8_query && !certified();  // a bound needs the exact query
-    job.scale = scale_;
-    job.records = records_.data();
-    job.record_bytes = record_bytes_;
-    job.slots = pair.table;
-    job.count = sealed;
-    job.lse = s.slack.data();  // [G, sealed], spread into s.head's rows below
-    cache_.kernels().locks_score(job);
-    for (uint32_t h = G; h-- > 0;)  // backwards: row h moves to h * max_pages_ >= h * sealed
-      std::memmove(s.head.data() + h * max_pages_, s.slack.data() + std::size_t{h} * sealed,
-                   sealed * sizeof(float));
-    if (certified()) {
-      for (uint32_t h = 0; h < G; ++h) {
-        const float q_norm = norm(pair.q + std::size_t{h} * d, d);
-        for (uint32_t p = 0; p < sealed; ++p) {
-          const uint32_t slot = pair.table[p];
-          const float residual =
-              locks_residual_bound(shape_, records_.data() + std::size_t{slot} * record_bytes_);
-          s.slack[h * max_pages_ + p] =
-              scale_ * q_norm * (residual + kFloatMargin * key_norms_[slot]);
-        }
-      }
-    }
-    return uint64_t{sealed} * summary_bytes_per_page();
-  }
-
- private:
-  static_assert(static_cast<int>(gpu::LocksCombine::share_avg) ==
-                    static_cast<int>(GqaCombine::share_avg) &&
-                static_cast<int>(gpu::LocksCombine::nrm) == static_cast<int>(GqaCombine::nrm) &&
-                static_cast<int>(gpu::LocksCombine::max) == static_cast<int>(GqaCombine::max));
-
-  void start_device(uint32_t max_batch, uint64_t max_pages) {
-    require(!certified(), "policy.device: certified LOCKS selection runs on the CPU only");
-    require(policy_.int8_query, "policy.device: the device scores int8 queries only");
-    const CacheGeometry& g = geometry();
-    gpu::LocksScorerShape shape;
-    shape.head_dim = g.head_dim;
-    shape.page_tokens = g.page_tokens;
-    shape.rank = shape_.rank;
-    shape.group = g.group_size;
-    shape.dtype = g.dtype;
-    shape.combine = static_cast<gpu::LocksCombine>(combine_mode());
-    shape.scale = scale_;
-    const uint64_t slots = cache_.pool().capacity();
-    shape.slots = static_cast<uint32_t>(slots);
-    shape.max_pairs = max_batch * g.n_kv_heads;
-    shape.max_pages = std::min<uint64_t>(uint64_t{shape.max_pairs} * max_pages, slots);
-    shape.sink_pages = policy_.sink_pages;
-    shape.window_pages = policy_.window_pages;
-    // The device keeps every layer's tables of a full batch (a run then sends only the slots of
-    // pages sealed since the last), within twice the pool's slots of entries.
-    shape.max_pair_pages = max_pages;
-    shape.table_copies = static_cast<uint32_t>(std::min<uint64_t>(
-        uint64_t{g.n_layers} * shape.max_pairs, 2 * slots / std::max<uint64_t>(max_pages, 1)));
-    scorer_ = std::make_unique<gpu::LocksScorer>();
-    const gpu::Result r = scorer_->init(policy_.device, shape);
-    if (!r.ok)
-      fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
-           "the locks device scorer on device ", policy_.device, ": ", r.message);
-    upload_slots_.resize(slots);
-    upload_marked_.assign(slots, 0);
-    pairs_.resize(shape.max_pairs);
-  }
-
-  // Sends the records summarised since the last upload; they stay pending on failure.
-  bool upload_pending() noexcept {
-    if (n_upload_ == 0) return true;
-    if (!scorer_->upload(records_.data(), upload_slots_.data(), n_upload_).ok) return false;
-    for (std::size_t i = 0; i < n_upload_; ++i) upload_marked_[upload_slots_[i]] = 0;
-    n_upload_ = 0;
-    return true;
-  }
-
-  // The first of the names of a sequence's tables (one per layer and KV head) for the scorer; 0
-  // (unnamed: sent whole) for an id prepare() did not see.
-  uint64_t table_name(int32_t seq) noexcept {
-    const auto at = static_cast<std::size_t>(seq);
-    if (at >= table_names_.size()) return 0;
-    if (table_names_[at] == 0) {
-      table_names_[at] = next_table_name_;
-      next_table_name_ += uint64_t{geometry().n_layers} * geometry().n_kv_heads;
-    }
-    return table_names_[at];
-  }
-  void rename_tables(int32_t seq) noexcept {
-    if (static_cast<std::size_t>(seq) < table_names_.size()) table_names_[seq] = 0;
-  }
-
-  // The whole call on the device; false (out untouched) when the CPU must run it.
-  bool select_on_device(const SelectCall& call, Selection& out) noexcept {
-    build_summaries();
-    if (!upload_pending()) {
-      ++device_fallbacks_;
-      return false;
-    }
-    const CacheGeometry& g = geometry();
-    const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
-    const uint32_t n_pairs = call.n_seqs * H;
-    if (n_pairs == 0) return false;
-    uint64_t bytes = 0;
-    for (uint32_t i = 0; i < n_pairs; ++i) {
-      const int32_t seq = call.seq_ids[i / H];
-      gpu::LocksPair& pair = pairs_[i];
-      pair.q = call.q + std::size_t{i} * G * d;
-      for (std::size_t c = 0; c < std::size_t{G} * d; ++c)
-        if (!std::isfinite(pair.q[c])) return false;
-      pair.table = cache_.page_table(seq, call.layer, i % H);
-      const uint64_t name = table_name(seq);
-      pair.table_id = name == 0 ? 0 : name + uint64_t{call.layer} * H + i % H;
-      pair.tokens = cache_.length_unchecked(seq, call.layer);
-      pair.budget_tokens = policy_.budget_tokens(pair.tokens);
-      const uint64_t sealed = pair.tokens / B, open = pair.tokens % B;
-      pair.open_keys =
-          open == 0 ? nullptr
-                    : reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[sealed]));
-      // What the CPU path reports: the summaries and the open page's keys of the scored pairs.
-      if (!gpu::locks_pair_plan(scorer_->shape(), pair.tokens, pair.budget_tokens).whole)
-        bytes += sealed * summary_bytes_per_page() + open * d * sizeof(uint16_t);
-    }
-    if (!scorer_->validate(pairs_.data(), n_pairs).ok || !scorer_->run(pairs_.data(), n_pairs).ok) {
-      ++device_fallbacks_;
-      return false;
-    }
-    const uint32_t* offsets = scorer_->offsets();
-    const uint32_t total = offsets[n_pairs];
-    out.n_pairs = n_pairs;
-    std::copy_n(offsets, n_pairs + 1, out.offsets.data());
-    std::copy_n(scorer_->page_ids(), total, out.page_ids.data());
-    std::copy_n(scorer_->scores(), total, out.scores.data());
-    std::copy_n(scorer_->kept_estimate(), n_pairs, out.kept_estimate.data());
-    std::fill_n(out.dropped_bound.data(), n_pairs, std::numeric_limits<float>::quiet_NaN());
-    out.index_bytes_read = bytes;
-    return true;
-  }
-
-  LocksShape shape_;
-  std::size_t record_bytes_;
-  LazyArray<std::byte> records_;  // [pool slots, record_bytes_]
-  LazyArray<float> key_norms_;    // [pool slots] certified: the page's largest key norm
-  // Device mode: the scorer, the slots summarised since the last upload (each listed once), the
-  // call's pairs.
-  std::unique_ptr<gpu::LocksScorer> scorer_;
-  AlignedVector<uint32_t> upload_slots_;
-  std::vector<uint8_t> upload_marked_;
-  std::size_t n_upload_ = 0;
-  std::vector<gpu::LocksPair> pairs_;
-  std::vector<uint64_t> table_names_;  // per sequence id: table_name()'s, 0 until named
-  uint64_t next_table_name_ = 1;
-  uint64_t device_fallbacks_ = 0;
-};
-
-}  // namespace
-
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
                                                  uint32_t max_batch, uint64_t max_pages,
                                                  ThreadPool& pool) {
   switch (policy.kind) {
-    case Kind::dense:
-      return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, pool);
-    case Kind::oracle:
-      return std::make_unique<OracleSelector>(policy, cache, max_batch, max_pages, pool);
-    case Kind::quest:
-      return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, pool);
+    case Kind::dense: return make_dense_selector(policy, cache, max_batch, max_pages, pool);
+    case Kind::oracle: return make_oracle_selector(policy, cache, max_batch, max_pages, pool);
+    case Kind::quest: return make_quest_selector(policy, cache, max_batch, max_pages, pool);
     case Kind::locks:
     case Kind::locks_certified:
-      return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
+      return make_locks_selector(policy, cache, max_batch, max_pages, pool);
     case Kind::s4r:
     case Kind::louver: break;  // token-level: Selector::create makes them
   }

@@ -1,9 +1,11 @@
 // The machinery every page selector shares (internal to lib/select): seal bookkeeping and the
 // parallel summary build, the budget and mandatory pages, scoring through one virtual call per
 // (sequence, KV head), the GQA combine, the deterministic top-b choice and the kept-mass estimate.
-// A method supplies only how a page is summarised and scored.
+// A method supplies only how a page is summarised and scored; each lives in its own file
+// (dense_selector.cpp, oracle_selector.cpp, quest_selector.cpp, locks_selector.cpp).
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -13,6 +15,17 @@
 #include "lib/select/selector.hpp"
 
 namespace kvsift::select {
+
+// Bounds |fl(q . k) - q . k| / (|q| |k|) for the float32 dot products and the few products after
+// them in a page score (about (d + r) * 2^-24 for d <= 256; this is several times that).
+inline constexpr float kFloatMargin = 2e-4f;
+
+// The Euclidean norm of x[0, n), summed in double.
+inline float l2_norm(const float* x, uint32_t n) noexcept {
+  double sq = 0.0;
+  for (uint32_t i = 0; i < n; ++i) sq += double{x[i]} * x[i];
+  return static_cast<float>(std::sqrt(sq));
+}
 
 // One (sequence, KV head) being scored: its G query heads and its pages.
 struct PairView {
@@ -100,6 +113,21 @@ class PageSelector : public Selector {
   std::vector<Scratch> scratch_;  // [n_threads]
   std::vector<uint32_t> region_;  // [max pairs + 1] where each pair's pages go in a Selection
 };
+
+// The methods, one file each.
+std::unique_ptr<PageSelector> make_dense_selector(const Policy& policy, KvCache& cache,
+                                                  uint32_t max_batch, uint64_t max_pages,
+                                                  ThreadPool& pool);
+std::unique_ptr<PageSelector> make_oracle_selector(const Policy& policy, KvCache& cache,
+                                                   uint32_t max_batch, uint64_t max_pages,
+                                                   ThreadPool& pool);
+std::unique_ptr<PageSelector> make_quest_selector(const Policy& policy, KvCache& cache,
+                                                  uint32_t max_batch, uint64_t max_pages,
+                                                  ThreadPool& pool);
+// locks and locks_certified.
+std::unique_ptr<PageSelector> make_locks_selector(const Policy& policy, KvCache& cache,
+                                                  uint32_t max_batch, uint64_t max_pages,
+                                                  ThreadPool& pool);
 
 std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
                                                  uint32_t max_batch, uint64_t max_pages,
