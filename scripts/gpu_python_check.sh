@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The Python check on the GPU machine: kvsift.transformers with SmolLM2 on CUDA
+# (python/tests/test_transformers.py: greedy tokens of kvsift dense against transformers' SDPA,
+# LOCKS at 5% answering the demo's question) and python/examples/compare_selectors.py (its test,
+# then the full table).
+#
+#   scripts/gpu_python_check.sh stage   Here, after scripts/setup.sh: build the module for the GPU
+#                                       machine's Python (3.12; GPU_PY names an interpreter of that
+#                                       version, default python3.12) in build-py312 (CUDA off:
+#                                       kvsift runs on the host's CPU), and pack it, the shared
+#                                       libraries it needs that the GPU image lacks, the gguf
+#                                       wheel (transformers reads GGUF with it) and the demo's
+#                                       document into .pystage/stage.tar.xz; split the model file
+#                                       ($KVSIFT_MODEL) into .pystage/model.part.* of 30 MiB.
+#   scripts/gpu_python_check.sh run     On the GPU machine, whose image has torch, transformers and
+#                                       accelerate: carry .pystage/stage.tar.xz and the model parts
+#                                       over several calls (at most 64 MiB each; ignored files stay
+#                                       on a warm machine between calls, and a call may run `true`
+#                                       just to carry a part). Unpacks to /tmp/kvsift-py, joins the
+#                                       model, runs the tests and the example.
+#
+# Why a module built here: the GPU image lacks the Debian packages the library's configure needs
+# (scripts/gpu_check.sh says which); the module links the library statically, so it needs only
+# the few shared libraries ldd names, packed beside it. libstdc++ and libgcc_s stay the image's
+# own (newer, and torch's). .pystage must be ignored by git (.git/info/exclude) to be carried.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+mode=${1:-run}
+build=${GPU_PY_BUILD:-build-py312}
+stage=.pystage
+devil=/usr/share/dictd/devil.dict.dz
+
+if [[ $mode == stage ]]; then
+  py=${GPU_PY:-python3.12}
+  if [[ ! -x $build/venv/bin/python ]]; then
+    "$py" -m venv "$build/venv"
+    "$build/venv/bin/pip" install -q "$(grep '^nanobind==' python/requirements-dev.txt)"
+  fi
+  cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=OFF \
+    -DKVSIFT_PYTHON=ON -DPython_EXECUTABLE="$PWD/$build/venv/bin/python" >/dev/null
+  nice ninja -C "$build" -j2 kvsift_core kvsift_python_files
+  rm -rf "$stage" && mkdir -p "$stage/pkg/python" "$stage/pkg/lib" "$stage/pkg/whl"
+  cp -r "$build/python/kvsift" "$stage/pkg/python/"
+  ldd "$build"/python/kvsift/_core.*.so | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' |
+    grep -vE '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' |
+    while read -r path; do cp -L "$path" "$stage/pkg/lib/"; done
+  "$build/venv/bin/pip" download -q --no-deps -d "$stage/pkg/whl" gguf==0.19.0
+  cp "$devil" "$stage/pkg/"
+  tar -cJf "$stage/stage.tar.xz" -C "$stage" pkg && rm -rf "$stage/pkg"
+  split -b 30M -d "${KVSIFT_MODEL:?KVSIFT_MODEL: the model file (scripts/fetch_model.sh)}" \
+    "$stage/model.part."
+  ls -l "$stage"
+  exit 0
+fi
+
+root=/tmp/kvsift-py
+rm -rf "$root" && mkdir -p "$root"
+tar -xJf "$stage/stage.tar.xz" -C "$root"
+cat "$stage"/model.part.* >"$root/model.gguf"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/site" \
+  "$root"/pkg/whl/*.whl
+mkdir -p "$(dirname "$devil")" && cp "$root/pkg/devil.dict.dz" "$devil"
+export PYTHONPATH=$root/pkg/python:$root/site LD_LIBRARY_PATH=$root/pkg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export KVSIFT_MODEL=$root/model.gguf PYTHONUNBUFFERED=1
+python3 -c 'import sys, torch, transformers, kvsift
+print("python", sys.version.split()[0], "torch", torch.__version__, "transformers",
+      transformers.__version__, "kvsift", kvsift.__version__, kvsift.isa_supported(),
+      "cuda", torch.cuda.is_available() and torch.cuda.get_device_name())'
+python3 -m pytest -q -s -p no:cacheprovider python/tests/test_transformers.py \
+  python/tests/test_examples.py
+python3 python/examples/compare_selectors.py --model "$KVSIFT_MODEL"
