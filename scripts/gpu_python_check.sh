@@ -5,8 +5,10 @@
 # then the full table).
 #
 #   scripts/gpu_python_check.sh stage   Here, after scripts/setup.sh: build the module for the GPU
-#                                       machine's Python (3.12; GPU_PY names an interpreter of that
-#                                       version, default python3.12) in build-py312 (CUDA off:
+#                                       machine's Python (3.12: GPU_PY names an interpreter of that
+#                                       version, default python3.12, for a venv with nanobind made
+#                                       in build-py312/venv; or GPU_PY_VENV names a venv of 3.12
+#                                       with nanobind already) in build-py312 (CUDA off:
 #                                       kvsift runs on the host's CPU), and pack it, the shared
 #                                       libraries it needs that the GPU image lacks, the gguf
 #                                       wheel (transformers reads GGUF with it) and the demo's
@@ -32,20 +34,20 @@ stage=.pystage
 devil=/usr/share/dictd/devil.dict.dz
 
 if [[ $mode == stage ]]; then
-  py=${GPU_PY:-python3.12}
-  if [[ ! -x $build/venv/bin/python ]]; then
-    "$py" -m venv "$build/venv"
-    "$build/venv/bin/pip" install -q "$(grep '^nanobind==' python/requirements-dev.txt)"
+  venv=${GPU_PY_VENV:-$PWD/$build/venv}
+  if [[ ! -x $venv/bin/python ]]; then
+    "${GPU_PY:-python3.12}" -m venv "$venv"
+    "$venv/bin/pip" install -q "$(grep '^nanobind==' python/requirements-dev.txt)"
   fi
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=OFF \
-    -DKVSIFT_PYTHON=ON -DPython_EXECUTABLE="$PWD/$build/venv/bin/python" >/dev/null
+    -DKVSIFT_PYTHON=ON -DPython_EXECUTABLE="$venv/bin/python" >/dev/null
   nice ninja -C "$build" -j2 kvsift_core kvsift_python_files
   rm -rf "$stage" && mkdir -p "$stage/pkg/python" "$stage/pkg/lib" "$stage/pkg/whl"
   cp -r "$build/python/kvsift" "$stage/pkg/python/"
   ldd "$build"/python/kvsift/_core.*.so | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' |
     grep -vE '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' |
     while read -r path; do cp -L "$path" "$stage/pkg/lib/"; done
-  "$build/venv/bin/pip" download -q --no-deps -d "$stage/pkg/whl" gguf==0.19.0
+  "$venv/bin/pip" download -q --no-deps -d "$stage/pkg/whl" gguf==0.19.0
   cp "$devil" "$stage/pkg/"
   tar -cJf "$stage/stage.tar.xz" -C "$stage" pkg && rm -rf "$stage/pkg"
   split -b 30M -d "${KVSIFT_MODEL:?KVSIFT_MODEL: the model file (scripts/fetch_model.sh)}" \

@@ -131,7 +131,11 @@ class KvsiftCache(_HFCache):
         self.seq_ids: list[int] = []
         self.last_stats: Optional[SelectionStats] = None  # the last decode step's (last layer)
         super().__init__(layers=[KvsiftLayer(self, i) for i in range(n_layers)])
-        self.set_selector(policy, **policy_kwargs)
+        try:
+            self.set_selector(policy, **policy_kwargs)
+        except BaseException:
+            self.kv.close()
+            raise
 
     # ---- kvsift side ----------------------------------------------------------------------------
 
