@@ -1,6 +1,7 @@
 // The model runner through the C API, on the real SmolLM2 file (KVSIFT_MODEL; make test sets it,
 // and the tests skip without it): prefill and decode agree, chunking does not change results,
-// bad files and options give clear statuses.
+// bad files and options give clear statuses. Then its parts: the weights
+// (lib/model/llama_weights.hpp) and the CPU forward pass (lib/model/cpu_forward_pass.hpp).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -13,7 +14,14 @@
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "lib/cache/kv_cache.hpp"
+#include "lib/core/thread_pool.hpp"
+#include "lib/model/cpu_forward_pass.hpp"
+#include "lib/model/dequantize.hpp"
+#include "lib/model/gguf_file.hpp"
+#include "lib/model/llama_weights.hpp"
 #include "model_handle.hpp"
+#include "simd/kernels.hpp"
 #include "test_util.hpp"
 
 namespace {
@@ -291,4 +299,129 @@ TEST_F(ModelTest, the_dense_policy_is_accepted_and_a_budget_for_it_is_refused) {
   policy.budget = 0.0;
   policy.selector = static_cast<kvsift_selector>(42);
   EXPECT_EQ(kvsift_model_set_selector(model.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+}
+
+namespace {
+
+// Row `row` of a GGUF weight tensor [rows, n], dequantized to float32.
+std::vector<float> tensor_row(const kvsift::model::GgufFile& file, const std::string& name,
+                              uint64_t row, uint32_t n) {
+  const kvsift::model::GgufTensor& t = file.require_tensor(name);
+  std::vector<float> out(n);
+  kvsift::model::dequantize(t.type, t.data + row * kvsift::model::row_bytes(t.type, n), out.data(),
+                            n);
+  return out;
+}
+
+}  // namespace
+
+// The stacked weights hold each GGUF tensor's rows where the forward pass reads them ([q | k | v],
+// [gate | up]), converted exactly (f32) or as the kernels round (bf16); the tied output head is
+// the embedding table, and embed() reads the table's rows.
+TEST_F(ModelTest, weights_stack_the_gguf_tensors_where_the_forward_pass_reads_them) {
+  using namespace kvsift::model;
+  const GgufFile file = GgufFile::open(model_path());
+  const LlamaConfig c = read_config(file);
+  ASSERT_TRUE(c.tied_output);
+  const uint32_t E = c.n_embd, q = c.q_dim(), kv = c.kv_dim(), F = c.n_ff;
+  const std::string last = "blk." + std::to_string(c.n_layers - 1) + ".";
+  const kvsift::simd::Kernels& kernels = kvsift::simd::scalar_kernels();
+  kvsift::ThreadPool pool(2);
+  for (kvsift::MatType type : {kvsift::MatType::f32, kvsift::MatType::bf16}) {
+    const LlamaWeights w = LlamaWeights::load(GgufFile::open(model_path()), c, type, kernels, pool);
+    ASSERT_EQ(w.n_layers(), c.n_layers);
+    // Row `row` of the stacked weight equals row `source_row` of the tensor, rounded as the type.
+    const auto expect_row = [&](const Linear& weight, uint64_t row, const std::string& tensor,
+                                uint64_t source_row) {
+      SCOPED_TRACE(tensor + " row " + std::to_string(source_row));
+      const std::vector<float> want = tensor_row(file, tensor, source_row, weight.in);
+      std::vector<float> got(weight.in);
+      if (type == kvsift::MatType::f32) {
+        ASSERT_EQ(weight.f32.size(), std::size_t{weight.out} * weight.in);
+        std::copy_n(weight.f32.data() + row * weight.in, weight.in, got.data());
+        EXPECT_EQ(got, want);
+      } else {
+        ASSERT_EQ(weight.bf16.size(), std::size_t{weight.out} * weight.in);
+        std::vector<uint16_t> rounded(weight.in);
+        kernels.encode(want.data(), rounded.data(), weight.in, kvsift::simd::Dtype::bf16);
+        EXPECT_TRUE(
+            std::equal(rounded.begin(), rounded.end(), weight.bf16.data() + row * weight.in));
+      }
+    };
+    const LayerWeights& first = w.layer(0);
+    EXPECT_EQ(first.wqkv.out, q + 2 * kv);
+    EXPECT_EQ(first.wqkv.in, E);
+    expect_row(first.wqkv, 3, "blk.0.attn_q.weight", 3);
+    expect_row(first.wqkv, q + 1, "blk.0.attn_k.weight", 1);
+    expect_row(first.wqkv, q + 2 * kv - 1, "blk.0.attn_v.weight", kv - 1);
+    const LayerWeights& top = w.layer(c.n_layers - 1);
+    EXPECT_EQ(top.w_gate_up.out, 2 * F);
+    expect_row(top.w_gate_up, F - 1, last + "ffn_gate.weight", F - 1);
+    expect_row(top.w_gate_up, F + 5, last + "ffn_up.weight", 5);
+    expect_row(top.w_down, E - 1, last + "ffn_down.weight", E - 1);
+    expect_row(top.wo, 0, last + "attn_output.weight", 0);
+    EXPECT_EQ(top.ffn_norm, tensor_row(file, last + "ffn_norm.weight", 0, E));
+    EXPECT_EQ(w.output_norm(), tensor_row(file, "output_norm.weight", 0, E));
+    const uint32_t token = c.n_vocab - 2;
+    expect_row(w.output(), token, "token_embd.weight", token);
+    std::vector<float> x(E);
+    w.embed(static_cast<int32_t>(token), x.data());
+    EXPECT_EQ(x, tensor_row(file, "token_embd.weight", token, E));
+  }
+}
+
+// Decode and prefill ask the CPU forward pass for their products explicitly: with f32 weights the
+// decode rows' matrix-vector request falls back to the matrix product, so both give the same
+// logits bit for bit; with bf16 weights the decode rows take the matrix-vector kernel, whose
+// summation order differs (the logits agree within bf16 rounding, and some differ). The test
+// writes each layer's attention output itself (each query head reads its KV head's v: exact
+// attention over a one-token context), so nothing but the forward pass runs.
+TEST_F(ModelTest, the_cpu_forward_pass_runs_the_products_decode_and_prefill_ask_for) {
+  using namespace kvsift::model;
+  const LlamaConfig c = read_config(GgufFile::open(model_path()));
+  kvsift::CacheGeometry g;
+  g.n_layers = c.n_layers;
+  g.n_kv_heads = c.n_kv_heads;
+  g.group_size = c.n_heads / c.n_kv_heads;
+  g.head_dim = c.head_dim;
+  kvsift::CacheOptions options;
+  options.max_pages = 64;  // the pass reads only the cache's kernels
+  const kvsift::KvCache cache(g, options);
+  kvsift::ThreadPool pool(2);
+  const std::vector<int32_t> tokens = {1, 504, 3060};
+  const uint32_t rows = static_cast<uint32_t>(tokens.size());
+  const std::vector<uint64_t> positions(rows, 0);
+  for (kvsift::MatType type : {kvsift::MatType::f32, kvsift::MatType::bf16}) {
+    CpuForwardPass pass(
+        LlamaWeights::load(GgufFile::open(model_path()), c, type, cache.kernels(), pool), c, cache,
+        cache.kernels(), pool, /*max_rows=*/4, /*max_chunk=*/4, /*n_ctx=*/64);
+    std::vector<float> logits[2];
+    for (int decode = 0; decode < 2; ++decode) {
+      pass.embed(tokens);
+      for (uint32_t l = 0; l < c.n_layers; ++l) {
+        const AttentionIo io = decode ? pass.decode_inputs(l, positions.data())
+                                      : pass.prefill_inputs(l, positions.data());
+        for (uint32_t r = 0; r < rows; ++r)
+          for (uint32_t h = 0; h < c.n_heads; ++h)
+            std::copy_n(io.v + r * c.kv_dim() + h / g.group_size * c.head_dim, c.head_dim,
+                        io.out + r * c.q_dim() + h * c.head_dim);
+        if (decode)
+          pass.decode_finish(l);
+        else
+          pass.prefill_finish(l);
+      }
+      logits[decode].resize(std::size_t{rows} * c.n_vocab);
+      if (decode)
+        pass.decode_logits(0, rows, logits[decode].data());
+      else
+        pass.prefill_logits(0, rows, logits[decode].data());
+    }
+    if (type == kvsift::MatType::f32) {
+      EXPECT_TRUE(logits[0] == logits[1]);
+    } else {
+      EXPECT_FALSE(logits[0] == logits[1]);
+      EXPECT_LT(kvsift::test::relative_error(logits[1].data(), logits[0].data(), logits[0].size()),
+                5e-2);
+    }
+  }
 }

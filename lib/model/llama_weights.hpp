@@ -1,0 +1,96 @@
+// A Llama-family model's hyperparameters and weights, read from a GGUF file: the metadata checks,
+// the tensor shape checks, and the dequantisation to the type the products run in. The forward
+// passes (lib/model/forward_pass.hpp) read these; nothing here computes a token.
+//
+// Weights are dequantized at load to bf16 (default) or f32. Memory this costs, for SmolLM2-135M:
+// 134.5M parameters x 2 bytes = 269 MB in bf16 (538 MB in f32), against 98 MB for the Q4_1 file.
+// The embedding table stays in the file's mapping and is dequantized a row at a time (embed()).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "lib/core/aligned.hpp"
+#include "lib/core/matmul.hpp"
+#include "lib/core/thread_pool.hpp"
+#include "lib/model/gguf_file.hpp"
+#include "simd/kernels.hpp"
+
+namespace kvsift::model {
+
+struct LlamaConfig {
+  uint32_t n_layers = 0;
+  uint32_t n_embd = 0;
+  uint32_t n_ff = 0;
+  uint32_t n_heads = 0;
+  uint32_t n_kv_heads = 0;
+  uint32_t head_dim = 0;
+  uint32_t n_ctx_train = 0;
+  uint32_t n_vocab = 0;
+  float rope_theta = 10000.0f;
+  float rms_eps = 1e-5f;
+  bool tied_output = true;
+
+  uint32_t q_dim() const noexcept { return n_heads * head_dim; }
+  uint32_t kv_dim() const noexcept { return n_kv_heads * head_dim; }
+};
+
+// The hyperparameters from the file's "llama.*" metadata and the embedding table's shape. Throws
+// Error: unsupported (architecture, partial rotary embeddings), invalid_file (missing or
+// out-of-range values, shapes that do not divide).
+LlamaConfig read_config(const GgufFile& file);
+
+// A linear layer's weight, [out, in] row-major (outputs are rows), in the one type the loader was
+// asked for: the other vector stays empty. The place a quantized-weight kernel would plug in.
+struct Linear {
+  AlignedVector<uint16_t> bf16;  // the raw bf16 bits, when the type is bf16
+  AlignedVector<float> f32;      // when the type is f32
+  uint32_t in = 0, out = 0;
+};
+
+// Q, K and V are one weight (rows stacked [q | k | v]), as are gate and up: fewer, larger
+// products, which matters most at decode where each is a matrix-vector product.
+struct LayerWeights {
+  std::vector<float> attn_norm, ffn_norm;  // [n_embd]
+  Linear wqkv, wo, w_gate_up, w_down;
+};
+
+class LlamaWeights {
+ public:
+  // Reads every weight of `config` from the file (which the weights keep: the embedding table is
+  // read from its mapping), converted to `type`. The conversion runs on `pool`, encoding bf16 with
+  // `kernels`. Throws Error: invalid_file (missing tensors, inconsistent shapes), unsupported
+  // (tensor types).
+  static LlamaWeights load(GgufFile file, const LlamaConfig& config, MatType type,
+                           const simd::Kernels& kernels, ThreadPool& pool);
+
+  MatType type() const noexcept { return type_; }
+  const LayerWeights& layer(uint32_t l) const noexcept { return layers_[l]; }
+  uint32_t n_layers() const noexcept { return static_cast<uint32_t>(layers_.size()); }
+  const std::vector<float>& output_norm() const noexcept { return output_norm_; }
+  // [n_vocab, n_embd]: token_embd's values when the output head is tied to it.
+  const Linear& output() const noexcept { return output_; }
+
+  // x [n_embd] = the embedding row of token (in [0, n_vocab): the caller checks), dequantized from
+  // the file to float32 exactly.
+  void embed(int32_t token, float* x) const noexcept;
+
+ private:
+  LlamaWeights(GgufFile file, MatType type) : file_(std::move(file)), type_(type) {}
+  // The named [in, out_i] tensors stacked along their outputs into one [sum out_i, in] weight.
+  Linear load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in,
+                     const simd::Kernels& kernels, ThreadPool& pool) const;
+
+  GgufFile file_;
+  MatType type_;
+  uint32_t n_embd_ = 0;
+  std::vector<LayerWeights> layers_;
+  std::vector<float> output_norm_;
+  Linear output_;
+  const GgufTensor* token_embd_ = nullptr;  // in file_, whose tensors do not move with it
+  std::size_t embd_stride_ = 0;             // bytes per row of token_embd_
+};
+
+}  // namespace kvsift::model
