@@ -30,7 +30,7 @@
 // ungraphed results are the same bit for bit: the same kernels and cuBLAS calls, on the same
 // workspace.
 //
-// Numerics follow the CPU runner (lib/model/llama_model.cpp) step for step: bf16 weights, fp32
+// Numerics follow the CPU pass (lib/model/cpu_forward_pass.cpp) step for step: bf16 weights, fp32
 // activations, every product's input rounded to bf16 (round to nearest even) with fp32
 // accumulation (cuBLAS, CUBLAS_COMPUTE_32F); RMSNorm's sum of squares in float64 and its scale
 // rounded once to fp32; RoPE on adjacent pairs (2i, 2i+1) with the cos/sin table of
