@@ -71,9 +71,8 @@ CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& op
   o.max_pages = uint64_t{options.max_seqs} * config.n_layers * config.n_kv_heads *
                 ((n_ctx + options.page_tokens - 1) / options.page_tokens);
   o.isa = options.isa;
-  // The runner hands the cache pre-RoPE keys: the cache rotates them with the
-  // same Rope code the runner uses for queries, and a selector that works
-  // before RoPE (S4R) can read them back.
+  // The runner hands the cache pre-RoPE keys: the cache rotates them with the same Rope code the
+  // runner uses for queries, and a selector that works before RoPE (S4R) can read them back.
   o.key_form = KeyForm::pre_rope;
   o.rope_theta = config.rope_theta;
   // The offload path's device reads pages straight from the pool over PCIe.
@@ -147,9 +146,8 @@ uint64_t LlamaModel::position(int32_t seq_id) const {
 }
 
 void LlamaModel::require_free_pages(uint64_t pages_per_head, const char* what) const {
-  // A step appends layer by layer, so a pool that ran dry halfway would leave
-  // the first layers appended and the sequence unusable: the pages of every
-  // layer are counted before the first.
+  // A step appends layer by layer, so a pool that ran dry halfway would leave the first layers
+  // appended and the sequence unusable: the pages of every layer are counted before the first.
   const uint64_t needed =
       pages_per_head * cache_.geometry().n_layers * cache_.geometry().n_kv_heads;
   if (needed > cache_.pool().available())
@@ -245,8 +243,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     call.layer = l;
     call.q = io.q;
     call.out = io.out;
-    // An observer reads the whole batch's selection, so the step selects it in
-    // one piece.
+    // An observer reads the whole batch's selection, so the step selects it in one piece.
     engine_.attend_selected(call, /*whole_batch=*/observer_ != nullptr);
     const LayerStepStats& s = engine_.last_step();
     step.kv_bytes_read += s.attended.bytes_read;

@@ -1,10 +1,9 @@
-// A Llama-family decoder (RMSNorm, RoPE on adjacent pairs as GGUF stores it,
-// GQA attention, SwiGLU MLP, tied or separate output head) with its KV cache in
-// kvsift's paged host cache and its decode attention through kvsift's
-// DecodeEngine: the runner. It holds the sequences, their logits, the cache and
-// the engine, and runs the prefill and decode loops; the arithmetic outside
-// attention is a ForwardPass (lib/model/forward_pass.hpp), on the CPU or on a
-// device, over the weights lib/model/llama_weights.hpp loads.
+// A Llama-family decoder (RMSNorm, RoPE on adjacent pairs as GGUF stores it, GQA attention,
+// SwiGLU MLP, tied or separate output head) with its KV cache in kvsift's paged host cache and its
+// decode attention through kvsift's DecodeEngine: the runner. It holds the sequences, their logits,
+// the cache and the engine, and runs the prefill and decode loops; the arithmetic outside
+// attention is a ForwardPass (lib/model/forward_pass.hpp), on the CPU or on a device, over the
+// weights lib/model/llama_weights.hpp loads.
 #pragma once
 
 #include <cstdint>
@@ -32,16 +31,14 @@ struct ModelOptions {
   uint32_t page_tokens = 16;
   int n_threads = 0;  // the model's thread pool, caller included; 0 = the CPUs it may run on
   simd::Isa isa = simd::Isa::avx512;
-  // Offload mode: a CUDA device index, or -1 for the CPU only. With a device
-  // the weights live and the products, norms, RoPE, SwiGLU and the prefill's
-  // attention run there (gpu/device_llama.hpp; weight_type must be bf16), while
-  // the KV cache stays in host memory (pinned): each layer's K/V go to the host
-  // cache, selection runs on the CPU, and decode attention runs on the device
-  // over the selected pages and rows only (lib/offload/offload_attention.hpp).
+  // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the weights live and
+  // the products, norms, RoPE, SwiGLU and the prefill's attention run there (gpu/device_llama.hpp;
+  // weight_type must be bf16), while the KV cache stays in host memory (pinned): each layer's K/V
+  // go to the host cache, selection runs on the CPU, and decode attention runs on the device over
+  // the selected pages and rows only (lib/offload/offload_attention.hpp).
   int device = -1;
-  // Device page cache slots per layer; 0 holds every page the sequences can
-  // reach (the KV of max_seqs * n_ctx tokens per layer), so that after the
-  // prompt only the pages that change move.
+  // Device page cache slots per layer; 0 holds every page the sequences can reach (the KV of
+  // max_seqs * n_ctx tokens per layer), so that after the prompt only the pages that change move.
   uint32_t device_cache_pages = 0;
 };
 
@@ -53,14 +50,13 @@ struct StepStats {
   uint64_t pairs = 0;             // (sequence, layer, KV head) pairs
   double kept_estimate = 1.0;     // the estimated share of mass kept, averaged over the pairs
   double dropped_bound = 0.0;     // the largest proven bound on the dropped share (NaN: none)
-  // Time, in microseconds: CPU selection, and attention (CPU: the kernel;
-  // offload: the device's transfers and its kernel, each an event interval).
+  // Time, in microseconds: CPU selection, and attention (CPU: the kernel; offload: the device's
+  // transfers and its kernel, each an event interval).
   double select_us = 0.0;
   double transfer_us = 0.0;
   double attend_us = 0.0;
-  // Offload mode only: selection time hidden behind device work, bytes host to
-  // device (pages, rows, q, lists), and the device page cache's hits and misses
-  // (pages).
+  // Offload mode only: selection time hidden behind device work, bytes host to device (pages,
+  // rows, q, lists), and the device page cache's hits and misses (pages).
   double overlap_us = 0.0;
   uint64_t h2d_bytes = 0;
   uint64_t cache_hits = 0;
@@ -76,23 +72,20 @@ struct ModelStats {
   StepStats last_step;
 };
 
-// Sees every layer of every decode step after its attention ran: the evaluation
-// measures selections against exact attention through it. Called on the
-// decoding thread; must not throw.
+// Sees every layer of every decode step after its attention ran: the evaluation measures
+// selections against exact attention through it. Called on the decoding thread; must not throw.
 class DecodeObserver {
  public:
   virtual ~DecodeObserver() = default;
-  // q, out: [seq_ids.size(), n_heads, head_dim]; q unscaled. The cache holds
-  // the step's token.
+  // q, out: [seq_ids.size(), n_heads, head_dim]; q unscaled. The cache holds the step's token.
   virtual void on_layer(uint32_t layer, std::span<const int32_t> seq_ids, const float* q,
                         const select::Selection& selection, const float* out) noexcept = 0;
 };
 
 class LlamaModel {
  public:
-  // Throws Error: io_error, invalid_file (malformed, missing tensors or
-  // metadata, inconsistent shapes), unsupported (architecture, tensor types,
-  // head_dim), invalid_argument (options).
+  // Throws Error: io_error, invalid_file (malformed, missing tensors or metadata, inconsistent
+  // shapes), unsupported (architecture, tensor types, head_dim), invalid_argument (options).
   static std::unique_ptr<LlamaModel> load(const std::string& path, const ModelOptions& options);
 
   const LlamaConfig& config() const noexcept { return config_; }
@@ -104,39 +97,35 @@ class LlamaModel {
   const char* attention_backend() const noexcept { return engine_.backend().name(); }
 
   int32_t create_sequence();
-  // A new sequence holding a copy of src's tokens, K/V and logits (one prefill,
-  // many decodes).
+  // A new sequence holding a copy of src's tokens, K/V and logits (one prefill, many decodes).
   int32_t fork_sequence(int32_t src);
   void free_sequence(int32_t seq_id);
 
-  // The selector every later decode step uses (dense at load). Summarises the
-  // pages already stored. Throws invalid_argument for a bad policy.
+  // The selector every later decode step uses (dense at load). Summarises the pages already
+  // stored. Throws invalid_argument for a bad policy.
   void set_selector(const select::Policy& policy);
   const select::Selector& selector() const noexcept { return engine_.selector(); }
   // nullptr removes it; the observer must outlive its registration.
   void set_observer(DecodeObserver* observer) noexcept { observer_ = observer; }
   uint64_t position(int32_t seq_id) const;  // tokens processed so far
 
-  // Runs the tokens through the model in chunks, appending their K/V.
-  // Afterwards logits(seq) holds the next-token logits after the last token.
-  // all_logits, when not null, receives [tokens.size(), n_vocab].
-  // progress(done, total) is called after each chunk.
+  // Runs the tokens through the model in chunks, appending their K/V. Afterwards logits(seq)
+  // holds the next-token logits after the last token. all_logits, when not null, receives
+  // [tokens.size(), n_vocab]. progress(done, total) is called after each chunk.
   void prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
                void (*progress)(uint64_t done, uint64_t total, void* user), void* user);
 
   // One token for each listed sequence (distinct ids), decoded together.
   void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens);
 
-  // Next-token logits of a sequence, [n_vocab]; valid until its next
-  // prefill/decode.
+  // Next-token logits of a sequence, [n_vocab]; valid until its next prefill/decode.
   std::span<const float> logits(int32_t seq_id) const;
 
  private:
   LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& config,
              const ModelOptions& options);
-  // Throws capacity_exceeded unless the pool has pages_per_head free pages for
-  // every (layer, KV head): what a prefill or decode step about to append will
-  // take.
+  // Throws capacity_exceeded unless the pool has pages_per_head free pages for every (layer, KV
+  // head): what a prefill or decode step about to append will take.
   void require_free_pages(uint64_t pages_per_head, const char* what) const;
   void check_sequence(int32_t seq_id) const;
 
