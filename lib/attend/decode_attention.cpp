@@ -70,8 +70,8 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
     for (uint32_t i = 0; i < call.n_seqs; ++i) {
       require(cache.all_pages_readable(call.seq_ids[i], call.layer), "sequence ",
               call.seq_ids[i], " layer ", call.layer,
-              " has pages that cannot be read (a compressing selector holds their tokens): attend"
-              " it through its selector's page lists");
+              " has pages that cannot be read (released: a compressing selector holds their"
+              " tokens): attend it through its selector's page lists");
     }
   if (call.rows != nullptr) {
     const RowChunks& rows = *call.rows;
@@ -102,8 +102,8 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
       require(id < n_pages, "pages->page_ids[", i, "]=", id, " is out of range: sequence ", seq,
               " has ", n_pages, " pages in layer ", call.layer);
       require(cache.page_readable(seq, call.layer, id), "pages->page_ids[", i, "]=", id,
-              " cannot be read (a compressing selector holds its tokens) in sequence ", seq,
-              " layer ", call.layer);
+              " cannot be read (released: a compressing selector holds its tokens) in sequence ",
+              seq, " layer ", call.layer);
       require(i == begin || lists.page_ids[i - 1] < id, "pages->page_ids[", i, "]=", id,
               " is not above the previous id of its (sequence, KV head) pair");
     }
