@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 
 mode=${1:-run}
 build=${GPU_PY_BUILD:-build-py312}
-stage=.pystage
+stage=${GPU_PY_STAGE:-.pystage}  # run: where the carried files were gathered
 devil=/usr/share/dictd/devil.dict.dz
 
 if [[ $mode == stage ]]; then

@@ -42,7 +42,6 @@ def test_compare_selectors_reports_sane_recalls(model_path, tmp_path):
             assert other["attended"] == pytest.approx(oracle["attended"], abs=1e-9)
             assert oracle["recall"] >= other["recall"] - 1e-6, (budget, sel)
             assert oracle["min_recall"] >= other["min_recall"] - 1e-6, (budget, sel)
-        assert results[("oracle", budget)]["recall"] > 0.5
     # More budget keeps more mass, for the exact top pages at least.
     assert (results[("oracle", 0.02)]["recall"] <= results[("oracle", 0.05)]["recall"]
             <= results[("oracle", 0.10)]["recall"])
