@@ -15,6 +15,7 @@
 
 #include "common/devils_dictionary.hpp"
 #include "common/model_path.hpp"
+#include "common/selector_names.hpp"
 #include "kvsift/kvsift.h"
 
 namespace {
@@ -122,8 +123,8 @@ int run(const Options& o) {
   kvsift_selector_policy_init(&policy);
   check(kvsift_selector_from_name(o.selector.c_str(), &policy.selector), "--selector");
   policy.budget = o.budget;
-  policy.epsilon = o.epsilon;
-  policy.compression = o.compression;
+  policy.locks.epsilon = o.epsilon;
+  policy.s4r.compression = o.compression;
   policy.device = parse_device(o.select_on);
   kvsift_model_params params;
   kvsift_model_params_init(&params);
@@ -295,8 +296,7 @@ int main(int argc, char** argv) {
   app.add_option("--max-new", o.max_new, "most tokens to generate")
       ->capture_default_str()
       ->check(CLI::Range(1, 8192));
-  app.add_option("--selector", o.selector,
-                 "dense, oracle, quest, locks, locks_certified, s4r or louver")
+  app.add_option("--selector", o.selector, kvsift::apps::selector_names(", ", " or "))
       ->capture_default_str();
   app.add_option("--budget", o.budget,
                  "tokens per layer and KV head per step: a fraction of the context (<= 1) or a "

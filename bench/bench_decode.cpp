@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "common/devils_dictionary.hpp"
+#include "common/selector_names.hpp"
 #include "kvsift/kvsift.h"
 
 namespace {
@@ -85,7 +86,8 @@ int main(int argc, char** argv) {
   app.add_option("--device", device, "cpu or cuda[:N]")->capture_default_str();
   app.add_option("--contexts", contexts, "prompt tokens per sequence")->capture_default_str();
   app.add_option("--batches", batches, "sequences decoded together")->capture_default_str();
-  app.add_option("--selectors", selectors, "selector names")->capture_default_str();
+  app.add_option("--selectors", selectors, "selectors: " + kvsift::apps::selector_names())
+      ->capture_default_str();
   app.add_option("--budget", budget, "budget of every selector but dense")->capture_default_str();
   app.add_option("--steps", steps, "timed decode steps per row")->capture_default_str();
   app.add_option("--warmup", warmup, "untimed decode steps first")->capture_default_str();

@@ -477,11 +477,9 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   const uint32_t batch = row.batch;
   const uint64_t max_tokens = row.context + cfg.c_warmup + cfg.c_steps + 1;
   const select::Policy& policy = host.selector->policy();
-  // LOCKS lists budget_pages, never fewer than its mandatory sink and open pages (lib/select/
-  // page_selector.cpp); a few more for margin.
-  const uint64_t max_pages = std::max<uint64_t>(policy.budget_tokens(max_tokens) / kPageTokens,
-                                                policy.sink_pages + policy.window_pages) +
-                             4;
+  // The pages LOCKS lists at the longest context (lib/select/page_plan.hpp); a few more for
+  // margin.
+  const uint64_t max_pages = policy.page_plan(kPageTokens, max_tokens).count + 4;
   // The library's decode engine, as the C API and the model runner hold it: its own LOCKS
   // selector (built over the context here) and the offload backend.
   EngineOptions options;

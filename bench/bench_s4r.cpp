@@ -105,8 +105,8 @@ void BM_s4r_decode(benchmark::State& state, double compression, uint64_t context
   kvsift_selector_policy_init(&policy);
   policy.selector = KVSIFT_SELECTOR_S4R;
   policy.budget = kBudget;
-  policy.compression = compression;
-  policy.s4r_window = window;
+  policy.s4r.compression = compression;
+  policy.s4r.window = window;
   kvsift_cache_stats before{}, after{};
   kvsift_cache_get_stats(p.s4r.get(), &before);
   auto dense = [&] {
@@ -171,7 +171,7 @@ void prefill_overhead(benchmark::State& state, const char* path, uint32_t contex
   kvsift::select::Policy policy;
   policy.kind = kvsift::select::Kind::s4r;
   policy.budget = kBudget;
-  policy.compression = 2.5;
+  policy.s4r.compression = 2.5;
   double prefill_s = 0.0, compress_s = 0.0;
   for (auto _ : state) {
     model->set_selector(kvsift::select::Policy{});

@@ -18,7 +18,7 @@
 // - Combine (share_avg, nrm, max), masses, the exact-b choice with ties to the lower page id and
 //   the kept estimate follow PageSelector's definitions; exp is CUDA's, so combined scores may
 //   differ from the CPU's by an ulp or so and the chosen set only at near-ties.
-// - Mandatory pages: the first sink_pages and the last max(window_pages, 1), as the CPU; pairs
+// - Mandatory pages and the pages the budget allows: lib/select/page_plan.hpp, as the CPU; pairs
 //   the CPU attends whole (nothing selectable, or a budget of the whole context) are filled on
 //   the host (every page, +inf, estimate 1) without device work.
 //
@@ -37,6 +37,7 @@
 #include <cstdint>
 
 #include "gpu/host_memory.hpp"
+#include "lib/select/page_plan.hpp"
 #include "simd/kernels.hpp"
 
 namespace kvsift::gpu {
@@ -78,37 +79,13 @@ struct LocksPair {
   uint64_t table_id = 0;
 };
 
-// A pair's pages as PageSelector::select_pair lays them out: the first `sink` and the pages from
-// sel_last on are mandatory, [sink, sel_last) selectable, `take` of them chosen; `whole`: every
-// page is chosen unscored (nothing selectable, or the budget covers the context).
-struct LocksPairPlan {
-  uint32_t n_pages = 0, sealed = 0;
-  uint32_t sink = 0, sel_last = 0, take = 0;
-  bool whole = false;
-  uint32_t count = 0;  // pages chosen
-};
+// A pair's pages as every selector plans them (lib/select/page_plan.hpp).
+using LocksPairPlan = select::PagePlan;
 
 inline LocksPairPlan locks_pair_plan(const LocksScorerShape& shape, uint64_t tokens,
                                      uint64_t budget_tokens) noexcept {
-  LocksPairPlan p;
-  const uint32_t B = shape.page_tokens;
-  p.n_pages = static_cast<uint32_t>((tokens + B - 1) / B);
-  p.sealed = static_cast<uint32_t>(tokens / B);
-  p.sink = shape.sink_pages < p.n_pages ? shape.sink_pages : p.n_pages;
-  const uint32_t window_wanted = shape.window_pages > 1 ? shape.window_pages : 1;
-  const uint32_t window = window_wanted < p.n_pages - p.sink ? window_wanted : p.n_pages - p.sink;
-  p.sel_last = p.n_pages - window;
-  p.whole = p.sel_last <= p.sink || budget_tokens >= tokens;
-  if (p.whole) {
-    p.count = p.n_pages;
-    return p;
-  }
-  const uint64_t budget_pages = budget_tokens / B, mandatory = p.sink + window;
-  const uint64_t n_sel = p.sel_last - p.sink;
-  const uint64_t allowed = budget_pages > mandatory ? budget_pages - mandatory : 0;
-  p.take = static_cast<uint32_t>(allowed < n_sel ? allowed : n_sel);
-  p.count = static_cast<uint32_t>(mandatory) + p.take;
-  return p;
+  return select::page_plan(shape.sink_pages, shape.window_pages, shape.page_tokens, tokens,
+                           budget_tokens);
 }
 
 // Records of this many slots travel per upload copy.

@@ -1176,10 +1176,40 @@ TEST(CApi, selector_policy_init_fills_the_documented_defaults) {
   EXPECT_EQ(policy.sink_pages, 1u);
   EXPECT_EQ(policy.window_pages, 1u);
   EXPECT_EQ(policy.combine, KVSIFT_GQA_NRM);
-  EXPECT_EQ(policy.int8_query, 1);
-  EXPECT_EQ(policy.epsilon, 1e-3);
+  EXPECT_EQ(policy.locks.int8_query, 1);
+  EXPECT_EQ(policy.locks.epsilon, 1e-3);
+  EXPECT_EQ(policy.s4r.compression, 2.5);
+  EXPECT_EQ(policy.s4r.window, 32u);
+  EXPECT_EQ(policy.s4r.per_head_bases, 0);
   EXPECT_EQ(policy.device, -1);
   kvsift_selector_policy_init(nullptr);
+}
+
+TEST(CApi, selector_names_run_from_0_to_the_count_and_back_through_from_name) {
+  std::set<std::string> names;
+  for (int i = 0; i < KVSIFT_SELECTOR_COUNT; ++i) {
+    const auto selector = static_cast<kvsift_selector>(i);
+    const std::string name = kvsift_selector_name(selector);
+    EXPECT_NE(name, "unknown") << i;
+    EXPECT_TRUE(names.insert(name).second) << name << " twice";
+    kvsift_selector back = KVSIFT_SELECTOR_MAX_ENUM;
+    ASSERT_EQ(kvsift_selector_from_name(name.c_str(), &back), KVSIFT_STATUS_OK) << name;
+    EXPECT_EQ(back, selector);
+  }
+  EXPECT_STREQ(kvsift_selector_name(KVSIFT_SELECTOR_COUNT), "unknown");
+  kvsift_selector none = KVSIFT_SELECTOR_DENSE;
+  EXPECT_FAILS(kvsift_selector_from_name("recent", &none), KVSIFT_STATUS_NOT_FOUND,
+               "locks_certified");  // the message lists the known names
+  // The count itself is not a value.
+  AttendFixture f;
+  kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_QUEST, 0.5);
+  policy.selector = KVSIFT_SELECTOR_COUNT;
+  EXPECT_FAILS(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "policy->selector");
+  policy = policy_for(KVSIFT_SELECTOR_QUEST, 0.5);
+  policy.combine = KVSIFT_GQA_COUNT;
+  EXPECT_FAILS(kvsift_cache_set_selector(f.cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "policy->combine");
 }
 
 TEST(CApi, selection_on_a_device_is_refused_clearly_without_one) {
@@ -1258,7 +1288,7 @@ TEST(CApi, s4r_at_full_rank_attends_like_dense_and_its_refusals_name_the_cause) 
   append(s4r.get(), seq, 0, 16 * 40 + 3, 7);
   append(dense.get(), ref_seq, 0, 16 * 40 + 3, 7);
   kvsift_selector_policy policy = policy_for(KVSIFT_SELECTOR_S4R, 1.0);
-  policy.compression = 1.0;
+  policy.s4r.compression = 1.0;
   ASSERT_EQ(kvsift_cache_set_selector(s4r.get(), &policy), KVSIFT_STATUS_OK) << kvsift_last_error();
   const std::vector<float> q = random_floats(q_elems(1), 8);
   std::vector<float> out(q.size()), ref(q.size());
@@ -1325,7 +1355,7 @@ TEST(CApi, set_selector_refuses_bad_policies_naming_the_field) {
   EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_names("selector"));
   policy = policy_for(KVSIFT_SELECTOR_LOCKS_CERTIFIED, 0.5);
-  policy.epsilon = 1.5;
+  policy.locks.epsilon = 1.5;
   EXPECT_EQ(kvsift_cache_set_selector(cache.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
   EXPECT_TRUE(last_error_names("epsilon"));
   EXPECT_EQ(kvsift_cache_set_selector(nullptr, &policy), KVSIFT_STATUS_INVALID_ARGUMENT);

@@ -350,7 +350,9 @@ class Adversary {
       switch (uniform(0, 6)) {
         case 0: p.budget = -1.0; break;
         case 1: p.budget = std::numeric_limits<double>::quiet_NaN(); break;
-        case 2: p.epsilon = chance(0.5) ? 0.0 : std::numeric_limits<double>::infinity(); break;
+        case 2:
+          p.locks.epsilon = chance(0.5) ? 0.0 : std::numeric_limits<double>::infinity();
+          break;
         case 3: std::memcpy(&p.selector, &bits, sizeof(bits)); break;
         case 4: std::memcpy(&p.combine, &bits, sizeof(bits)); break;
         case 5: p.device = -7; break;

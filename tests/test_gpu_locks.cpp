@@ -318,10 +318,10 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "certified");
   policy.kind = select::Kind::locks;
-  policy.int8_query = false;
+  policy.locks.int8_query = false;
   test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
                      Status::invalid_argument, "int8");
-  policy.int8_query = true;
+  policy.locks.int8_query = true;
   std::string why;
   const bool usable = test::device_usable(&why);
   policy.device = usable ? 4096 : 0;

@@ -289,7 +289,7 @@ select::Policy policy_of(select::Kind kind, double budget_tokens, select::GqaCom
   p.combine = combine;
   p.sink_pages = 1;
   p.window_pages = 1;
-  p.int8_query = true;
+  p.locks.int8_query = true;
   return p;
 }
 

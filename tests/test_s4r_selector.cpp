@@ -48,7 +48,7 @@ Policy s4r_policy(double budget, double compression) {
   Policy p;
   p.kind = Kind::s4r;
   p.budget = budget;
-  p.compression = compression;
+  p.s4r.compression = compression;
   return p;
 }
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string_view>
 #include <vector>
 
 #include "lib/core/error.hpp"
@@ -154,6 +155,57 @@ Policy policy_of(Kind kind, double budget, GqaCombine combine = GqaCombine::shar
   policy.budget = budget;
   policy.combine = combine;
   return policy;
+}
+
+TEST(Registry, lists_every_kind_once_in_order) {
+  const auto all = select::selectors();
+  ASSERT_EQ(all.size(), static_cast<std::size_t>(Kind::count));
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    SCOPED_TRACE(all[i].name);
+    EXPECT_EQ(static_cast<std::size_t>(all[i].kind), i);
+    EXPECT_EQ(&select::selector_info(all[i].kind), &all[i]);
+    EXPECT_EQ(select::find_selector(all[i].name), &all[i]);
+    EXPECT_EQ(select::kind_name(all[i].kind), all[i].name);
+    EXPECT_NE(select::selector_names().find(all[i].name), std::string_view::npos);
+    EXPECT_FALSE(all[i].description.empty());
+    EXPECT_NE(all[i].make, nullptr);
+  }
+  EXPECT_EQ(select::selector_info(Kind::louver).level, select::Level::token);
+  EXPECT_EQ(select::selector_info(Kind::s4r).level, select::Level::token);
+  EXPECT_EQ(select::selector_info(Kind::locks).level, select::Level::page);
+  EXPECT_EQ(select::find_selector("louvre"), nullptr);
+  EXPECT_EQ(select::kind_name(Kind::count), "?");
+}
+
+TEST(PagePlan, mandatory_pages_and_the_budget_s_pages) {
+  // 21 pages, the last partial; 64 tokens = 4 pages, 2 of them the sink and the window.
+  select::PagePlan p = select::page_plan(1, 1, 16, 16 * 20 + 3, 64);
+  EXPECT_EQ(p.n_pages, 21u);
+  EXPECT_EQ(p.sealed, 20u);
+  EXPECT_EQ(p.sink, 1u);
+  EXPECT_EQ(p.sel_last, 20u);
+  EXPECT_EQ(p.mandatory(), 2u);
+  EXPECT_EQ(p.take, 2u);
+  EXPECT_EQ(p.count, 4u);
+  EXPECT_FALSE(p.whole);
+  // A window of 0 still holds the open page; a budget below the mandatory pages takes none.
+  p = select::page_plan(3, 0, 16, 16 * 20 + 3, 16);
+  EXPECT_EQ(p.sel_last, 20u);
+  EXPECT_EQ(p.take, 0u);
+  EXPECT_EQ(p.count, 4u);
+  // Nothing selectable, or a budget of the whole context: every page.
+  p = select::page_plan(3, 2, 16, 16 * 4, 16);
+  EXPECT_TRUE(p.whole);
+  EXPECT_EQ(p.count, 4u);
+  p = select::page_plan(1, 1, 16, 16 * 20, 16 * 20);
+  EXPECT_TRUE(p.whole);
+  p = select::page_plan(1, 1, 16, 0, 0);
+  EXPECT_TRUE(p.whole);
+  EXPECT_EQ(p.count, 0u);
+  // The budget's two forms.
+  EXPECT_EQ(select::budget_tokens(0.05, 1000), 50u);
+  EXPECT_EQ(select::budget_tokens(1.0, 1000), 1000u);
+  EXPECT_EQ(select::budget_tokens(48.0, 1000), 48u);
 }
 
 TEST(Select, dense_chooses_every_page_and_reads_no_index) {
@@ -345,7 +397,7 @@ TEST(Select, invalid_policies_are_refused_with_the_field_named) {
   refuses(policy_of(Kind::quest, -1.0), "budget");
   refuses(policy_of(Kind::quest, std::numeric_limits<double>::quiet_NaN()), "budget");
   Policy eps = policy_of(Kind::oracle, 0.1);
-  eps.epsilon = 0.0;
+  eps.locks.epsilon = 0.0;
   refuses(eps, "epsilon");
   Policy kind = Policy{};
   kind.kind = static_cast<Kind>(77);
@@ -423,7 +475,7 @@ TEST(Select, locks_keeps_nearly_the_oracle_mass_on_locally_low_rank_keys) {
 // (page, head, query) page bounds were exercised.
 uint64_t expect_certified_bounds_hold(Fixture& f, double epsilon, double budget, int queries) {
   Policy policy = policy_of(Kind::locks_certified, budget);
-  policy.epsilon = epsilon;
+  policy.locks.epsilon = epsilon;
   auto selector = f.selector(policy);
   EXPECT_EQ(selector->summary_bytes_per_page(),
             select::locks_paper_bytes({f.geometry.head_dim, f.geometry.page_tokens, 8}) + 8);

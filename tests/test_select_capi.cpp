@@ -140,7 +140,7 @@ void check_selector(kvsift_selector kind, double budget) {
   kvsift_selector_policy_init(&policy);
   policy.selector = kind;
   policy.budget = budget;
-  policy.compression = 1.0;  // S4R at full rank: its reconstructions are the tokens, rounded
+  policy.s4r.compression = 1.0;  // S4R at full rank: its reconstructions are the tokens, rounded
   ASSERT_EQ(kvsift_cache_set_selector(selected.get(), &policy), KVSIFT_STATUS_OK);
   ASSERT_EQ(kvsift_cache_set_selector(selecting.get(), &policy), KVSIFT_STATUS_OK);
   append_all(all, seqs, 40 * kPageTokens + 5, 11);

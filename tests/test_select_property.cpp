@@ -228,15 +228,17 @@ Policy policy_of(Kind kind) {
 }
 
 TEST(SelectProperty, selections_after_create_append_free_fork_equal_a_fresh_caches) {
-  for (Kind kind : {Kind::dense, Kind::oracle, Kind::quest, Kind::locks, Kind::locks_certified}) {
-    SCOPED_TRACE(std::string(select::kind_name(kind)));
-    for (uint32_t seed = 1; seed <= 3; ++seed) check_property(policy_of(kind), seed, 400);
+  // Every page-level selector of the registry (lib/select/registry.hpp), a new one included.
+  for (const select::SelectorInfo& info : select::selectors()) {
+    if (info.level != select::Level::page) continue;
+    SCOPED_TRACE(std::string(info.name));
+    for (uint32_t seed = 1; seed <= 3; ++seed) check_property(policy_of(info.kind), seed, 400);
   }
 }
 
 TEST(SelectProperty, certified_bound_holds_at_tight_epsilon_and_under_the_nrm_combine) {
   Policy p = policy_of(Kind::locks_certified);
-  p.epsilon = 1e-5;
+  p.locks.epsilon = 1e-5;
   p.budget = 160.0;
   check_property(p, 11, 300);
   p.combine = select::GqaCombine::nrm;

@@ -19,6 +19,7 @@
 
 #include "common/devils_dictionary.hpp"
 #include "common/model_path.hpp"
+#include "common/selector_names.hpp"
 #include "kvsift/kvsift.h"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/llama_model.hpp"
@@ -121,17 +122,17 @@ std::vector<Config> make_configs(const Options& o) {
         p.budget = budget;
         p.sink_pages = o.sink_pages;
         p.window_pages = o.window_pages;
-        p.epsilon = o.epsilon;
-        for (const select::GqaCombine c :
-             {select::GqaCombine::share_avg, select::GqaCombine::nrm, select::GqaCombine::max})
-          if (o.combine == select::combine_name(c)) p.combine = c;
-        p.int8_query = o.locks_query == "int8";
+        p.locks.epsilon = o.epsilon;
+        for (int c = 0; c < static_cast<int>(select::GqaCombine::count); ++c)
+          if (o.combine == select::combine_name(static_cast<select::GqaCombine>(c)))
+            p.combine = static_cast<select::GqaCombine>(c);
+        p.locks.int8_query = o.locks_query == "int8";
         std::string label = name;
         if (kind == select::Kind::s4r) {
-          p.compression = compression;
-          p.s4r_per_head_bases = o.s4r_bases == "head";
+          p.s4r.compression = compression;
+          p.s4r.per_head_bases = o.s4r_bases == "head";
           std::ostringstream l;
-          l << name << "-" << compression << "x" << (p.s4r_per_head_bases ? "-head" : "");
+          l << name << "-" << compression << "x" << (p.s4r.per_head_bases ? "-head" : "");
           label = l.str();
         }
         p.validate();
@@ -370,9 +371,8 @@ int main(int argc, char** argv) {
       app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")->delimiter(',');
   auto* samples = app.add_option("--samples", o.samples, "samples per (task, length)")
                       ->check(CLI::Range(1, 100000));
-  auto* selectors = app.add_option("--selectors", o.selectors,
-                                   "dense,oracle,quest,locks,locks_certified,s4r,louver")
-                        ->delimiter(',');
+  auto* selectors =
+      app.add_option("--selectors", o.selectors, kvsift::apps::selector_names(","))->delimiter(',');
   auto* budgets = app.add_option("--budgets", o.budgets,
                                  "budgets: fractions of the context (<= 1) or token counts")
                       ->delimiter(',');

@@ -14,7 +14,8 @@
  * Enums: each ends with a *_MAX_ENUM value that only widens the type to 32 bits. kvsift reads every
  * enum argument and field as a 32-bit integer before comparing it, so any value a C caller stores
  * (a negative one, a struct memset to 0xFF) is safe to pass; unknown values are rejected with
- * INVALID_ARGUMENT.
+ * INVALID_ARGUMENT. Enums whose values run 0, 1, ... without gaps also have a *_COUNT value (not
+ * a valid value itself): the number of values, for loops and range checks.
  *
  * Errors: every call that can fail returns a kvsift_status. On failure, kvsift_last_error() gives
  * a message naming the offending argument. No call aborts, throws or prints. A call that returns
@@ -145,6 +146,7 @@ typedef enum kvsift_key_form {
    * sequence), on adjacent channel pairs (2i, 2i+1) by pos * rope_theta^(-2i/head_dim), as GGUF
    * stores Llama weights. Needed by the S4R selector, which compresses keys before RoPE. */
   KVSIFT_KEYS_PRE_ROPE = 1,
+  KVSIFT_KEYS_COUNT, /* not a key form: how many there are */
   KVSIFT_KEYS_MAX_ENUM = 0x7fffffff
 } kvsift_key_form;
 
@@ -283,6 +285,7 @@ typedef enum kvsift_selector {
    * q.k >= tau, tau aimed at the budget from a key sample; attends those tokens and the sink and
    * window pages. */
   KVSIFT_SELECTOR_LOUVER = 6,
+  KVSIFT_SELECTOR_COUNT, /* not a selector: how many there are (the last value + 1) */
   KVSIFT_SELECTOR_MAX_ENUM = 0x7fffffff
 } kvsift_selector;
 
@@ -292,10 +295,35 @@ typedef enum kvsift_gqa_combine {
   KVSIFT_GQA_NRM = 1,       /* sum of exp(score - the head's best score) (the LOCKS code; the
                                default, since the paper's numbers came from that code) */
   KVSIFT_GQA_MAX = 2,       /* the best head's score */
+  KVSIFT_GQA_COUNT,         /* not a mode: how many there are */
   KVSIFT_GQA_MAX_ENUM = 0x7fffffff
 } kvsift_gqa_combine;
 
-/* Fill with kvsift_selector_policy_init() first. */
+/* LOCKS's own fields (KVSIFT_SELECTOR_LOCKS and LOCKS_CERTIFIED; others ignore them). */
+typedef struct kvsift_locks_policy {
+  /* Round each query head to int8 before scoring, as the reference does (LOCKS_CERTIFIED scores
+   * with the exact query whatever this says: its bound needs it). Default 1. */
+  int32_t int8_query;
+  /* LOCKS_CERTIFIED: target bound on the dropped share of softmax mass, in (0, 1). Default 1e-3. */
+  double epsilon;
+} kvsift_locks_policy;
+
+/* S4R's own fields (KVSIFT_SELECTOR_S4R; others ignore them). */
+typedef struct kvsift_s4r_policy {
+  /* Target compression of the prompt's K/V (dense bytes over S4R bytes), >= 1; it sets the rank.
+   * 1 keeps full rank (no saving: a check). Default 2.5. */
+  double compression;
+  /* Queries that rank the compressed tokens, and compressed tokens always reconstructed (the most
+   * recent ones), 1..4096. Default 32. */
+  uint32_t window;
+  /* Nonzero for one basis per KV head; 0 for one per layer over all KV heads (the paper's
+   * default). Default 0. */
+  int32_t per_head_bases;
+} kvsift_s4r_policy;
+
+/* Fill with kvsift_selector_policy_init() first, then change fields, so that fields added by later
+ * versions get their defaults. The fields every selector reads come first, then one group per
+ * method that has fields of its own (Louver has none). */
 typedef struct kvsift_selector_policy {
   kvsift_selector selector; /* Default KVSIFT_SELECTOR_DENSE. */
   /* Tokens per (layer, KV head) per step, sink and window pages counted inside (the papers'
@@ -307,32 +335,24 @@ typedef struct kvsift_selector_policy {
   uint32_t sink_pages; /* leading pages always attended. Default 1. */
   /* most recent pages always attended, counting the open page (which always is). Default 1. */
   uint32_t window_pages;
-  kvsift_gqa_combine combine; /* Default KVSIFT_GQA_NRM. */
-  /* LOCKS: round each query head to int8 before scoring, as the reference does. Default 1. */
-  int32_t int8_query;
-  /* LOCKS_CERTIFIED: target bound on the dropped share of softmax mass, in (0, 1). Default 1e-3. */
-  double epsilon;
-  /* S4R: target compression of the prompt's K/V (dense bytes over S4R bytes), >= 1; it sets the
-   * rank. 1 keeps full rank (no saving: a check). Default 2.5. */
-  double compression;
-  /* S4R: queries that rank the compressed tokens, and compressed tokens always reconstructed (the
-   * most recent ones). Default 32. */
-  uint32_t s4r_window;
-  /* S4R: nonzero for one basis per KV head; 0 for one per layer over all KV heads (the paper's
-   * default). Default 0. */
-  int32_t s4r_per_head_bases;
+  /* How the page-level selectors that estimate page masses (ORACLE, LOCKS, LOCKS_CERTIFIED)
+   * combine a group's heads; QUEST always takes the max, the others ignore it.
+   * Default KVSIFT_GQA_NRM. */
+  kvsift_gqa_combine combine;
   /* Selection on a CUDA device, or -1 (default) for the CPU. LOUVER: the device holds a copy of
    * the indexes' bounding balls and runs the filter pass (the same tokens are chosen). LOCKS: the
    * device holds a copy of the page summaries and scores and selects there (the same pages but at
    * near-ties of the score; int8 queries only). Others ignore it. UNSUPPORTED without CUDA in the
    * build or a usable device; INVALID_ARGUMENT below -1 or with LOCKS_CERTIFIED. */
   int32_t device;
+  kvsift_locks_policy locks;
+  kvsift_s4r_policy s4r;
 } kvsift_selector_policy;
 
 KVSIFT_API void kvsift_selector_policy_init(kvsift_selector_policy* policy);
-/* "dense", "oracle", "quest", "locks", "locks_certified", "s4r", "louver"; "unknown" for other
- * values. Static
- * storage. */
+/* The selector's name: its enumerator's, lower case, without KVSIFT_SELECTOR_ ("dense",
+ * "locks_certified"), for the values 0 to KVSIFT_SELECTOR_COUNT - 1; "unknown" for other values.
+ * Static storage. */
 KVSIFT_API const char* kvsift_selector_name(kvsift_selector selector);
 /* *selector receives the selector named `name`. Errors: NOT_FOUND for an unknown name (the message
  * lists the known ones). */

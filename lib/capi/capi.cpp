@@ -161,9 +161,8 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
   return guard(__func__, [&] {
     require_pointer(params, "params");
     require_pointer(out, "out");
-    const int32_t key_form = kvsift::capi::enum_bits(params->key_form);
-    kvsift::require(key_form == KVSIFT_KEYS_POST_ROPE || key_form == KVSIFT_KEYS_PRE_ROPE,
-                    "params->key_form=", key_form, " is not a kvsift_key_form");
+    const int32_t key_form = kvsift::capi::enum_in_range(params->key_form, KVSIFT_KEYS_COUNT,
+                                                         "params->key_form", "kvsift_key_form");
     kvsift::require(key_form == KVSIFT_KEYS_POST_ROPE ||
                         (std::isfinite(params->rope_theta) && params->rope_theta > 0.0f),
                     "params->rope_theta=", params->rope_theta, " is not a positive number");
@@ -274,50 +273,25 @@ kvsift_status kvsift_attend(kvsift_cache* cache, uint32_t layer, uint32_t n_seqs
 
 void kvsift_selector_policy_init(kvsift_selector_policy* policy) {
   if (policy == nullptr) return;
-  const kvsift::select::Policy defaults;
-  *policy = kvsift_selector_policy{};
-  policy->selector = KVSIFT_SELECTOR_DENSE;
-  policy->budget = defaults.budget;
-  policy->sink_pages = defaults.sink_pages;
-  policy->window_pages = defaults.window_pages;
-  policy->combine = static_cast<kvsift_gqa_combine>(defaults.combine);
-  policy->int8_query = defaults.int8_query ? 1 : 0;
-  policy->epsilon = defaults.epsilon;
-  policy->compression = defaults.compression;
-  policy->s4r_window = defaults.s4r_window;
-  policy->s4r_per_head_bases = defaults.s4r_per_head_bases ? 1 : 0;
-  policy->device = defaults.device;
+  *policy = kvsift::capi::from_policy(kvsift::select::Policy{});
 }
 
-namespace {
-
-constexpr kvsift::select::Kind kKinds[] = {
-    kvsift::select::Kind::dense, kvsift::select::Kind::oracle,          kvsift::select::Kind::quest,
-    kvsift::select::Kind::locks, kvsift::select::Kind::locks_certified, kvsift::select::Kind::s4r,
-    kvsift::select::Kind::louver};
-
-}  // namespace
-
 const char* kvsift_selector_name(kvsift_selector selector) {
-  for (kvsift::select::Kind kind : kKinds)
-    if (static_cast<int32_t>(kind) == kvsift::capi::enum_bits(selector))
-      return kvsift::select::kind_name(kind).data();  // string literals: NUL-terminated
-  return "unknown";
+  const int32_t bits = kvsift::capi::enum_bits(selector);
+  if (bits < 0 || bits >= KVSIFT_SELECTOR_COUNT) return "unknown";
+  // The registry's names are string literals: NUL-terminated.
+  return kvsift::select::kind_name(static_cast<kvsift::select::Kind>(bits)).data();
 }
 
 kvsift_status kvsift_selector_from_name(const char* name, kvsift_selector* selector) {
   return guard(__func__, [&] {
     require_pointer(name, "name");
     require_pointer(selector, "selector");
-    std::string known;
-    for (kvsift::select::Kind kind : kKinds) {
-      if (kvsift::select::kind_name(kind) == name) {
-        *selector = static_cast<kvsift_selector>(kind);
-        return;
-      }
-      known += (known.empty() ? "" : ", ") + std::string(kvsift::select::kind_name(kind));
-    }
-    kvsift::fail(Status::not_found, "unknown selector '", name, "' (available: ", known, ")");
+    const kvsift::select::SelectorInfo* info = kvsift::select::find_selector(name);
+    if (info == nullptr)
+      kvsift::fail(Status::not_found, "unknown selector '", name,
+                   "' (available: ", kvsift::select::selector_names(), ")");
+    *selector = static_cast<kvsift_selector>(info->kind);
   });
 }
 

@@ -61,25 +61,51 @@ simd::Dtype to_dtype(int32_t dtype, const char* name) {
   fail(Status::invalid_argument, name, "=", dtype, " is not a kvsift_dtype");
 }
 
+// The C enums run with the C++ ones (lib/select/registry.hpp lists the selectors in the C order).
+static_assert(KVSIFT_SELECTOR_COUNT == static_cast<int>(select::Kind::count),
+              "kvsift_selector has a value per selector of lib/select/registry.hpp");
+#define KVSIFT_SELECTOR_C_VALUE(kind, c_name, level, description)                 \
+  static_assert(KVSIFT_SELECTOR_##c_name == static_cast<int>(select::Kind::kind), \
+                "KVSIFT_SELECTOR_" #c_name " sits where lib/select/registry.hpp lists " #kind);
+KVSIFT_SELECTORS(KVSIFT_SELECTOR_C_VALUE)
+#undef KVSIFT_SELECTOR_C_VALUE
+static_assert(KVSIFT_GQA_COUNT == static_cast<int>(select::GqaCombine::count) &&
+              KVSIFT_GQA_SHARE_AVG == static_cast<int>(select::GqaCombine::share_avg) &&
+              KVSIFT_GQA_NRM == static_cast<int>(select::GqaCombine::nrm) &&
+              KVSIFT_GQA_MAX == static_cast<int>(select::GqaCombine::max));
+
 select::Policy to_policy(const kvsift_selector_policy& in) {
-  const int32_t selector = enum_bits(in.selector), combine = enum_bits(in.combine);
-  require(selector >= KVSIFT_SELECTOR_DENSE && selector <= KVSIFT_SELECTOR_LOUVER,
-          "policy->selector=", selector, " is not a kvsift_selector");
-  require(combine >= KVSIFT_GQA_SHARE_AVG && combine <= KVSIFT_GQA_MAX, "policy->combine=", combine,
-          " is not a kvsift_gqa_combine");
   select::Policy out;
-  out.kind = static_cast<select::Kind>(selector);
+  out.kind = static_cast<select::Kind>(
+      enum_in_range(in.selector, KVSIFT_SELECTOR_COUNT, "policy->selector", "kvsift_selector"));
   out.budget = in.budget;
   out.sink_pages = in.sink_pages;
   out.window_pages = in.window_pages;
-  out.combine = static_cast<select::GqaCombine>(combine);
-  out.int8_query = in.int8_query != 0;
-  out.epsilon = in.epsilon;
-  out.compression = in.compression;
-  out.s4r_window = in.s4r_window;
-  out.s4r_per_head_bases = in.s4r_per_head_bases != 0;
+  out.combine = static_cast<select::GqaCombine>(
+      enum_in_range(in.combine, KVSIFT_GQA_COUNT, "policy->combine", "kvsift_gqa_combine"));
   out.device = in.device;
+  out.locks.int8_query = in.locks.int8_query != 0;
+  out.locks.epsilon = in.locks.epsilon;
+  out.s4r.compression = in.s4r.compression;
+  out.s4r.window = in.s4r.window;
+  out.s4r.per_head_bases = in.s4r.per_head_bases != 0;
   out.validate();
+  return out;
+}
+
+kvsift_selector_policy from_policy(const select::Policy& in) {
+  kvsift_selector_policy out{};
+  out.selector = static_cast<kvsift_selector>(in.kind);
+  out.budget = in.budget;
+  out.sink_pages = in.sink_pages;
+  out.window_pages = in.window_pages;
+  out.combine = static_cast<kvsift_gqa_combine>(in.combine);
+  out.device = in.device;
+  out.locks.int8_query = in.locks.int8_query ? 1 : 0;
+  out.locks.epsilon = in.locks.epsilon;
+  out.s4r.compression = in.s4r.compression;
+  out.s4r.window = in.s4r.window;
+  out.s4r.per_head_bases = in.s4r.per_head_bases ? 1 : 0;
   return out;
 }
 

@@ -55,13 +55,25 @@ int32_t enum_bits(const Enum& value) noexcept {
   return bits;
 }
 
+// The value of a C enum whose values run 0 .. count - 1 (count: its *_COUNT); anything else
+// throws invalid_argument naming the field and its type.
+template <class Enum>
+int32_t enum_in_range(const Enum& value, int32_t count, const char* name, const char* type) {
+  const int32_t bits = enum_bits(value);
+  if (bits < 0 || bits >= count)
+    fail(Status::invalid_argument, name, "=", bits, " is not a ", type);
+  return bits;
+}
+
 // C enums (given as enum_bits) to their C++ twins; unknown values throw invalid_argument naming
 // the field.
 simd::Isa to_isa(int32_t isa, const char* name);
 // Also throws unsupported for an explicit ISA the CPU lacks (AUTO is always fine).
 simd::Isa to_supported_isa(int32_t isa, const char* name);
 simd::Dtype to_dtype(int32_t dtype, const char* name);
-// Also validates the policy (select::Policy::validate), naming fields as policy->...
+// Also validates the policy (select::Policy::validate).
 select::Policy to_policy(const kvsift_selector_policy& policy);
+// The C form of a policy (kvsift_selector_policy_init's defaults are select::Policy's).
+kvsift_selector_policy from_policy(const select::Policy& policy);
 
 }  // namespace kvsift::capi

@@ -10,14 +10,15 @@ namespace {
 class DenseSelector final : public PageSelector {
  public:
   using PageSelector::PageSelector;
+  bool selects_everything() const noexcept override { return true; }
   uint64_t score(const PairView&, Scratch&) const noexcept override { return 0; }
 };
 
 }  // namespace
 
-std::unique_ptr<PageSelector> make_dense_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool) {
+std::unique_ptr<Selector> make_dense_selector(const Policy& policy, KvCache& cache,
+                                              uint32_t max_batch, uint64_t max_pages,
+                                              ThreadPool& pool) {
   return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, pool);
 }
 

@@ -18,7 +18,7 @@ LocksDevice::LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batc
     : cache_(cache), policy_(policy) {
   require(policy.kind != Kind::locks_certified,
           "policy.device: certified LOCKS selection runs on the CPU only");
-  require(policy.int8_query, "policy.device: the device scores int8 queries only");
+  require(policy.locks.int8_query, "policy.device: the device scores int8 queries only");
   const CacheGeometry& g = cache.geometry();
   gpu::LocksScorerShape shape;
   shape.head_dim = g.head_dim;

@@ -93,7 +93,7 @@ class LocksSelector final : public PageSelector {
     job.head_dim = d;
     job.page_tokens = shape_.page_tokens;
     job.rank = shape_.rank;
-    job.int8_query = policy_.int8_query && !certified();  // a bound needs the exact query
+    job.int8_query = policy_.locks.int8_query && !certified();  // a bound needs the exact query
     job.scale = scale_;
     job.records = records_.data();
     job.record_bytes = record_bytes_;
@@ -129,9 +129,15 @@ class LocksSelector final : public PageSelector {
 
 }  // namespace
 
-std::unique_ptr<PageSelector> make_locks_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool) {
+std::unique_ptr<Selector> make_locks_selector(const Policy& policy, KvCache& cache,
+                                              uint32_t max_batch, uint64_t max_pages,
+                                              ThreadPool& pool) {
+  return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
+}
+
+std::unique_ptr<Selector> make_locks_certified_selector(const Policy& policy, KvCache& cache,
+                                                        uint32_t max_batch, uint64_t max_pages,
+                                                        ThreadPool& pool) {
   return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
 }
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <memory>
 
 #include "lib/core/error.hpp"
 
@@ -16,11 +17,11 @@ struct PairPlan {
 };
 
 PairPlan plan_pair(const Policy& policy, uint32_t page_tokens, uint64_t length) noexcept {
+  const PagePlan pages = policy.page_plan(page_tokens, length);
   PairPlan p;
-  p.n_pages = (length + page_tokens - 1) / page_tokens;
-  p.sink_end = std::min<uint64_t>(policy.sink_pages, p.n_pages);
-  p.window_first =
-      std::max(p.sink_end, p.n_pages - std::min<uint64_t>(policy.window_pages, p.n_pages));
+  p.n_pages = pages.n_pages;
+  p.sink_end = pages.sink;
+  p.window_first = pages.sel_last;
   const uint64_t mandatory_tokens = std::min(length, p.sink_end * page_tokens) +
                                     (length - std::min(length, p.window_first * page_tokens));
   const uint64_t budget = policy.budget_tokens(length);
@@ -223,6 +224,12 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
       out.set_rows(pair, rows, B);
     }
   }
+}
+
+std::unique_ptr<Selector> make_louver_selector(const Policy& policy, KvCache& cache,
+                                               uint32_t max_batch, uint64_t max_pages,
+                                               ThreadPool& pool) {
+  return std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, pool);
 }
 
 }  // namespace kvsift::select

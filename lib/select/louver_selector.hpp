@@ -54,9 +54,6 @@ class LouverSelector final : public Selector {
   // Device bytes of the indexes' mirrors (0 in the CPU mode).
   uint64_t device_bytes() const noexcept { return filter_ ? filter_->device_bytes() : 0; }
 
- protected:
-  bool selects_rows() const noexcept override { return true; }
-
  private:
   // [sequence id][layer * n_kv_heads + kv_head]; built when first prepared.
   std::vector<std::vector<std::optional<LouverIndex>>> indexes_;

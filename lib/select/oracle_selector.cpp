@@ -20,9 +20,9 @@ class OracleSelector final : public PageSelector {
 
 }  // namespace
 
-std::unique_ptr<PageSelector> make_oracle_selector(const Policy& policy, KvCache& cache,
-                                                   uint32_t max_batch, uint64_t max_pages,
-                                                   ThreadPool& pool) {
+std::unique_ptr<Selector> make_oracle_selector(const Policy& policy, KvCache& cache,
+                                               uint32_t max_batch, uint64_t max_pages,
+                                               ThreadPool& pool) {
   return std::make_unique<OracleSelector>(policy, cache, max_batch, max_pages, pool);
 }
 

@@ -188,17 +188,13 @@ void PageSelector::select(const SelectCall& call, Selection& out) noexcept {
 void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32_t first,
                                Selection& out, Scratch& s, uint64_t& bytes) const noexcept {
   const uint32_t n_pages = pair.n_pages, B = geometry().page_tokens, G = geometry().group_size;
-  const uint32_t sink = std::min(policy_.sink_pages, n_pages);
-  const uint32_t window = std::min(std::max(policy_.window_pages, 1u), n_pages - sink);
-  const uint32_t sel_first = sink, sel_last = n_pages - window;  // selectable [first, last)
-  const uint64_t budget_tokens = policy_.budget_tokens(pair.tokens);
-  const uint64_t budget_pages = budget_tokens / B;
+  const PagePlan plan = policy_.page_plan(B, pair.tokens);
+  const uint32_t sink = plan.sink;
+  const uint32_t sel_first = sink, sel_last = plan.sel_last;  // selectable [first, last)
   uint32_t* ids = out.page_ids.data() + first;
   float* scores = out.scores.data() + first;
 
-  const bool everything =
-      policy_.kind == Kind::dense || sel_last <= sel_first || budget_tokens >= pair.tokens;
-  if (everything) {
+  if (selects_everything() || plan.whole) {
     for (uint32_t p = 0; p < n_pages; ++p) {
       ids[p] = p;
       scores[p] = kInf;
@@ -226,20 +222,18 @@ void PageSelector::select_pair(const PairView& pair, uint32_t pair_index, uint32
   std::fill(s.chosen.begin(), s.chosen.begin() + n_pages, uint8_t{0});
   for (uint32_t p = 0; p < sink; ++p) s.chosen[p] = 1;
   for (uint32_t p = sel_last; p < n_pages; ++p) s.chosen[p] = 1;
-  const uint32_t mandatory = sink + window, n_sel = sel_last - sel_first;
+  const uint32_t n_sel = plan.selectable();
   uint32_t* order = s.order.data();
   for (uint32_t j = 0; j < n_sel; ++j) order[j] = sel_first + j;
   const BetterPage better{s.combined.data()};
 
   float bound = std::numeric_limits<float>::quiet_NaN();
-  uint32_t take;
+  uint32_t take = plan.take;
   if (certified()) {
     std::sort(order, order + n_sel, better);
-    certify(pair, s, sel_first, sel_last, budget_pages, take, bound);
-  } else {
-    take = static_cast<uint32_t>(
-        std::min<uint64_t>(n_sel, budget_pages > mandatory ? budget_pages - mandatory : 0));
-    if (take > 0 && take < n_sel) std::nth_element(order, order + take - 1, order + n_sel, better);
+    certify(pair, s, sel_first, sel_last, plan.take, take, bound);
+  } else if (take > 0 && take < n_sel) {
+    std::nth_element(order, order + take - 1, order + n_sel, better);
   }
   for (uint32_t j = 0; j < take; ++j) s.chosen[order[j]] = 1;
 
@@ -324,13 +318,12 @@ double rounding_margin(float log_mass) noexcept {
 }  // namespace
 
 // Grows the chosen set in s.order until every head's proven dropped share is below epsilon or the
-// budget is spent. Per head, with U and L upper and lower bounds on each page's log-mass: dropped
-// share <= sum_dropped e^U / (sum_chosen e^L + sum_dropped e^U), since x / (a + x) grows with x
-// and falls with a.
+// budget's `most` pages are chosen. Per head, with U and L upper and lower bounds on each page's
+// log-mass: dropped share <= sum_dropped e^U / (sum_chosen e^L + sum_dropped e^U), since x / (a +
+// x) grows with x and falls with a.
 void PageSelector::certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last,
-                           uint64_t budget, uint32_t& n_chosen, float& bound) const noexcept {
+                           uint32_t most, uint32_t& n_chosen, float& bound) const noexcept {
   const uint32_t G = geometry().group_size, n_pages = pair.n_pages, n_sel = last - first;
-  const uint32_t mandatory = n_pages - n_sel;
   const uint32_t* order = s.order.data();
   double chosen_low[kMaxGroupSize], top[kMaxGroupSize];
   for (uint32_t h = 0; h < G; ++h) {
@@ -349,14 +342,13 @@ void PageSelector::certify(const PairView& pair, Scratch& s, uint32_t first, uin
     suffix[n_sel] = 0.0;
     for (uint32_t j = n_sel; j-- > 0;) suffix[j] = suffix[j + 1] + std::exp(upper(order[j]) - t);
   }
-  const uint64_t cap = std::max<uint64_t>(budget, mandatory) - mandatory;
   for (uint32_t j = 0;; ++j) {
     double worst = 0.0;
     for (uint32_t h = 0; h < G; ++h) {
       const double dropped = s.suffix[h * (max_pages_ + 1) + j];
       worst = std::max(worst, dropped / (chosen_low[h] + dropped));
     }
-    if (worst < policy_.epsilon || j == n_sel || j >= cap) {
+    if (worst < policy_.locks.epsilon || j >= most) {
       n_chosen = j;
       // Rounded up to float so the reported number is still a bound.
       const auto f = static_cast<float>(worst);
@@ -369,23 +361,6 @@ void PageSelector::certify(const PairView& pair, Scratch& s, uint32_t first, uin
           std::exp(double{m} - s.slack[h * max_pages_ + order[j]] - rounding_margin(m) - top[h]);
     }
   }
-}
-
-std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
-                                                 uint32_t max_batch, uint64_t max_pages,
-                                                 ThreadPool& pool) {
-  switch (policy.kind) {
-    case Kind::dense: return make_dense_selector(policy, cache, max_batch, max_pages, pool);
-    case Kind::oracle: return make_oracle_selector(policy, cache, max_batch, max_pages, pool);
-    case Kind::quest: return make_quest_selector(policy, cache, max_batch, max_pages, pool);
-    case Kind::locks:
-    case Kind::locks_certified:
-      return make_locks_selector(policy, cache, max_batch, max_pages, pool);
-    case Kind::s4r:
-    case Kind::louver: break;  // token-level: Selector::create makes them
-  }
-  fail(Status::invalid_argument, "policy.kind=", static_cast<int>(policy.kind),
-       " is not a page selector");
 }
 
 }  // namespace kvsift::select

@@ -57,8 +57,7 @@ class PageSelector : public Selector {
   void select(const SelectCall& call, Selection& out) noexcept override;
   void build_summaries() noexcept override;
 
-  // Queues every page already sealed in the cache (called once, after registration).
-  void summarise_existing();
+  void summarise_existing() override;
 
   // Device selection (locks with policy.device >= 0): steps whose device selection failed
   // and ran on the CPU instead, and the device bytes of the summaries' copy. 0 otherwise.
@@ -69,6 +68,8 @@ class PageSelector : public Selector {
                ThreadPool& pool);
 
  protected:
+  // Whether every page is chosen unscored, whatever the plan (dense).
+  virtual bool selects_everything() const noexcept { return false; }
   // Whether sealed pages need a summary at all.
   virtual bool summarises() const noexcept { return false; }
   virtual void summarise(uint32_t /*slot*/, const uint16_t* /*k*/) noexcept {}
@@ -98,7 +99,7 @@ class PageSelector : public Selector {
   void combine(Scratch& s, uint32_t first, uint32_t last) const noexcept;
   // Fills s.mass, s.top and s.selectable_mass for the selectable pages [first, last).
   void masses(Scratch& s, uint32_t first, uint32_t last) const noexcept;
-  void certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last, uint64_t budget,
+  void certify(const PairView& pair, Scratch& s, uint32_t first, uint32_t last, uint32_t most,
                uint32_t& n_chosen, float& bound) const noexcept;
 
   // Slots sealed since the last build and not freed since, each listed once: pending_[0, n) and,
@@ -113,24 +114,5 @@ class PageSelector : public Selector {
   std::vector<Scratch> scratch_;  // [n_threads]
   std::vector<uint32_t> region_;  // [max pairs + 1] where each pair's pages go in a Selection
 };
-
-// The methods, one file each.
-std::unique_ptr<PageSelector> make_dense_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool);
-std::unique_ptr<PageSelector> make_oracle_selector(const Policy& policy, KvCache& cache,
-                                                   uint32_t max_batch, uint64_t max_pages,
-                                                   ThreadPool& pool);
-std::unique_ptr<PageSelector> make_quest_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool);
-// locks and locks_certified.
-std::unique_ptr<PageSelector> make_locks_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool);
-
-std::unique_ptr<PageSelector> make_page_selector(const Policy& policy, KvCache& cache,
-                                                 uint32_t max_batch, uint64_t max_pages,
-                                                 ThreadPool& pool);
 
 }  // namespace kvsift::select

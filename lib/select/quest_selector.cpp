@@ -71,9 +71,9 @@ class QuestSelector final : public PageSelector {
 
 }  // namespace
 
-std::unique_ptr<PageSelector> make_quest_selector(const Policy& policy, KvCache& cache,
-                                                  uint32_t max_batch, uint64_t max_pages,
-                                                  ThreadPool& pool) {
+std::unique_ptr<Selector> make_quest_selector(const Policy& policy, KvCache& cache,
+                                              uint32_t max_batch, uint64_t max_pages,
+                                              ThreadPool& pool) {
   return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, pool);
 }
 

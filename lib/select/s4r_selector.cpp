@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <new>
 
 #include "lib/core/error.hpp"
@@ -46,7 +47,7 @@ void S4rSelector::grow_workspaces(uint64_t n_tokens, uint64_t max_rows) {
   };
   try {
     grow(relevance_ws_,
-         s4r::relevance_workspace_floats(policy_.s4r_window, g.group_size, n_tokens));
+         s4r::relevance_workspace_floats(policy_.s4r.window, g.group_size, n_tokens));
     grow(relevance_, n_tokens);
     grow(top_ws_, n_tokens);
     grow(chosen_, n_tokens);
@@ -57,7 +58,7 @@ void S4rSelector::grow_workspaces(uint64_t n_tokens, uint64_t max_rows) {
 }
 
 uint32_t S4rSelector::heads_per_unit() const noexcept {
-  return policy_.s4r_per_head_bases ? 1 : cache_.geometry().n_kv_heads;
+  return policy_.s4r.per_head_bases ? 1 : cache_.geometry().n_kv_heads;
 }
 
 void S4rSelector::on_sequence_freed(int32_t seq_id) noexcept {
@@ -104,7 +105,7 @@ void S4rSelector::prepare(const SelectCall& call, Selection& out) {
     const uint64_t n = st.end - st.first;
     const uint64_t length = cache_.length(call.seq_ids[i], call.layer);
     const uint64_t rows =
-        std::min(n, std::max<uint64_t>(policy_.s4r_window, policy_.budget_tokens(length)));
+        std::min(n, std::max<uint64_t>(policy_.s4r.window, policy_.budget_tokens(length)));
     grow_workspaces(n, rows);
     chunks += uint64_t{g.n_kv_heads} * g.pages_for(rows);
   }
@@ -114,9 +115,9 @@ void S4rSelector::prepare(const SelectCall& call, Selection& out) {
 void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
   const CacheGeometry& g = cache_.geometry();
   const uint32_t B = g.page_tokens, d = g.head_dim, G = g.group_size;
-  const uint32_t W = policy_.s4r_window, hpu = heads_per_unit();
+  const uint32_t W = policy_.s4r.window, hpu = heads_per_unit();
   const uint64_t length = cache_.length(seq_id, layer);
-  const uint64_t first = uint64_t{policy_.sink_pages} * B, end = length / B * B;
+  const uint64_t first = uint64_t{policy_.page_plan(B, length).sink} * B, end = length / B * B;
   if (end <= first || end - first < kMinWindowsToCompress * W) {
     st.state = State::exact;
     return;
@@ -130,11 +131,11 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
     // Compression 1 keeps full rank: nothing is saved, and attention over everything reconstructed
     // equals dense attention (the check of this whole path).
     const uint32_t rank =
-        policy_.compression == 1.0
+        policy_.s4r.compression == 1.0
             ? dim
-            : s4r::solve_rank(dim, n, static_cast<uint32_t>(first), G, W, policy_.compression);
+            : s4r::solve_rank(dim, n, static_cast<uint32_t>(first), G, W, policy_.s4r.compression);
     const uint64_t n_sample = std::max<uint64_t>(
-        rank, static_cast<uint64_t>(std::floor(static_cast<double>(n) / policy_.compression)));
+        rank, static_cast<uint64_t>(std::floor(static_cast<double>(n) / policy_.s4r.compression)));
     const std::vector<uint32_t> sample = s4r::hybrid_sample(0, n, n_sample, kRecentShare);
     for (uint32_t u = 0; u < units.size(); ++u) {
       Unit& unit = units[u];
@@ -171,7 +172,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
                                   float& kept) noexcept {
   const CacheGeometry& g = cache_.geometry();
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
-  const uint32_t W = policy_.s4r_window, hpu = heads_per_unit(), dim = hpu * d;
+  const uint32_t W = policy_.s4r.window, hpu = heads_per_unit(), dim = hpu * d;
   const simd::Kernels& kernels = cache_.kernels();
   Unit& unit = st.units[unit_index];
   const uint32_t rank = unit.keys.rank;
@@ -279,6 +280,12 @@ void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
       }
     }
   }
+}
+
+std::unique_ptr<Selector> make_s4r_selector(const Policy& policy, KvCache& cache,
+                                            uint32_t max_batch, uint64_t max_pages,
+                                            ThreadPool& pool) {
+  return std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, pool);
 }
 
 }  // namespace kvsift::select

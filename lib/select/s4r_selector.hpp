@@ -9,15 +9,15 @@
 // tokens) stay exact in the cache and are always attended.
 //
 // Each step then ranks the compressed tokens by latent relevance (the projected queries of the
-// last policy.s4r_window steps against the key coefficients), keeps the last s4r_window of them
+// last policy.s4r.window steps against the key coefficients), keeps the last s4r.window of them
 // plus the best of the rest, m in all, reconstructs only those (K then RoPE at each token's
 // position, V), and hands them to attention as row chunks beside the exact pages. Budget: as for
 // the page selectors, tokens attended per (layer, KV head) counting the exact ones, so m = budget
-// - exact tokens, at least min(s4r_window, compressed tokens).
+// - exact tokens, at least min(s4r.window, compressed tokens).
 //
 // Bases: one per layer over the concatenated KV heads (D' = n_kv_heads * head_dim, the paper's
-// default: one token selection per layer) or one per KV head (policy.s4r_per_head_bases). The
-// rank comes from policy.compression through the paper's memory model at compression time.
+// default: one token selection per layer) or one per KV head (policy.s4r.per_head_bases). The
+// rank comes from policy.s4r.compression through the paper's memory model at compression time.
 //
 // Needs a cache that takes pre-RoPE keys (it rotates keys and can rotate them back). A forked
 // sequence is compressed on its own; a compressed one cannot be forked (the cache refuses).
@@ -53,15 +53,12 @@ class S4rSelector final : public Selector {
   // Wall time spent compressing (read-back, bases, projection), summed since creation.
   double compress_seconds() const noexcept { return compress_seconds_; }
 
- protected:
-  bool selects_rows() const noexcept override { return true; }
-
  private:
   // One basis and its coefficients: all KV heads of a layer, or one KV head.
   struct Unit {
     s4r::Basis keys, values;
     std::vector<uint16_t> key_coeffs, value_coeffs;  // [end - first, rank], storage dtype
-    std::vector<float> queries;                      // [s4r_window, G, rank], oldest first
+    std::vector<float> queries;                      // [s4r.window, G, rank], oldest first
     uint32_t n_queries = 0;
   };
   enum class State : uint8_t { fresh, exact, compressed };

@@ -2,41 +2,30 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <new>
 
 #include "lib/core/error.hpp"
-#include "lib/select/louver_selector.hpp"
-#include "lib/select/page_selector.hpp"
-#include "lib/select/s4r_selector.hpp"
 
 namespace kvsift::select {
 
-std::string_view kind_name(Kind kind) noexcept {
-  switch (kind) {
-    case Kind::dense: return "dense";
-    case Kind::oracle: return "oracle";
-    case Kind::quest: return "quest";
-    case Kind::locks: return "locks";
-    case Kind::locks_certified: return "locks_certified";
-    case Kind::s4r: return "s4r";
-    case Kind::louver: return "louver";
-  }
-  return "?";
-}
+namespace {
+
+constexpr std::string_view kCombineNames[] = {"share_avg", "nrm", "max"};
+static_assert(std::size(kCombineNames) == static_cast<std::size_t>(GqaCombine::count));
+
+}  // namespace
 
 std::string_view combine_name(GqaCombine combine) noexcept {
-  switch (combine) {
-    case GqaCombine::share_avg: return "share_avg";
-    case GqaCombine::nrm: return "nrm";
-    case GqaCombine::max: return "max";
-  }
-  return "?";
+  const auto at = static_cast<std::size_t>(combine);
+  return at < std::size(kCombineNames) ? kCombineNames[at] : "?";
 }
 
 void Policy::validate() const {
-  require(kind <= Kind::louver, "policy.kind=", static_cast<int>(kind), " is not a selector");
-  require(combine <= GqaCombine::max, "policy.combine=", static_cast<int>(combine),
+  require(known(kind), "policy.kind=", static_cast<int>(kind), " is not a selector (",
+          selector_names(), ")");
+  require(combine < GqaCombine::count, "policy.combine=", static_cast<int>(combine),
           " is not a GQA combine mode");
   require(std::isfinite(budget) && budget >= 0.0, "policy.budget=", budget,
           " must be a finite number >= 0");
@@ -45,11 +34,11 @@ void Policy::validate() const {
             ": the dense selector attends to every token and takes no budget");
   else
     require(budget > 0.0, "policy.budget must be > 0 for the ", kind_name(kind), " selector");
-  require(std::isfinite(epsilon) && epsilon > 0.0 && epsilon < 1.0, "policy.epsilon=", epsilon,
-          " must be in (0, 1)");
-  require(std::isfinite(compression) && compression >= 1.0, "policy.compression=", compression,
-          " must be a finite number >= 1");
-  require(s4r_window >= 1 && s4r_window <= 4096, "policy.s4r_window=", s4r_window,
+  require(std::isfinite(locks.epsilon) && locks.epsilon > 0.0 && locks.epsilon < 1.0,
+          "policy.locks.epsilon=", locks.epsilon, " must be in (0, 1)");
+  require(std::isfinite(s4r.compression) && s4r.compression >= 1.0,
+          "policy.s4r.compression=", s4r.compression, " must be a finite number >= 1");
+  require(s4r.window >= 1 && s4r.window <= 4096, "policy.s4r.window=", s4r.window,
           " is not in 1..4096");
   require(device >= -1, "policy.device=", device, " is not a device index or -1");
 }
@@ -139,17 +128,8 @@ std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache,
   require(!cache.has_released_pages(),
           "the cache holds sequences whose pages S4R compressed; "
           "free them before setting a new selector");
-  if (policy.kind == Kind::s4r || policy.kind == Kind::louver) {
-    std::unique_ptr<Selector> selector;
-    if (policy.kind == Kind::s4r)
-      selector = std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, pool);
-    else
-      selector = std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, pool);
-    cache.add_seal_listener(selector.get());
-    return selector;
-  }
-  std::unique_ptr<PageSelector> selector =
-      make_page_selector(policy, cache, max_batch, max_pages, pool);
+  std::unique_ptr<Selector> selector =
+      selector_info(policy.kind).make(policy, cache, max_batch, max_pages, pool);
   cache.add_seal_listener(selector.get());
   selector->summarise_existing();
   return selector;

@@ -1,17 +1,15 @@
 // Selectors: per decode step and layer, which pages (and, for token-level selectors: Louver,
 // S4R, which tokens) each (sequence, KV head) attends to.
 //
-// One interface for every method (../shared/DESIGN.md sections 3-4). A selector listens to the
-// cache's page seals and keeps its per-page data (summaries) in arrays indexed by pool slot, sized
-// when it is created; pages sealed since the last step are summarised at the start of the next
-// select(), in parallel across pages and heads (after a prefill that is every page of it). Per step
-// it is given the layer's queries and fills a Selection: per (sequence, KV head) ascending page
-// ids, shared by the G query heads of the group, which the exact attention kernel then reads.
+// One interface for every method (docs/methods.md); lib/select/registry.hpp lists them, one file
+// each. A selector listens to the cache's page seals and keeps its per-page data (summaries) in
+// arrays indexed by pool slot, sized when it is created; pages sealed since the last step are
+// summarised at the start of the next select(), in parallel across pages and heads (after a
+// prefill that is every page of it). Per step it is given the layer's queries and fills a
+// Selection: per (sequence, KV head) ascending page ids, shared by the G query heads of the group,
+// which the exact attention kernel then reads.
 //
-// Budget (the papers' meaning): tokens per (layer, KV head) per step, sink and window pages counted
-// inside; pages allowed = floor(budget_tokens / page_tokens), never fewer than the mandatory ones.
-// Mandatory: the first sink_pages pages and the last window_pages pages, where the last page (the
-// open page, partial or just filled) is always attended.
+// Budget, sink and window pages: lib/select/page_plan.hpp, which every selector follows.
 #pragma once
 
 #include <algorithm>
@@ -27,45 +25,59 @@
 #include "lib/core/aligned.hpp"
 #include "lib/core/lazy_array.hpp"
 #include "lib/core/thread_pool.hpp"
+#include "lib/select/page_plan.hpp"
+#include "lib/select/registry.hpp"
 
 namespace kvsift::select {
 
-enum class Kind : uint8_t { dense, oracle, quest, locks, locks_certified, s4r, louver };
-// How the G query heads of a group turn their page scores into one ranking (papers.md 2(e)1).
+// How the G query heads of a group turn their page scores into one ranking (docs/methods.md).
 enum class GqaCombine : uint8_t {
   share_avg,  // the paper: average over heads of each page's estimated mass share
   nrm,        // the authors' code: sum over heads of exp(score - the head's best score)
   max,        // the best head's score
+  count       // not a mode: how many there are
 };
 
-std::string_view kind_name(Kind kind) noexcept;
 // The larger of two dropped-mass bounds, where NaN (nothing proven) wins over any number.
 inline double worse_bound(double a, double b) noexcept {
   return std::isnan(a) || std::isnan(b) ? std::numeric_limits<double>::quiet_NaN() : std::max(a, b);
 }
 std::string_view combine_name(GqaCombine combine) noexcept;
 
-struct Policy {
-  Kind kind = Kind::dense;
-  // Tokens per (layer, KV head) per step: a fraction of the context when in (0, 1], else a token
-  // count. The dense selector takes none (0); the others require one > 0. For locks_certified it
-  // is the most the selection may grow to.
-  double budget = 0.0;
-  uint32_t sink_pages = 1;
-  uint32_t window_pages = 1;
-  // The authors' code's combine, which the paper's numbers came from (docs/methods.md).
-  GqaCombine combine = GqaCombine::nrm;
-  bool int8_query = true;  // LOCKS scores with q rounded to int8 per head, as the reference does
+// LOCKS (locks and locks_certified).
+struct LocksPolicy {
+  bool int8_query = true;  // score with q rounded to int8 per head, as the reference does
   // locks_certified: grow the selection until the proven bound on the dropped share of softmax
   // mass is below epsilon for every query head of the group, or the budget is reached.
   double epsilon = 1e-3;
-  // s4r: the target compression of the prompt's K/V (dense bytes / S4R bytes, >= 1), which sets
-  // the rank; the query window (the last s4r_window queries rank the compressed tokens, and the
-  // last s4r_window compressed tokens are always reconstructed); one basis per layer over all KV
-  // heads (the paper's default) or one per KV head.
+};
+
+// S4R.
+struct S4rPolicy {
+  // The target compression of the prompt's K/V (dense bytes / S4R bytes, >= 1), which sets the
+  // rank.
   double compression = 2.5;
-  uint32_t s4r_window = 32;
-  bool s4r_per_head_bases = false;
+  // The query window: the last `window` queries rank the compressed tokens, and the last `window`
+  // compressed tokens are always reconstructed.
+  uint32_t window = 32;
+  // One basis per KV head, or one per layer over all KV heads (the paper's default).
+  bool per_head_bases = false;
+};
+
+// The fields every selector reads, then one group per method that has fields of its own (Louver
+// has none).
+struct Policy {
+  Kind kind = Kind::dense;
+  // Tokens per (layer, KV head) per step: a fraction of the context when in (0, 1], else a token
+  // count (lib/select/page_plan.hpp). The dense selector takes none (0); the others require one
+  // > 0. For locks_certified it is the most the selection may grow to.
+  double budget = 0.0;
+  uint32_t sink_pages = 1;
+  uint32_t window_pages = 1;
+  // How the page-level selectors that estimate masses (oracle, locks, locks_certified) combine
+  // their heads; quest always takes the max. The default is the LOCKS authors' code's combine,
+  // which the paper's numbers came from (docs/methods.md).
+  GqaCombine combine = GqaCombine::nrm;
   // Selection on a CUDA device, or -1 for the CPU. louver: the device holds a copy of the indexes'
   // centers, radii and assignments and runs the filter pass (gpu/louver_filter.hpp); the same
   // tokens are chosen either way. locks: the device holds a copy of the pages' LOCKS records and
@@ -74,13 +86,18 @@ struct Policy {
   // ignore it. Creating the selector fails with unsupported where the build has no CUDA or the
   // device is not usable.
   int32_t device = -1;
+  LocksPolicy locks;
+  S4rPolicy s4r;
 
   // Throws Error(invalid_argument) naming the first bad field.
   void validate() const;
   // Tokens the budget allows for a context of `tokens` tokens.
   uint64_t budget_tokens(uint64_t tokens) const noexcept {
-    return budget <= 1.0 ? static_cast<uint64_t>(std::floor(budget * static_cast<double>(tokens)))
-                         : static_cast<uint64_t>(budget);
+    return select::budget_tokens(budget, tokens);
+  }
+  // The page plan of a (sequence, KV head) of `tokens` tokens.
+  PagePlan page_plan(uint32_t page_tokens, uint64_t tokens) const noexcept {
+    return select::page_plan(sink_pages, window_pages, page_tokens, tokens, budget_tokens(tokens));
   }
 };
 
@@ -163,6 +180,9 @@ class Selector : public SealListener {
   // pending summaries first.
   virtual void select(const SelectCall& call, Selection& out) noexcept = 0;
 
+  // Queues the pages already sealed in the cache for a summary and builds them (create() calls it
+  // once, after registering the selector).
+  virtual void summarise_existing() {}
   // Builds the per-page data (summaries) of the pages sealed since the last build, which select()
   // otherwise builds first. The model runner calls it after each prefill layer, so the prompt's
   // summaries are built as the prefill proceeds (in offload mode, while the device computes)
@@ -180,8 +200,8 @@ class Selector : public SealListener {
  protected:
   Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
            ThreadPool& pool);
-  // Whether select() returns token rows besides pages.
-  virtual bool selects_rows() const noexcept { return false; }
+  // Whether select() returns token rows besides pages: the token-level selectors.
+  bool selects_rows() const noexcept { return selector_info(policy_.kind).level == Level::token; }
   KvCache& cache_;
   Policy policy_;
   uint32_t max_batch_;

@@ -20,7 +20,9 @@ class SelectorPolicy:
     ``selector`` is one of :data:`kvsift.SELECTORS`. ``budget`` is tokens per (layer, KV head)
     per step, sink and window pages counted inside: a fraction of the context when in (0, 1], a
     token count above 1; the dense selector takes none (0). The other fields keep the C API's
-    meaning and defaults (kvsift.h, README "Selectors").
+    meaning and defaults (kvsift.h, README "Selectors"): ``int8_query`` and ``epsilon`` are
+    ``kvsift_selector_policy.locks``'s, ``compression``, ``s4r_window`` and ``s4r_per_head_bases``
+    its ``s4r``'s (``window``, ``per_head_bases``).
     """
 
     selector: str = _DEFAULTS["selector"]

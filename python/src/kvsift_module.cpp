@@ -168,7 +168,9 @@ const char* combine_name(kvsift_gqa_combine c) {
   }
 }
 
-// The policy from the keyword arguments of set_selector (kvsift/policy.py's SelectorPolicy).
+// The policy from the keyword arguments of set_selector (kvsift/cache.py's SelectorPolicy). The
+// keywords stay flat; the C struct groups LOCKS's (int8_query, epsilon) and S4R's (compression,
+// s4r_window, s4r_per_head_bases) fields.
 kvsift_selector_policy policy_of(const std::string& selector, double budget, uint32_t sink_pages,
                                  uint32_t window_pages, const std::string& combine, bool int8_query,
                                  double epsilon, double compression, uint32_t s4r_window,
@@ -180,11 +182,11 @@ kvsift_selector_policy policy_of(const std::string& selector, double budget, uin
   p.sink_pages = sink_pages;
   p.window_pages = window_pages;
   p.combine = combine_of(combine);
-  p.int8_query = int8_query ? 1 : 0;
-  p.epsilon = epsilon;
-  p.compression = compression;
-  p.s4r_window = s4r_window;
-  p.s4r_per_head_bases = s4r_per_head_bases ? 1 : 0;
+  p.locks.int8_query = int8_query ? 1 : 0;
+  p.locks.epsilon = epsilon;
+  p.s4r.compression = compression;
+  p.s4r.window = s4r_window;
+  p.s4r.per_head_bases = s4r_per_head_bases ? 1 : 0;
   p.device = device;
   return p;
 }
@@ -780,11 +782,8 @@ NB_MODULE(_core, m) {
       "selector_names",
       [] {
         std::vector<std::string> names;
-        for (int i = 0;; ++i) {
-          const char* name = kvsift_selector_name(static_cast<kvsift_selector>(i));
-          if (std::strcmp(name, "unknown") == 0) break;
-          names.emplace_back(name);
-        }
+        for (int i = 0; i < KVSIFT_SELECTOR_COUNT; ++i)
+          names.emplace_back(kvsift_selector_name(static_cast<kvsift_selector>(i)));
         return names;
       },
       "The selectors' names, in the C enum's order.");
@@ -799,11 +798,11 @@ NB_MODULE(_core, m) {
         d["sink_pages"] = p.sink_pages;
         d["window_pages"] = p.window_pages;
         d["combine"] = std::string(combine_name(p.combine));
-        d["int8_query"] = p.int8_query != 0;
-        d["epsilon"] = p.epsilon;
-        d["compression"] = p.compression;
-        d["s4r_window"] = p.s4r_window;
-        d["s4r_per_head_bases"] = p.s4r_per_head_bases != 0;
+        d["int8_query"] = p.locks.int8_query != 0;
+        d["epsilon"] = p.locks.epsilon;
+        d["compression"] = p.s4r.compression;
+        d["s4r_window"] = p.s4r.window;
+        d["s4r_per_head_bases"] = p.s4r.per_head_bases != 0;
         d["device"] = p.device;
         return d;
       },
