@@ -9,9 +9,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/device_llama.hpp"
 
@@ -34,21 +36,23 @@ constexpr std::size_t kCublasWorkspaceBytes = std::size_t{32} << 20;
     if (!try_result_.ok) return try_result_; \
   } while (0)
 
-Result from_cuda(cudaError_t err, const std::string& what) {
-  return cuda_result(err, "device llama: " + what);
-}
+constexpr CudaErrors from_cuda{"device llama"};
 
+// cuBLAS's statuses by gpu/cuda_result.cuh's rules: its allocation failure is out of memory, the
+// rest a failure of the request.
 Result from_cublas(cublasStatus_t status, const std::string& what) {
   if (status == CUBLAS_STATUS_SUCCESS) return Result{};
-  return Result{false, false, "device llama: " + what + ": " + cublasGetStatusString(status)};
+  std::string message = "device llama: " + what + ": " + cublasGetStatusString(status);
+  return status == CUBLAS_STATUS_ALLOC_FAILED ? Result::out_of_memory(std::move(message))
+                                              : Result::failed(std::move(message));
 }
 
 Result refuse(const std::string& message) {
-  return Result{false, false, "device llama: " + message};
+  return from_cuda.invalid(message);
 }
 
 Result launched(const char* kernel) {
-  return from_cuda(cudaGetLastError(), std::string("kernel ") + kernel);
+  return from_cuda.launched(std::string("kernel ") + kernel);
 }
 
 uint32_t flat_blocks(std::size_t n) {
@@ -275,10 +279,11 @@ enum Staging : uint32_t { kTokens, kPositions, kRowIndex, kEmbeddings, kPrefix, 
 struct DeviceLlama::Device {
   int ordinal = 0;
   LlamaShape shape{};
-  cudaStream_t stream = nullptr;
+  // Every device and pinned allocation; the pointers below are views into them.
+  std::vector<DeviceBuffer<void>> device_blocks;
+  std::vector<PinnedBuffer<void>> pinned_blocks;
+  Stream stream;  // declared after the blocks, so that it goes before them
   cublasHandle_t cublas = nullptr;
-  std::vector<void*> device_blocks;
-  std::vector<void*> pinned_blocks;
   std::size_t device_bytes = 0;
 
   struct Layer {
@@ -306,29 +311,25 @@ struct DeviceLlama::Device {
 
   float *q_host = nullptr, *k_host = nullptr, *v_host = nullptr, *attn_host = nullptr;
   void* staging[kStagings] = {};
-  cudaEvent_t staged[kStagings] = {};  // the last upload from each staging region
+  Event staged[kStagings];  // the last upload from each staging region
 
   // Decode graphs of one rows value: execs[l] is finish_layer(l, true) then, below the last
   // layer, layer l + 1's attention inputs; null until captured, on its second use (used[l]).
   struct Graphs {
     uint32_t rows;
-    std::vector<cudaGraphExec_t> execs;
+    std::vector<GraphExec> execs;
     std::vector<uint8_t> used;
   };
   std::vector<Graphs> graphs;  // at most kMaxGraphRows
 
+  // The work drains, then the graphs and events go before the cuBLAS handle; the stream and the
+  // blocks follow as members.
   ~Device() {
-    cudaSetDevice(ordinal);
-    if (stream) cudaStreamSynchronize(stream);
-    for (const Graphs& g : graphs)
-      for (cudaGraphExec_t e : g.execs)
-        if (e) cudaGraphExecDestroy(e);
-    for (cudaEvent_t e : staged)
-      if (e) cudaEventDestroy(e);
+    const DeviceScope on(ordinal);
+    if (stream) cudaStreamSynchronize(stream.get());
+    graphs.clear();
+    for (Event& e : staged) e.reset();
     if (cublas) cublasDestroy(cublas);
-    if (stream) cudaStreamDestroy(stream);
-    for (void* p : device_blocks) cudaFree(p);
-    for (void* p : pinned_blocks) cudaFreeHost(p);
   }
 
   Result build(const LlamaShape& s, const LlamaWeights& w) {
@@ -337,17 +338,16 @@ struct DeviceLlama::Device {
     const uint32_t qdim = shape.q_dim(), kvdim = shape.kv_dim(), half = shape.head_dim / 2;
     const std::size_t widest = std::max({E, qdim, F});
     KVSIFT_TRY(from_cuda(cudaSetDevice(ordinal), "cudaSetDevice"));
-    KVSIFT_TRY(from_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "stream"));
+    KVSIFT_TRY(from_cuda(stream.create(cudaStreamNonBlocking), "stream"));
     KVSIFT_TRY(from_cublas(cublasCreate(&cublas), "cublasCreate"));
-    KVSIFT_TRY(from_cublas(cublasSetStream(cublas, stream), "cublasSetStream"));
+    KVSIFT_TRY(from_cublas(cublasSetStream(cublas, stream.get()), "cublasSetStream"));
     // After cublasSetStream, which resets the workspace to cuBLAS's own pool.
     char* workspace = nullptr;
     KVSIFT_TRY(alloc(&workspace, kCublasWorkspaceBytes, "cuBLAS workspace"));
     KVSIFT_TRY(from_cublas(cublasSetWorkspace(cublas, workspace, kCublasWorkspaceBytes),
                            "cublasSetWorkspace"));
     graphs.reserve(kMaxGraphRows);
-    for (cudaEvent_t& e : staged)
-      KVSIFT_TRY(from_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "event"));
+    for (Event& e : staged) KVSIFT_TRY(from_cuda(e.create(cudaEventDisableTiming), "event"));
 
     layers.resize(shape.n_layers);
     const std::size_t scratch = std::size_t{shape.max_prefill_tokens} * kvdim;
@@ -412,13 +412,13 @@ struct DeviceLlama::Device {
 
   template <class T>
   Result alloc(T** out, std::size_t count, const char* what) {
-    void* p = nullptr;
+    DeviceBuffer<void> block;
     const std::size_t bytes = std::max<std::size_t>(count, 1) * sizeof(T);
-    const Result r = from_cuda(cudaMalloc(&p, bytes), std::string("cudaMalloc (") + what + ")");
+    const Result r = from_cuda(block.allocate(bytes), std::string("cudaMalloc (") + what + ")");
     if (!r.ok) return r;
-    device_blocks.push_back(p);
+    *out = static_cast<T*>(block.get());
+    device_blocks.push_back(std::move(block));
     device_bytes += bytes;
-    *out = static_cast<T*>(p);
     return r;
   }
 
@@ -435,13 +435,13 @@ struct DeviceLlama::Device {
 
   template <class T>
   Result alloc_pinned(T** out, std::size_t count, const char* what) {
-    void* p = nullptr;
+    PinnedBuffer<void> block;
     const Result r = from_cuda(
-        cudaHostAlloc(&p, std::max<std::size_t>(count, 1) * sizeof(T), cudaHostAllocPortable),
+        block.allocate(std::max<std::size_t>(count, 1) * sizeof(T), cudaHostAllocPortable),
         std::string("cudaHostAlloc (") + what + ")");
     if (!r.ok) return r;
-    pinned_blocks.push_back(p);
-    *out = static_cast<T*>(p);
+    *out = static_cast<T*>(block.get());
+    pinned_blocks.push_back(std::move(block));
     return r;
   }
 
@@ -449,14 +449,16 @@ struct DeviceLlama::Device {
   // waiting for that region's previous upload: the caller's memory is free when this returns and
   // the region is never rewritten under a copy still queued.
   Result stage(Staging which, void* device_dst, const void* host, std::size_t bytes) {
-    Result r = from_cuda(cudaEventSynchronize(staged[which]), "cudaEventSynchronize (staging)");
+    Result r =
+        from_cuda(cudaEventSynchronize(staged[which].get()), "cudaEventSynchronize (staging)");
     if (!r.ok) return r;
     std::memcpy(staging[which], host, bytes);
     r = from_cuda(
-        cudaMemcpyAsync(device_dst, staging[which], bytes, cudaMemcpyHostToDevice, stream),
+        cudaMemcpyAsync(device_dst, staging[which], bytes, cudaMemcpyHostToDevice, stream.get()),
         "cudaMemcpyAsync (upload)");
     if (!r.ok) return r;
-    return from_cuda(cudaEventRecord(staged[which], stream), "cudaEventRecord (staging)");
+    return from_cuda(cudaEventRecord(staged[which].get(), stream.get()),
+                     "cudaEventRecord (staging)");
   }
 
   // y [rows, out] (+)= x [rows, in] * w[out, in]^T: bf16 inputs, fp32 accumulation and output.
@@ -477,15 +479,15 @@ struct DeviceLlama::Device {
   Result download(float* host, const float* device, std::size_t count, const char* what) {
     KVSIFT_TRY(from_cuda(cudaSetDevice(ordinal), "cudaSetDevice"));
     KVSIFT_TRY(from_cuda(
-        cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream),
+        cudaMemcpyAsync(host, device, count * sizeof(float), cudaMemcpyDeviceToHost, stream.get()),
         std::string("cudaMemcpyAsync (") + what + ")"));
-    return from_cuda(cudaStreamSynchronize(stream),
+    return from_cuda(cudaStreamSynchronize(stream.get()),
                      std::string("cudaStreamSynchronize (") + what + ")");
   }
 
   Result rms_norm(const float* in, const uint32_t* row_index, const float* weight, uint32_t rows,
                   uint32_t n, float eps) {
-    rms_norm_kernel<<<rows, kRowThreads, 0, stream>>>(in, row_index, weight, n, eps, x_bf16);
+    rms_norm_kernel<<<rows, kRowThreads, 0, stream.get()>>>(in, row_index, weight, n, eps, x_bf16);
     return launched("rms_norm");
   }
 
@@ -497,8 +499,8 @@ struct DeviceLlama::Device {
     const uint32_t stride = qdim + 2 * kvdim;
     KVSIFT_TRY(rms_norm(x, nullptr, L.attn_norm, rows, E, shape.rms_eps));
     KVSIFT_TRY(gemm(L.wqkv, stride, E, x_bf16, rows, qkv, false, "wqkv"));
-    rope_q_kernel<<<rows, kRowThreads, 0, stream>>>(qkv, stride, positions, cos_table, sin_table,
-                                                    shape.head_dim, shape.n_heads);
+    rope_q_kernel<<<rows, kRowThreads, 0, stream.get()>>>(qkv, stride, positions, cos_table,
+                                                          sin_table, shape.head_dim, shape.n_heads);
     KVSIFT_TRY(launched("rope_q"));
     const std::size_t pitch = std::size_t{stride} * sizeof(float);
     const struct {
@@ -508,7 +510,7 @@ struct DeviceLlama::Device {
     for (const auto& part : parts)
       KVSIFT_TRY(from_cuda(
           cudaMemcpy2DAsync(part.host, part.width * sizeof(float), qkv + part.offset, pitch,
-                            part.width * sizeof(float), rows, cudaMemcpyDeviceToHost, stream),
+                            part.width * sizeof(float), rows, cudaMemcpyDeviceToHost, stream.get()),
           "cudaMemcpy2DAsync (q, k, v to the host)"));
     return Result{};
   }
@@ -522,15 +524,15 @@ struct DeviceLlama::Device {
     if (attn_from_host)
       KVSIFT_TRY(
           from_cuda(cudaMemcpyAsync(attn, attn_host, std::size_t{rows} * qdim * sizeof(float),
-                                    cudaMemcpyHostToDevice, stream),
+                                    cudaMemcpyHostToDevice, stream.get()),
                     "cudaMemcpyAsync (attention output)"));
     const std::size_t n_attn = std::size_t{rows} * qdim, n_ffn = std::size_t{rows} * F;
-    to_bf16_kernel<<<flat_blocks(n_attn), kFlatThreads, 0, stream>>>(attn, n_attn, x_bf16);
+    to_bf16_kernel<<<flat_blocks(n_attn), kFlatThreads, 0, stream.get()>>>(attn, n_attn, x_bf16);
     KVSIFT_TRY(launched("to_bf16"));
     KVSIFT_TRY(gemm(L.wo, E, qdim, x_bf16, rows, x, true, "wo"));
     KVSIFT_TRY(rms_norm(x, nullptr, L.ffn_norm, rows, E, shape.rms_eps));
     KVSIFT_TRY(gemm(L.w_gate_up, 2 * F, E, x_bf16, rows, gate_up, false, "w_gate_up"));
-    swiglu_kernel<<<flat_blocks(n_ffn), kFlatThreads, 0, stream>>>(gate_up, rows, F, x_bf16);
+    swiglu_kernel<<<flat_blocks(n_ffn), kFlatThreads, 0, stream.get()>>>(gate_up, rows, F, x_bf16);
     KVSIFT_TRY(launched("swiglu"));
     return gemm(L.w_down, E, F, x_bf16, rows, x, true, "w_down");
   }
@@ -540,7 +542,7 @@ struct DeviceLlama::Device {
     for (Graphs& g : graphs)
       if (g.rows == rows) return &g;
     if (graphs.size() == kMaxGraphRows) return nullptr;
-    graphs.push_back(Graphs{rows, std::vector<cudaGraphExec_t>(shape.n_layers, nullptr),
+    graphs.push_back(Graphs{rows, std::vector<GraphExec>(shape.n_layers),
                             std::vector<uint8_t>(shape.n_layers, 0)});
     return &graphs.back();
   }
@@ -548,25 +550,25 @@ struct DeviceLlama::Device {
   // Captures what enqueue() enqueues on the stream into *exec. Returns why it failed, or "". The
   // capture is thread-local: other threads' CUDA calls (the offload attention's) stay legal.
   template <class Enqueue>
-  std::string capture(cudaGraphExec_t* exec, Enqueue&& enqueue) {
-    cudaError_t err = cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal);
+  std::string capture(GraphExec* exec, Enqueue&& enqueue) {
+    cudaError_t err = cudaStreamBeginCapture(stream.get(), cudaStreamCaptureModeThreadLocal);
     if (err != cudaSuccess) return from_cuda(err, "cudaStreamBeginCapture").message;
     const Result enqueued = enqueue();
-    cudaGraph_t graph = nullptr;
-    err = cudaStreamEndCapture(stream, &graph);  // ends the capture, even an invalidated one
+    Graph graph;
+    err = graph.end_capture(stream.get());  // ends the capture, even an invalidated one
     std::string why;
     if (!enqueued.ok)
       why = enqueued.message + " (while capturing a decode graph)";
     else if (err != cudaSuccess)
       why = from_cuda(err, "cudaStreamEndCapture").message;
-    else if (graph == nullptr)
+    else if (!graph)
       why = "device llama: cudaStreamEndCapture returned no graph";
-    else if ((err = cudaGraphInstantiate(exec, graph, 0)) != cudaSuccess)
+    else if ((err = exec->instantiate(graph)) != cudaSuccess)
       why = from_cuda(err, "cudaGraphInstantiate").message;
-    if (graph != nullptr) cudaGraphDestroy(graph);
+    graph.reset();
     if (!why.empty()) {
       cudaGetLastError();  // a failed launch inside the capture: not the next call's error
-      *exec = nullptr;
+      exec->reset();
     }
     return why;
   }
@@ -582,21 +584,21 @@ struct DeviceLlama::Device {
                     Enqueue&& enqueue) {
     *launched = false;
     Graphs* g = stats.off.empty() ? graphs_of(rows) : nullptr;
-    cudaGraphExec_t* exec = nullptr;
+    GraphExec* exec = nullptr;
     if (g != nullptr && g->used[layer])
       exec = &g->execs[layer];
     else if (g != nullptr)
       g->used[layer] = 1;
-    if (exec != nullptr && *exec == nullptr) {
+    if (exec != nullptr && !*exec) {
       std::string why = capture(exec, enqueue);
       if (why.empty())
         ++stats.captured;
       else
         stats.off = std::move(why);
     }
-    if (exec != nullptr && *exec != nullptr) {
+    if (exec != nullptr && *exec) {
       // A launch that fails has enqueued nothing: the runtime validates before it submits.
-      const cudaError_t err = cudaGraphLaunch(*exec, stream);
+      const cudaError_t err = cudaGraphLaunch(exec->get(), stream.get());
       if (err == cudaSuccess) {
         ++stats.replays;
         *launched = true;
@@ -660,9 +662,7 @@ Result check_weights(const LlamaShape& s, const LlamaWeights& w) {
 
 DeviceLlama::DeviceLlama() = default;
 
-DeviceLlama::~DeviceLlama() {
-  delete device_;
-}
+DeviceLlama::~DeviceLlama() = default;
 
 DeviceLlama::DeviceLlama(DeviceLlama&& other) noexcept {
   *this = std::move(other);
@@ -670,8 +670,7 @@ DeviceLlama::DeviceLlama(DeviceLlama&& other) noexcept {
 
 DeviceLlama& DeviceLlama::operator=(DeviceLlama&& other) noexcept {
   if (this != &other) {
-    delete device_;
-    device_ = std::exchange(other.device_, nullptr);
+    device_ = std::move(other.device_);
     shape_ = other.shape_;
     rows_ = std::exchange(other.rows_, 0);
     next_layer_ = std::exchange(other.next_layer_, 0);
@@ -688,16 +687,13 @@ Result DeviceLlama::init(const LlamaShape& shape, const LlamaWeights& w, int dev
   Result r = check_shape(shape);
   if (r.ok) r = check_weights(shape, w);
   if (!r.ok) return r;
-  delete std::exchange(device_, nullptr);
+  device_.reset();
   abandon();
-  auto* d = new Device;
+  auto d = std::make_unique<Device>();
   d->ordinal = device;
   r = d->build(shape, w);
-  if (!r.ok) {
-    delete d;
-    return r;
-  }
-  device_ = d;
+  if (!r.ok) return r;
+  device_ = std::move(d);
   shape_ = shape;
   held_.assign(shape.n_layers, 0);
   positions_.assign(shape.max_rows, 0);
@@ -744,7 +740,8 @@ Result DeviceLlama::embed(const int32_t* tokens, uint32_t rows) {
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
     KVSIFT_TRY(d.stage(kTokens, d.tokens, tokens, rows * sizeof(int32_t)));
-    embed_kernel<<<rows, kRowThreads, 0, d.stream>>>(d.token_embd, d.tokens, shape_.n_embd, d.x);
+    embed_kernel<<<rows, kRowThreads, 0, d.stream.get()>>>(d.token_embd, d.tokens, shape_.n_embd,
+                                                           d.x);
     return launched("embed");
   }();
   if (r.ok) {
@@ -797,7 +794,8 @@ Result DeviceLlama::attention_inputs(uint32_t layer, const uint64_t* positions, 
       KVSIFT_TRY(d.stage(kPositions, d.positions, positions_.data(), rows * sizeof(uint32_t)));
       KVSIFT_TRY(d.inputs(layer, rows));
     }
-    return from_cuda(cudaStreamSynchronize(d.stream), "cudaStreamSynchronize (attention inputs)");
+    return from_cuda(cudaStreamSynchronize(d.stream.get()),
+                     "cudaStreamSynchronize (attention inputs)");
   }();
   if (!r.ok) {
     abandon();
@@ -849,20 +847,20 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
     if (bf16)
-      store_kv_kernel<true>
-          <<<rows, kRowThreads, 0, d.stream>>>(d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0,
-                                               d.cos_table, d.sin_table, L.k_scratch, L.v_scratch);
+      store_kv_kernel<true><<<rows, kRowThreads, 0, d.stream.get()>>>(
+          d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0, d.cos_table, d.sin_table, L.k_scratch,
+          L.v_scratch);
     else
-      store_kv_kernel<false>
-          <<<rows, kRowThreads, 0, d.stream>>>(d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0,
-                                               d.cos_table, d.sin_table, L.k_scratch, L.v_scratch);
+      store_kv_kernel<false><<<rows, kRowThreads, 0, d.stream.get()>>>(
+          d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0, d.cos_table, d.sin_table, L.k_scratch,
+          L.v_scratch);
     KVSIFT_TRY(launched("store_kv"));
     const dim3 grid(rows, shape_.n_heads);
     auto launch =
         shape_.head_dim == 64
             ? (bf16 ? launch_prefill_attention<64, true> : launch_prefill_attention<64, false>)
             : (bf16 ? launch_prefill_attention<128, true> : launch_prefill_attention<128, false>);
-    launch(grid, d.stream, d.qkv, stride, L.k_scratch, L.v_scratch, kvdim, group, pos0, scale,
+    launch(grid, d.stream.get(), d.qkv, stride, L.k_scratch, L.v_scratch, kvdim, group, pos0, scale,
            d.attn, qdim);
     return launched("prefill_attention");
   }();
@@ -901,25 +899,26 @@ Result DeviceLlama::load_prefix(uint32_t layer, uint64_t first, const float* k_p
     for (uint64_t done = 0; done < n;) {
       const uint64_t count = std::min<uint64_t>(shape_.max_rows, n - done);
       const std::size_t values = count * kvdim, bytes = values * sizeof(float);
-      KVSIFT_TRY(
-          from_cuda(cudaEventSynchronize(d.staged[kPrefix]), "cudaEventSynchronize (staging)"));
+      KVSIFT_TRY(from_cuda(cudaEventSynchronize(d.staged[kPrefix].get()),
+                           "cudaEventSynchronize (staging)"));
       char* staging = static_cast<char*>(d.staging[kPrefix]);
       std::memcpy(staging, k_post_rope + done * kvdim, bytes);
       std::memcpy(staging + bytes, v + done * kvdim, bytes);
+      KVSIFT_TRY(from_cuda(
+          cudaMemcpyAsync(d.prefix, staging, 2 * bytes, cudaMemcpyHostToDevice, d.stream.get()),
+          "cudaMemcpyAsync (prefix)"));
       KVSIFT_TRY(
-          from_cuda(cudaMemcpyAsync(d.prefix, staging, 2 * bytes, cudaMemcpyHostToDevice, d.stream),
-                    "cudaMemcpyAsync (prefix)"));
-      KVSIFT_TRY(from_cuda(cudaEventRecord(d.staged[kPrefix], d.stream), "cudaEventRecord"));
+          from_cuda(cudaEventRecord(d.staged[kPrefix].get(), d.stream.get()), "cudaEventRecord"));
       const std::size_t offset = (first + done) * kvdim;
       for (uint32_t part = 0; part < 2; ++part) {
         const float* in = d.prefix + part * values;
         uint16_t* out = (part == 0 ? L.k_scratch : L.v_scratch) + offset;
         if (bf16)
           encode_kv_kernel<true>
-              <<<flat_blocks(values), kFlatThreads, 0, d.stream>>>(in, values, out);
+              <<<flat_blocks(values), kFlatThreads, 0, d.stream.get()>>>(in, values, out);
         else
           encode_kv_kernel<false>
-              <<<flat_blocks(values), kFlatThreads, 0, d.stream>>>(in, values, out);
+              <<<flat_blocks(values), kFlatThreads, 0, d.stream.get()>>>(in, values, out);
         KVSIFT_TRY(launched("encode_kv"));
       }
       done += count;
@@ -991,9 +990,9 @@ Result DeviceLlama::logits(const uint32_t* rows_idx, uint32_t n, float* host_out
     KVSIFT_TRY(d.rms_norm(d.x, d.row_index, d.output_norm, n, E, shape_.rms_eps));
     KVSIFT_TRY(d.gemm(d.output, V, E, d.x_bf16, n, d.logits, false, "output"));
     KVSIFT_TRY(from_cuda(cudaMemcpyAsync(host_out, d.logits, std::size_t{n} * V * sizeof(float),
-                                         cudaMemcpyDeviceToHost, d.stream),
+                                         cudaMemcpyDeviceToHost, d.stream.get()),
                          "cudaMemcpyAsync (logits)"));
-    return from_cuda(cudaStreamSynchronize(d.stream), "cudaStreamSynchronize (logits)");
+    return from_cuda(cudaStreamSynchronize(d.stream.get()), "cudaStreamSynchronize (logits)");
   }();
   if (!r.ok) abandon();
   return r;
@@ -1013,7 +1012,7 @@ Result DeviceLlama::read_attention(float* host_out) {
 }
 
 void* DeviceLlama::stream() const noexcept {
-  return device_ ? device_->stream : nullptr;
+  return device_ ? device_->stream.get() : nullptr;
 }
 
 std::size_t DeviceLlama::device_bytes() const noexcept {

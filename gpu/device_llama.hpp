@@ -55,6 +55,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -222,7 +223,7 @@ class DeviceLlama {
   void abandon() noexcept;
 
   LlamaShape shape_{};
-  Device* device_ = nullptr;
+  std::unique_ptr<Device> device_;
   uint32_t rows_ = 0;
   uint32_t next_layer_ = 0;
   Stage stage_ = Stage::idle;

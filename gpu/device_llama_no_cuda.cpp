@@ -9,8 +9,7 @@ namespace kvsift::gpu {
 namespace {
 
 Result unsupported(const char* what) {
-  return Result{false, true,
-                std::string("device llama: ") + what + ": kvsift was built without CUDA"};
+  return without_cuda(std::string("device llama: ") + what);
 }
 
 }  // namespace

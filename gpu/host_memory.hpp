@@ -3,15 +3,10 @@
 #pragma once
 
 #include <cstddef>
-#include <string>
+
+#include "gpu/result.hpp"
 
 namespace kvsift::gpu {
-
-struct Result {
-  bool ok = true;
-  bool unsupported = false;  // no CUDA in this build, or no usable driver/device
-  std::string message;
-};
 
 // Whether this build has the CUDA offload path compiled in.
 bool built_with_cuda() noexcept;

@@ -25,11 +25,13 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/locks_scorer.hpp"
 #include "simd/locks_record.hpp"
@@ -61,13 +63,10 @@ constexpr uint32_t kSelectThreads = 512;
 constexpr int kHeadsPerPass = 4;
 constexpr uint32_t kFull = 0xffffffffu;
 
-Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  return cuda_result(err, std::string("locks scorer: ") + what);
-}
+constexpr CudaErrors from_cuda{"locks scorer"};
 
 Result invalid(const std::string& message) {
-  return Result{false, false, "locks scorer: " + message};
+  return from_cuda.invalid(message);
 }
 
 std::size_t align16(std::size_t n) {
@@ -691,20 +690,21 @@ __global__ void scatter_kernel(const uint4* __restrict__ staged, const uint32_t*
 
 struct LocksScorer::Device {
   int device = 0;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
+  // Declared first so that they go last, after the memory.
+  Stream stream;
+  Event start, stop;
   simd::LocksRecordLayout layout{};
-  unsigned char* records = nullptr;  // [slots][record_bytes]
+  DeviceBuffer<unsigned char> records;  // [slots][record_bytes]
   // Upload staging: kLocksUploadChunk records, then their slots.
-  unsigned char* upload_host = nullptr;
-  unsigned char* upload_device = nullptr;
+  PinnedBuffer<unsigned char> upload_host;
+  DeviceBuffer<unsigned char> upload_device;
   // Run staging (packed per run) and its capacity.
-  unsigned char* staging_host = nullptr;
-  unsigned char* staging_device = nullptr;
+  PinnedBuffer<unsigned char> staging_host;
+  DeviceBuffer<unsigned char> staging_device;
   std::size_t staging_bytes = 0;
   uint32_t stage_cap_floats = 0;  // select_kernel's dynamic shared memory at most, in floats
-  float* head = nullptr;          // [group * max_pages]
-  float* combined = nullptr;      // [max_pages]
+  DeviceBuffer<float> head;       // [group * max_pages]
+  DeviceBuffer<float> combined;   // [max_pages]
   // The device copies of named tables (LocksPair::table_id), [table_copies][max_pair_pages], and
   // which table each holds: its name, its entries, the run that last used it.
   struct TableCopy {
@@ -712,15 +712,15 @@ struct LocksScorer::Device {
     uint32_t count = 0;
     uint64_t used = 0;
   };
-  uint32_t* copies = nullptr;
+  DeviceBuffer<uint32_t> copies;
   std::vector<TableCopy> copy;
   std::unordered_map<uint64_t, uint32_t> copy_index;  // name to copy
   uint32_t hand = 0;                                  // the next copy to reuse, round robin
   uint64_t runs = 0;
   uint64_t max_pair_pages = 0;
   // The result: estimates [max_pairs, padded to 4], then ids and scores [max_pages] each.
-  unsigned char* out_device = nullptr;
-  unsigned char* out_host = nullptr;
+  DeviceBuffer<unsigned char> out_device;
+  PinnedBuffer<unsigned char> out_host;
   std::size_t out_bytes = 0;
   // The last run.
   std::vector<LocksPairPlan> plans;
@@ -766,40 +766,12 @@ struct LocksScorer::Device {
     copy_index.clear();
     for (TableCopy& t : copy) t = TableCopy{};
   }
-
-  ~Device() {
-    cudaFree(records);
-    cudaFreeHost(upload_host);
-    cudaFree(upload_device);
-    cudaFreeHost(staging_host);
-    cudaFree(staging_device);
-    cudaFree(head);
-    cudaFree(combined);
-    cudaFree(copies);
-    cudaFree(out_device);
-    cudaFreeHost(out_host);
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    if (stream) cudaStreamDestroy(stream);
-  }
 };
 
-LocksScorer::~LocksScorer() {
-  if (device_) cudaSetDevice(device_->device);
-  delete device_;
-}
-
-LocksScorer::LocksScorer(LocksScorer&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)), shape_(other.shape_) {}
-
-LocksScorer& LocksScorer::operator=(LocksScorer&& other) noexcept {
-  if (this != &other) {
-    delete device_;
-    device_ = std::exchange(other.device_, nullptr);
-    shape_ = other.shape_;
-  }
-  return *this;
-}
+LocksScorer::LocksScorer() = default;
+LocksScorer::~LocksScorer() = default;
+LocksScorer::LocksScorer(LocksScorer&& other) noexcept = default;
+LocksScorer& LocksScorer::operator=(LocksScorer&& other) noexcept = default;
 
 namespace {
 
@@ -841,42 +813,37 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
   if (device >= n_devices)
     return invalid("device=" + std::to_string(device) + " is not in 0.." +
                    std::to_string(n_devices - 1));
-  delete std::exchange(device_, nullptr);
+  device_.reset();
   Result r = from_cuda(cudaSetDevice(device), "cudaSetDevice");
   if (!r.ok) return r;
-  auto* d = new Device;
+  auto d = std::make_unique<Device>();
   d->device = device;
   d->layout = simd::locks_record_layout(shape.head_dim, shape.page_tokens, shape.rank);
   const std::size_t rb = d->layout.bytes;
   d->staging_bytes = staging_capacity(shape);
   d->out_bytes = (std::size_t{shape.max_pairs} + 4) / 4 * 16 + 8 * shape.max_pages;
   const std::size_t upload = kLocksUploadChunk * (rb + 4);
-  r = from_cuda(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking), "stream");
-  if (r.ok) r = from_cuda(cudaEventCreate(&d->start), "event");
-  if (r.ok) r = from_cuda(cudaEventCreate(&d->stop), "event");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->records, std::size_t{shape.slots} * rb), "records");
+  r = from_cuda(d->stream.create(cudaStreamNonBlocking), "stream");
+  if (r.ok) r = from_cuda(d->start.create(), "event");
+  if (r.ok) r = from_cuda(d->stop.create(), "event");
+  if (r.ok) r = from_cuda(d->records.allocate(std::size_t{shape.slots} * rb), "records");
   if (r.ok)
-    r = from_cuda(
-        cudaHostAlloc(reinterpret_cast<void**>(&d->upload_host), upload, cudaHostAllocPortable),
-        "pinned upload staging");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->upload_device, upload), "device upload staging");
+    r = from_cuda(d->upload_host.allocate(upload, cudaHostAllocPortable), "pinned upload staging");
+  if (r.ok) r = from_cuda(d->upload_device.allocate(upload), "device upload staging");
   if (r.ok)
-    r = from_cuda(cudaHostAlloc(reinterpret_cast<void**>(&d->staging_host), d->staging_bytes,
-                                cudaHostAllocPortable),
+    r = from_cuda(d->staging_host.allocate(d->staging_bytes, cudaHostAllocPortable),
                   "pinned staging");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->staging_device, d->staging_bytes), "device staging");
+  if (r.ok) r = from_cuda(d->staging_device.allocate(d->staging_bytes), "device staging");
   if (r.ok)
-    r = from_cuda(cudaMalloc(&d->head, std::size_t{shape.group} * shape.max_pages * 4),
+    r = from_cuda(d->head.allocate(std::size_t{shape.group} * shape.max_pages * 4),
                   "score workspace");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->combined, shape.max_pages * 4), "combined workspace");
+  if (r.ok) r = from_cuda(d->combined.allocate(shape.max_pages * 4), "combined workspace");
   if (r.ok && shape.table_copies > 0)
-    r = from_cuda(cudaMalloc(&d->copies, shape.table_copies * shape.max_pair_pages * 4),
+    r = from_cuda(d->copies.allocate(shape.table_copies * shape.max_pair_pages * 4),
                   "table copies");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->out_device, d->out_bytes), "result");
+  if (r.ok) r = from_cuda(d->out_device.allocate(d->out_bytes), "result");
   if (r.ok)
-    r = from_cuda(
-        cudaHostAlloc(reinterpret_cast<void**>(&d->out_host), d->out_bytes, cudaHostAllocPortable),
-        "pinned result");
+    r = from_cuda(d->out_host.allocate(d->out_bytes, cudaHostAllocPortable), "pinned result");
   // select_kernel stages a pair's scores in whatever shared memory its static arrays leave.
   int optin = 0;
   cudaFuncAttributes attributes{};
@@ -896,10 +863,7 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
                                          static_cast<int>(stage_bytes)),
                     "select kernel shared memory");
   }
-  if (!r.ok) {
-    delete d;
-    return r;
-  }
+  if (!r.ok) return r;
   d->plans.resize(shape.max_pairs);
   d->offsets.resize(std::size_t{shape.max_pairs} + 1);
   d->head_at.resize(shape.max_pairs);
@@ -908,7 +872,7 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
   d->copy.resize(shape.table_copies);
   d->copy_index.reserve(shape.table_copies);
   d->max_pair_pages = shape.max_pair_pages;
-  device_ = d;
+  device_ = std::move(d);
   shape_ = shape;
   return r;
 }
@@ -926,23 +890,23 @@ Result LocksScorer::upload(const std::byte* records, const uint32_t* slots,
   for (std::size_t done = 0; r.ok && done < n;) {
     const std::size_t m = std::min<std::size_t>(kLocksUploadChunk, n - done);
     // The staging is reused chunk after chunk: the previous chunk's copy must have read it.
-    r = from_cuda(cudaStreamSynchronize(dev.stream), "upload");
+    r = from_cuda(cudaStreamSynchronize(dev.stream.get()), "upload");
     if (!r.ok) break;
     for (std::size_t i = 0; i < m; ++i)
-      std::memcpy(dev.upload_host + i * rb, records + std::size_t{slots[done + i]} * rb, rb);
-    std::memcpy(dev.upload_host + m * rb, slots + done, m * 4);
-    r = from_cuda(cudaMemcpyAsync(dev.upload_device, dev.upload_host, m * (rb + 4),
-                                  cudaMemcpyHostToDevice, dev.stream),
+      std::memcpy(dev.upload_host.get() + i * rb, records + std::size_t{slots[done + i]} * rb, rb);
+    std::memcpy(dev.upload_host.get() + m * rb, slots + done, m * 4);
+    r = from_cuda(cudaMemcpyAsync(dev.upload_device.get(), dev.upload_host.get(), m * (rb + 4),
+                                  cudaMemcpyHostToDevice, dev.stream.get()),
                   "records upload");
     if (!r.ok) break;
-    scatter_kernel<<<static_cast<unsigned>(m), 64, 0, dev.stream>>>(
-        reinterpret_cast<const uint4*>(dev.upload_device),
-        reinterpret_cast<const uint32_t*>(dev.upload_device + m * rb), dev.records,
+    scatter_kernel<<<static_cast<unsigned>(m), 64, 0, dev.stream.get()>>>(
+        reinterpret_cast<const uint4*>(dev.upload_device.get()),
+        reinterpret_cast<const uint32_t*>(dev.upload_device.get() + m * rb), dev.records.get(),
         static_cast<uint32_t>(rb));
-    r = from_cuda(cudaGetLastError(), "scatter launch");
+    r = from_cuda.launched("scatter launch");
     done += m;
   }
-  if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream), "upload");
+  if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream.get()), "upload");
   return r;
 }
 
@@ -991,8 +955,8 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
   dev.n_pairs = n_pairs;
   dev.total_out = dev.offsets[n_pairs];
   const std::size_t kept_bytes = (std::size_t{n_pairs} + 3) / 4 * 16;
-  auto* kept_host = reinterpret_cast<float*>(dev.out_host);
-  auto* ids_host = reinterpret_cast<uint32_t*>(dev.out_host + kept_bytes);
+  auto* kept_host = reinterpret_cast<float*>(dev.out_host.get());
+  auto* ids_host = reinterpret_cast<uint32_t*>(dev.out_host.get() + kept_bytes);
   float* scores_host = reinterpret_cast<float*>(ids_host + dev.total_out);
 
   Result r = from_cuda(cudaSetDevice(dev.device), "cudaSetDevice");
@@ -1013,7 +977,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     const std::size_t at_tables = at_qf + align16(std::size_t{n_dev} * G * d * 4);
     const std::size_t at_keys = at_tables + align16(sent_total * 4);
     const std::size_t bytes = at_keys + std::size_t{n_open} * B * d * 2;
-    unsigned char* h = dev.staging_host;
+    unsigned char* h = dev.staging_host.get();
     auto* params = reinterpret_cast<PairParams*>(h + at_params);
     auto* qf = reinterpret_cast<float*>(h + at_qf);
     auto* tables = reinterpret_cast<uint32_t*>(h + at_tables);
@@ -1050,18 +1014,18 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
       comb_at += plan.n_pages;
       ++k;
     }
-    unsigned char* base = dev.staging_device;
+    unsigned char* base = dev.staging_device.get();
     RunView view{};
     view.params = reinterpret_cast<const PairParams*>(base + at_params);
     view.qf = reinterpret_cast<const float*>(base + at_qf);
     view.tables = reinterpret_cast<const uint32_t*>(base + at_tables);
-    view.copies = dev.copies;
+    view.copies = dev.copies.get();
     view.keys = reinterpret_cast<const uint16_t*>(base + at_keys);
-    view.records = dev.records;
-    view.head = dev.head;
-    view.combined = dev.combined;
-    view.kept = reinterpret_cast<float*>(dev.out_device);
-    view.ids = reinterpret_cast<uint32_t*>(dev.out_device + kept_bytes);
+    view.records = dev.records.get();
+    view.head = dev.head.get();
+    view.combined = dev.combined.get();
+    view.kept = reinterpret_cast<float*>(dev.out_device.get());
+    view.ids = reinterpret_cast<uint32_t*>(dev.out_device.get() + kept_bytes);
     view.scores = reinterpret_cast<float*>(view.ids + dev.total_out);
     view.slots = shape_.slots;
     view.record_bytes = dev.layout.bytes;
@@ -1079,34 +1043,35 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     const uint64_t max_chunk = (max_n + kSelectCluster - 1) / kSelectCluster;
     view.stage_floats = static_cast<uint32_t>(std::min<uint64_t>(
         dev.stage_cap_floats, std::max<uint64_t>(uint64_t{G + 1} * max_chunk, (G + B) * d)));
-    if (r.ok) r = from_cuda(cudaEventRecord(dev.start, dev.stream), "event");
+    if (r.ok) r = from_cuda(cudaEventRecord(dev.start.get(), dev.stream.get()), "event");
     if (r.ok)
-      r = from_cuda(cudaMemcpyAsync(dev.staging_device, dev.staging_host, bytes,
-                                    cudaMemcpyHostToDevice, dev.stream),
+      r = from_cuda(cudaMemcpyAsync(dev.staging_device.get(), dev.staging_host.get(), bytes,
+                                    cudaMemcpyHostToDevice, dev.stream.get()),
                     "batch upload");
     if (r.ok && max_sealed > 0) {
       const uint32_t gb = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
       const dim3 grid((max_sealed + kScorePages - 1) / kScorePages, n_dev, (G + gb - 1) / gb);
       switch (gb) {
-        case 1: score_kernel<1><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
-        case 2: score_kernel<2><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
-        case 4: score_kernel<4><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
-        default: score_kernel<8><<<grid, kScoreThreads, 0, dev.stream>>>(view); break;
+        case 1: score_kernel<1><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
+        case 2: score_kernel<2><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
+        case 4: score_kernel<4><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
+        default: score_kernel<8><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
       }
-      r = from_cuda(cudaGetLastError(), "score launch");
+      r = from_cuda.launched("score launch");
     }
     if (r.ok) {
       const dim3 grid(kSelectCluster, n_dev);  // one cluster a pair (select_kernel's dims)
-      select_kernel<<<grid, kSelectThreads, std::size_t{view.stage_floats} * 4, dev.stream>>>(view);
-      r = from_cuda(cudaGetLastError(), "select launch");
+      select_kernel<<<grid, kSelectThreads, std::size_t{view.stage_floats} * 4, dev.stream.get()>>>(
+          view);
+      r = from_cuda.launched("select launch");
     }
     if (r.ok)
-      r = from_cuda(
-          cudaMemcpyAsync(dev.out_host, dev.out_device, kept_bytes + std::size_t{dev.total_out} * 8,
-                          cudaMemcpyDeviceToHost, dev.stream),
-          "result download");
-    if (r.ok) r = from_cuda(cudaEventRecord(dev.stop, dev.stream), "event");
-    if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream), "run");
+      r = from_cuda(cudaMemcpyAsync(dev.out_host.get(), dev.out_device.get(),
+                                    kept_bytes + std::size_t{dev.total_out} * 8,
+                                    cudaMemcpyDeviceToHost, dev.stream.get()),
+                    "result download");
+    if (r.ok) r = from_cuda(cudaEventRecord(dev.stop.get(), dev.stream.get()), "event");
+    if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream.get()), "run");
   }
   if (!r.ok) {
     dev.forget_copies();  // the kernel may have stopped short of the new entries
@@ -1130,7 +1095,7 @@ const uint32_t* LocksScorer::offsets() const noexcept {
 }
 
 const uint32_t* LocksScorer::page_ids() const noexcept {
-  return reinterpret_cast<const uint32_t*>(device_->out_host +
+  return reinterpret_cast<const uint32_t*>(device_->out_host.get() +
                                            (std::size_t{device_->n_pairs} + 3) / 4 * 16);
 }
 
@@ -1139,7 +1104,7 @@ const float* LocksScorer::scores() const noexcept {
 }
 
 const float* LocksScorer::kept_estimate() const noexcept {
-  return reinterpret_cast<const float*>(device_->out_host);
+  return reinterpret_cast<const float*>(device_->out_host.get());
 }
 
 Result LocksScorer::head_scores(uint32_t pair, float* out) const {
@@ -1150,7 +1115,7 @@ Result LocksScorer::head_scores(uint32_t pair, float* out) const {
   Result r = from_cuda(cudaSetDevice(dev.device), "cudaSetDevice");
   if (r.ok)
     r = from_cuda(
-        cudaMemcpy(out, dev.head + dev.head_at[pair],
+        cudaMemcpy(out, dev.head.get() + dev.head_at[pair],
                    std::size_t{shape_.group} * dev.plans[pair].n_pages * 4, cudaMemcpyDeviceToHost),
         "head scores");
   return r;
@@ -1162,7 +1127,8 @@ uint64_t LocksScorer::device_bytes() const noexcept {
 
 float LocksScorer::last_run_ms() const noexcept {
   float ms = 0.0f;
-  if (!device_ || cudaEventElapsedTime(&ms, device_->start, device_->stop) != cudaSuccess) {
+  if (!device_ ||
+      cudaEventElapsedTime(&ms, device_->start.get(), device_->stop.get()) != cudaSuccess) {
     cudaGetLastError();
     return 0.0f;
   }

@@ -35,6 +35,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "gpu/host_memory.hpp"
 #include "lib/select/page_plan.hpp"
@@ -95,7 +96,7 @@ inline constexpr uint32_t kLocksUploadChunk = 4096;
 // host thread at a time. Movable, not copyable.
 class LocksScorer {
  public:
-  LocksScorer() = default;
+  LocksScorer();  // out of line, where Device is complete
   ~LocksScorer();
   LocksScorer(LocksScorer&& other) noexcept;
   LocksScorer& operator=(LocksScorer&& other) noexcept;
@@ -141,7 +142,7 @@ class LocksScorer {
 
  private:
   struct Device;  // the CUDA resources (gpu/locks_scorer.cu)
-  Device* device_ = nullptr;
+  std::unique_ptr<Device> device_;
   LocksScorerShape shape_{};
 };
 

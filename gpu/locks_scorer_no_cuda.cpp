@@ -9,23 +9,17 @@ namespace kvsift::gpu {
 namespace {
 
 Result unsupported() {
-  return Result{false, true, "GPU LOCKS scorer: kvsift was built without CUDA"};
+  return without_cuda("GPU LOCKS scorer");
 }
 
 }  // namespace
 
 struct LocksScorer::Device {};
 
+LocksScorer::LocksScorer() = default;
 LocksScorer::~LocksScorer() = default;
-
-LocksScorer::LocksScorer(LocksScorer&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)), shape_(other.shape_) {}
-
-LocksScorer& LocksScorer::operator=(LocksScorer&& other) noexcept {
-  device_ = std::exchange(other.device_, nullptr);
-  shape_ = other.shape_;
-  return *this;
-}
+LocksScorer::LocksScorer(LocksScorer&& other) noexcept = default;
+LocksScorer& LocksScorer::operator=(LocksScorer&& other) noexcept = default;
 
 Result LocksScorer::init(int, const LocksScorerShape&) {
   return unsupported();

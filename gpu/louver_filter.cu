@@ -14,10 +14,12 @@
 
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/louver_filter.hpp"
 
@@ -29,14 +31,10 @@ constexpr uint32_t kMaxS = simd::kLouverMaxSubspaces;
 constexpr uint32_t kMaxGroup = simd::kLouverMaxGroup;
 constexpr uint32_t kMaxHeadDim = 256;
 
-// The message is built only on failure: run() is on the decode path.
-Result from_cuda(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return Result{};
-  return cuda_result(err, std::string("louver filter: ") + what);
-}
+constexpr CudaErrors from_cuda{"louver filter"};
 
 Result invalid(const std::string& message) {
-  return Result{false, false, "louver filter: " + message};
+  return from_cuda.invalid(message);
 }
 
 uint32_t round_up(uint64_t n, uint32_t to) {
@@ -161,68 +159,44 @@ struct Slot {
   simd::Isa isa = simd::Isa::scalar;
   uint32_t n_clusters = 0, n_indexed = 0;  // uploaded so far
   uint32_t cluster_capacity = 0, key_capacity = 0;
-  __half* centers = nullptr;
-  float* radii = nullptr;
-  uint32_t* assign = nullptr;
+  DeviceBuffer<__half> centers;
+  DeviceBuffer<float> radii;
+  DeviceBuffer<uint32_t> assign;
 
   void free_device() noexcept {
-    cudaFree(centers);
-    cudaFree(radii);
-    cudaFree(assign);
-    centers = nullptr, radii = nullptr, assign = nullptr;
+    centers.reset();
+    radii.reset();
+    assign.reset();
     cluster_capacity = key_capacity = n_clusters = n_indexed = 0;
   }
 };
 
 }  // namespace
 
+// Members go in reverse: the slots' and the workspace's memory, then the events and the stream.
 struct LouverFilter::Device {
   int device = 0;
-  cudaStream_t stream = nullptr;
-  cudaEvent_t start = nullptr, stop = nullptr;
-  unsigned char* staging_host = nullptr;    // pinned, [max_items] x item_stride
-  unsigned char* staging_device = nullptr;  // the same on the device
-  std::vector<Slot> slots;
+  Stream stream;
+  Event start, stop;
+  PinnedBuffer<unsigned char> staging_host;    // [max_items] x item_stride
+  DeviceBuffer<unsigned char> staging_device;  // the same on the device
   // Workspace shared by the slots, per item: bounds and masks.
   std::size_t ub_stride = 0;    // floats per item
   std::size_t mask_stride = 0;  // words per item
-  float* ub = nullptr;
-  uint32_t* mask_device = nullptr;
-  uint32_t* mask_host = nullptr;     // pinned
+  DeviceBuffer<float> ub;
+  DeviceBuffer<uint32_t> mask_device;
+  PinnedBuffer<uint32_t> mask_host;
+  std::vector<Slot> slots;
   std::vector<uint32_t> item_keys;   // n_indexed per item of the last run
   std::vector<std::size_t> item_at;  // first mask word per item of the last run
   std::vector<uint64_t> stamp;       // per slot: the validate() call that last saw it
   uint64_t validations = 0;
-
-  ~Device() {
-    for (Slot& s : slots) s.free_device();
-    cudaFree(ub);
-    cudaFree(mask_device);
-    cudaFreeHost(mask_host);
-    cudaFree(staging_device);
-    cudaFreeHost(staging_host);
-    if (start) cudaEventDestroy(start);
-    if (stop) cudaEventDestroy(stop);
-    if (stream) cudaStreamDestroy(stream);
-  }
 };
 
-LouverFilter::~LouverFilter() {
-  if (device_) cudaSetDevice(device_->device);
-  delete device_;
-}
-
-LouverFilter::LouverFilter(LouverFilter&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)), shape_(other.shape_) {}
-
-LouverFilter& LouverFilter::operator=(LouverFilter&& other) noexcept {
-  if (this != &other) {
-    delete device_;
-    device_ = std::exchange(other.device_, nullptr);
-    shape_ = other.shape_;
-  }
-  return *this;
-}
+LouverFilter::LouverFilter() = default;
+LouverFilter::~LouverFilter() = default;
+LouverFilter::LouverFilter(LouverFilter&& other) noexcept = default;
+LouverFilter& LouverFilter::operator=(LouverFilter&& other) noexcept = default;
 
 Result LouverFilter::init(int device, const LouverFilterShape& shape) {
   if (shape.head_dim == 0 || shape.head_dim % 16 != 0 || shape.head_dim > kMaxHeadDim)
@@ -240,27 +214,22 @@ Result LouverFilter::init(int device, const LouverFilterShape& shape) {
   if (device >= n_devices)
     return invalid("device=" + std::to_string(device) + " is not in 0.." +
                    std::to_string(n_devices - 1));
-  delete std::exchange(device_, nullptr);
+  device_.reset();
   Result r = from_cuda(cudaSetDevice(device), "cudaSetDevice");
   if (!r.ok) return r;
-  auto* d = new Device;
+  auto d = std::make_unique<Device>();
   d->device = device;
   const std::size_t staging = shape.max_items * item_stride(shape);
-  r = from_cuda(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking), "stream");
-  if (r.ok) r = from_cuda(cudaEventCreate(&d->start), "event");
-  if (r.ok) r = from_cuda(cudaEventCreate(&d->stop), "event");
+  r = from_cuda(d->stream.create(cudaStreamNonBlocking), "stream");
+  if (r.ok) r = from_cuda(d->start.create(), "event");
+  if (r.ok) r = from_cuda(d->stop.create(), "event");
   if (r.ok)
-    r = from_cuda(
-        cudaHostAlloc(reinterpret_cast<void**>(&d->staging_host), staging, cudaHostAllocPortable),
-        "pinned staging");
-  if (r.ok) r = from_cuda(cudaMalloc(&d->staging_device, staging), "device staging");
-  if (!r.ok) {
-    delete d;
-    return r;
-  }
+    r = from_cuda(d->staging_host.allocate(staging, cudaHostAllocPortable), "pinned staging");
+  if (r.ok) r = from_cuda(d->staging_device.allocate(staging), "device staging");
+  if (!r.ok) return r;
   d->item_keys.resize(shape.max_items);
   d->item_at.resize(shape.max_items);
-  device_ = d;
+  device_ = std::move(d);
   shape_ = shape;
   return r;
 }
@@ -312,9 +281,9 @@ Result LouverFilter::sync(uint32_t slot, const LouverIndexView& view) {
     const uint32_t clusters = round_up(view.n_clusters + view.n_clusters / 4 + 64, 16);
     const uint32_t keys = round_up(uint64_t{view.n_indexed} + view.n_indexed / 4 + 256, 32);
     sl.free_device();
-    r = from_cuda(cudaMalloc(&sl.centers, std::size_t{clusters} * view.head_dim * 2), "centers");
-    if (r.ok) r = from_cuda(cudaMalloc(&sl.radii, std::size_t{clusters} * S * 4), "radii");
-    if (r.ok) r = from_cuda(cudaMalloc(&sl.assign, std::size_t{keys} * S * 4), "assignments");
+    r = from_cuda(sl.centers.allocate(std::size_t{clusters} * view.head_dim * 2), "centers");
+    if (r.ok) r = from_cuda(sl.radii.allocate(std::size_t{clusters} * S * 4), "radii");
+    if (r.ok) r = from_cuda(sl.assign.allocate(std::size_t{keys} * S * 4), "assignments");
     if (!r.ok) {
       sl.free_device();
       sl.live = false;
@@ -332,22 +301,19 @@ Result LouverFilter::sync(uint32_t slot, const LouverIndexView& view) {
   const std::size_t ub_stride = std::size_t{shape_.max_group} * S * sl.cluster_capacity;
   const std::size_t mask_stride = sl.key_capacity / 32;
   if (ub_stride > dev.ub_stride) {
-    cudaFree(std::exchange(dev.ub, nullptr));
+    dev.ub.reset();
     dev.ub_stride = 0;
-    r = from_cuda(cudaMalloc(&dev.ub, ub_stride * shape_.max_items * 4), "bounds workspace");
+    r = from_cuda(dev.ub.allocate(ub_stride * shape_.max_items * 4), "bounds workspace");
     if (!r.ok) return r;
     dev.ub_stride = ub_stride;
   }
   if (mask_stride > dev.mask_stride) {
-    cudaFree(std::exchange(dev.mask_device, nullptr));
-    cudaFreeHost(std::exchange(dev.mask_host, nullptr));
+    dev.mask_device.reset();
+    dev.mask_host.reset();
     dev.mask_stride = 0;
     const std::size_t bytes = mask_stride * shape_.max_items * 4;
-    r = from_cuda(cudaMalloc(&dev.mask_device, bytes), "mask workspace");
-    if (r.ok)
-      r = from_cuda(
-          cudaHostAlloc(reinterpret_cast<void**>(&dev.mask_host), bytes, cudaHostAllocPortable),
-          "pinned masks");
+    r = from_cuda(dev.mask_device.allocate(bytes), "mask workspace");
+    if (r.ok) r = from_cuda(dev.mask_host.allocate(bytes, cudaHostAllocPortable), "pinned masks");
     if (!r.ok) return r;
     dev.mask_stride = mask_stride;
   }
@@ -357,26 +323,29 @@ Result LouverFilter::sync(uint32_t slot, const LouverIndexView& view) {
   for (uint32_t s = 0; s < S && r.ok; ++s) {
     const uint32_t w = sl.offset[s + 1] - sl.offset[s];
     if (block1 > block0)
-      r = from_cuda(cudaMemcpyAsync(sl.centers + std::size_t{sl.cluster_capacity} * sl.offset[s] +
-                                        std::size_t{block0} * w * 16,
-                                    view.centers[s] + std::size_t{block0} * w * 16,
-                                    std::size_t{block1 - block0} * w * 16 * 2,
-                                    cudaMemcpyHostToDevice, dev.stream),
-                    "centers upload");
+      r = from_cuda(
+          cudaMemcpyAsync(sl.centers.get() + std::size_t{sl.cluster_capacity} * sl.offset[s] +
+                              std::size_t{block0} * w * 16,
+                          view.centers[s] + std::size_t{block0} * w * 16,
+                          std::size_t{block1 - block0} * w * 16 * 2, cudaMemcpyHostToDevice,
+                          dev.stream.get()),
+          "centers upload");
     if (r.ok && view.n_clusters > sl.n_clusters)
-      r = from_cuda(cudaMemcpyAsync(sl.radii + std::size_t{s} * sl.cluster_capacity + sl.n_clusters,
-                                    view.radii[s] + sl.n_clusters,
-                                    std::size_t{view.n_clusters - sl.n_clusters} * 4,
-                                    cudaMemcpyHostToDevice, dev.stream),
-                    "radii upload");
+      r = from_cuda(
+          cudaMemcpyAsync(sl.radii.get() + std::size_t{s} * sl.cluster_capacity + sl.n_clusters,
+                          view.radii[s] + sl.n_clusters,
+                          std::size_t{view.n_clusters - sl.n_clusters} * 4, cudaMemcpyHostToDevice,
+                          dev.stream.get()),
+          "radii upload");
     if (r.ok && view.n_indexed > sl.n_indexed)
-      r = from_cuda(cudaMemcpyAsync(sl.assign + std::size_t{s} * sl.key_capacity + sl.n_indexed,
-                                    view.assignments[s] + sl.n_indexed,
-                                    std::size_t{view.n_indexed - sl.n_indexed} * 4,
-                                    cudaMemcpyHostToDevice, dev.stream),
-                    "assignments upload");
+      r = from_cuda(
+          cudaMemcpyAsync(sl.assign.get() + std::size_t{s} * sl.key_capacity + sl.n_indexed,
+                          view.assignments[s] + sl.n_indexed,
+                          std::size_t{view.n_indexed - sl.n_indexed} * 4, cudaMemcpyHostToDevice,
+                          dev.stream.get()),
+          "assignments upload");
   }
-  if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream), "upload");
+  if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream.get()), "upload");
   if (!r.ok) {
     sl.free_device();
     sl.live = false;
@@ -389,7 +358,6 @@ Result LouverFilter::sync(uint32_t slot, const LouverIndexView& view) {
 
 void LouverFilter::release(uint32_t slot) noexcept {
   if (!device_ || slot >= device_->slots.size() || !device_->slots[slot].live) return;
-  cudaSetDevice(device_->device);
   device_->slots[slot].free_device();
   device_->slots[slot].live = false;
 }
@@ -433,13 +401,13 @@ Result LouverFilter::run(const LouverFilterItem* items, uint32_t n_items) noexce
   for (uint32_t i = 0; i < n_items; ++i) {
     const LouverFilterItem& item = items[i];
     const Slot& sl = dev.slots[item.slot];
-    unsigned char* base = dev.staging_host + i * stride;
+    unsigned char* base = dev.staging_host.get() + i * stride;
     ItemParams p{};
-    p.centers = sl.centers;
-    p.radii = sl.radii;
-    p.assign = sl.assign;
-    p.ub = dev.ub + i * dev.ub_stride;
-    p.mask = dev.mask_device + words;
+    p.centers = sl.centers.get();
+    p.radii = sl.radii.get();
+    p.assign = sl.assign.get();
+    p.ub = dev.ub.get() + i * dev.ub_stride;
+    p.mask = dev.mask_device.get() + words;
     p.n_clusters = sl.n_clusters;
     p.n_indexed = sl.n_indexed;
     p.cluster_capacity = sl.cluster_capacity;
@@ -462,32 +430,33 @@ Result LouverFilter::run(const LouverFilterItem* items, uint32_t n_items) noexce
   }
   const uint32_t n = n_items;
   Result r = from_cuda(cudaSetDevice(dev.device), "cudaSetDevice");
-  if (r.ok) r = from_cuda(cudaEventRecord(dev.start, dev.stream), "event");
+  const cudaStream_t stream = dev.stream.get();
+  if (r.ok) r = from_cuda(cudaEventRecord(dev.start.get(), stream), "event");
   if (r.ok)
-    r = from_cuda(cudaMemcpyAsync(dev.staging_device, dev.staging_host, n * stride,
-                                  cudaMemcpyHostToDevice, dev.stream),
+    r = from_cuda(cudaMemcpyAsync(dev.staging_device.get(), dev.staging_host.get(), n * stride,
+                                  cudaMemcpyHostToDevice, stream),
                   "batch upload");
   if (r.ok && cluster_blocks > 0) {
-    bounds_kernel<<<dim3(cluster_blocks, n), kThreads, 0, dev.stream>>>(
-        dev.staging_device, static_cast<uint32_t>(stride));
-    r = from_cuda(cudaGetLastError(), "bounds launch");
+    bounds_kernel<<<dim3(cluster_blocks, n), kThreads, 0, stream>>>(dev.staging_device.get(),
+                                                                    static_cast<uint32_t>(stride));
+    r = from_cuda.launched("bounds launch");
   }
   if (r.ok && key_blocks > 0) {
-    filter_kernel<<<dim3(key_blocks, n), kThreads, 0, dev.stream>>>(dev.staging_device,
-                                                                    static_cast<uint32_t>(stride));
-    r = from_cuda(cudaGetLastError(), "filter launch");
+    filter_kernel<<<dim3(key_blocks, n), kThreads, 0, stream>>>(dev.staging_device.get(),
+                                                                static_cast<uint32_t>(stride));
+    r = from_cuda.launched("filter launch");
   }
   if (r.ok && words > 0)
-    r = from_cuda(cudaMemcpyAsync(dev.mask_host, dev.mask_device, words * 4, cudaMemcpyDeviceToHost,
-                                  dev.stream),
+    r = from_cuda(cudaMemcpyAsync(dev.mask_host.get(), dev.mask_device.get(), words * 4,
+                                  cudaMemcpyDeviceToHost, stream),
                   "mask download");
-  if (r.ok) r = from_cuda(cudaEventRecord(dev.stop, dev.stream), "event");
-  if (r.ok) r = from_cuda(cudaStreamSynchronize(dev.stream), "run");
+  if (r.ok) r = from_cuda(cudaEventRecord(dev.stop.get(), stream), "event");
+  if (r.ok) r = from_cuda(cudaStreamSynchronize(stream), "run");
   return r;
 }
 
 const uint32_t* LouverFilter::mask(uint32_t item) const noexcept {
-  return device_->mask_host + device_->item_at[item];
+  return device_->mask_host.get() + device_->item_at[item];
 }
 
 uint32_t LouverFilter::mask_keys(uint32_t item) const noexcept {
@@ -506,7 +475,8 @@ uint64_t LouverFilter::device_bytes() const noexcept {
 
 float LouverFilter::last_run_ms() const noexcept {
   float ms = 0.0f;
-  if (!device_ || cudaEventElapsedTime(&ms, device_->start, device_->stop) != cudaSuccess) {
+  if (!device_ ||
+      cudaEventElapsedTime(&ms, device_->start.get(), device_->stop.get()) != cudaSuccess) {
     cudaGetLastError();
     return 0.0f;
   }

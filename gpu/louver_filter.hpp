@@ -32,6 +32,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "gpu/host_memory.hpp"
@@ -78,7 +79,7 @@ struct LouverFilterItem {
 // Use from one host thread at a time. Movable, not copyable.
 class LouverFilter {
  public:
-  LouverFilter() = default;
+  LouverFilter();  // out of line, where Device is complete
   ~LouverFilter();
   LouverFilter(LouverFilter&& other) noexcept;
   LouverFilter& operator=(LouverFilter&& other) noexcept;
@@ -123,7 +124,7 @@ class LouverFilter {
 
  private:
   struct Device;  // the CUDA resources (gpu/louver_filter.cu)
-  Device* device_ = nullptr;
+  std::unique_ptr<Device> device_;
   LouverFilterShape shape_{};
 };
 

@@ -9,23 +9,17 @@ namespace kvsift::gpu {
 namespace {
 
 Result unsupported(const char* what) {
-  return Result{false, true, std::string(what) + ": kvsift was built without CUDA"};
+  return without_cuda(what);
 }
 
 }  // namespace
 
 struct LouverFilter::Device {};
 
+LouverFilter::LouverFilter() = default;
 LouverFilter::~LouverFilter() = default;
-
-LouverFilter::LouverFilter(LouverFilter&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)), shape_(other.shape_) {}
-
-LouverFilter& LouverFilter::operator=(LouverFilter&& other) noexcept {
-  device_ = std::exchange(other.device_, nullptr);
-  shape_ = other.shape_;
-  return *this;
-}
+LouverFilter::LouverFilter(LouverFilter&& other) noexcept = default;
+LouverFilter& LouverFilter::operator=(LouverFilter&& other) noexcept = default;
 
 Result LouverFilter::init(int, const LouverFilterShape&) {
   return unsupported("GPU Louver filter");

@@ -1,9 +1,10 @@
 // The offload step's stream, events, buffers and page refresh on CUDA (gpu/offload_runtime.hpp).
 #include <cuda_runtime.h>
 
-#include <string>
+#include <memory>
 #include <utility>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/offload_runtime.hpp"
 
@@ -12,9 +13,7 @@ namespace {
 
 constexpr uint32_t kRefreshThreads = 256;
 
-Result from_cuda(cudaError_t err, const char* what) {
-  return cuda_result(err, std::string("offload: ") + what);
-}
+constexpr CudaErrors from_cuda{"offload"};
 
 // One CTA per page. A step refreshes few pages (the open page of each pair, or every resident page
 // once after a sequence was freed), so one page per CTA keeps the grid simple at no cost.
@@ -37,10 +36,10 @@ Result mapped_device_pointer(const void* host, const void** out) {
   *out = nullptr;
   cudaPointerAttributes attributes{};
   const cudaError_t err = cudaPointerGetAttributes(&attributes, host);
-  cudaGetLastError();
+  if (err != cudaSuccess) cudaGetLastError();
   if (err != cudaSuccess || attributes.type != cudaMemoryTypeHost ||
       attributes.devicePointer == nullptr)
-    return Result{false, false, "offload: host memory is not mapped pinned memory"};
+    return from_cuda.invalid("host memory is not mapped pinned memory");
   *out = attributes.devicePointer;
   return Result{};
 }
@@ -56,59 +55,38 @@ void device_free(void* p) noexcept {
   cudaFree(p);
 }
 
+// Members go in reverse: the events, then the stream.
 struct StepStream::Device {
-  cudaStream_t stream = nullptr;
-  cudaEvent_t events[kEvents] = {};
-
-  ~Device() {
-    for (cudaEvent_t e : events)
-      if (e) cudaEventDestroy(e);
-    if (stream) cudaStreamDestroy(stream);
-  }
+  Stream stream;
+  Event events[kEvents];
 };
 
 StepStream::StepStream() = default;
 
-StepStream::~StepStream() {
-  delete device_;
-}
-
-StepStream::StepStream(StepStream&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)) {}
-
-StepStream& StepStream::operator=(StepStream&& other) noexcept {
-  if (this != &other) {
-    delete device_;
-    device_ = std::exchange(other.device_, nullptr);
-  }
-  return *this;
-}
+StepStream::~StepStream() = default;
+StepStream::StepStream(StepStream&& other) noexcept = default;
+StepStream& StepStream::operator=(StepStream&& other) noexcept = default;
 
 Result StepStream::init() {
-  delete std::exchange(device_, nullptr);
-  auto* d = new Device;
+  device_.reset();
+  auto d = std::make_unique<Device>();
   // Non-blocking: the legacy default stream, which other code in the process may use, does not
   // serialise with the step.
-  Result r = from_cuda(cudaStreamCreateWithFlags(&d->stream, cudaStreamNonBlocking), "stream");
-  for (uint32_t i = 0; r.ok && i < kEvents; ++i)
-    r = from_cuda(cudaEventCreate(&d->events[i]), "event");
-  if (!r.ok) {
-    delete d;
-    return r;
-  }
-  device_ = d;
+  Result r = from_cuda(d->stream.create(cudaStreamNonBlocking), "stream");
+  for (uint32_t i = 0; r.ok && i < kEvents; ++i) r = from_cuda(d->events[i].create(), "event");
+  if (r.ok) device_ = std::move(d);
   return r;
 }
 
 void* StepStream::handle() const noexcept {
-  return device_ ? device_->stream : nullptr;
+  return device_ ? device_->stream.get() : nullptr;
 }
 
 Result StepStream::copy_to_device(void* device_dst, const void* host_src,
                                   std::size_t bytes) noexcept {
   if (bytes == 0) return Result{};
   return from_cuda(
-      cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, device_->stream),
+      cudaMemcpyAsync(device_dst, host_src, bytes, cudaMemcpyHostToDevice, device_->stream.get()),
       "copy to device");
 }
 
@@ -116,7 +94,7 @@ Result StepStream::copy_to_host(void* host_dst, const void* device_src,
                                 std::size_t bytes) noexcept {
   if (bytes == 0) return Result{};
   return from_cuda(
-      cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, device_->stream),
+      cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, device_->stream.get()),
       "copy to host");
 }
 
@@ -124,23 +102,25 @@ Result StepStream::refresh_pages(const void* host_pool, void* device_pool, std::
                                  const PageMove* moves, uint32_t n) noexcept {
   if (n == 0) return Result{};
   const auto vec_shift = static_cast<uint32_t>(__builtin_ctzll(slot_bytes / 16));
-  refresh_kernel<<<n, kRefreshThreads, 0, device_->stream>>>(
+  refresh_kernel<<<n, kRefreshThreads, 0, device_->stream.get()>>>(
       static_cast<const uint4*>(host_pool), static_cast<uint4*>(device_pool),
       reinterpret_cast<const uint2*>(moves), vec_shift);
-  return from_cuda(cudaGetLastError(), "page refresh launch");
+  return from_cuda.launched("page refresh launch");
 }
 
 Result StepStream::mark(uint32_t i) noexcept {
-  return from_cuda(cudaEventRecord(device_->events[i], device_->stream), "event record");
+  return from_cuda(cudaEventRecord(device_->events[i].get(), device_->stream.get()),
+                   "event record");
 }
 
 Result StepStream::wait(uint32_t i) noexcept {
-  return from_cuda(cudaEventSynchronize(device_->events[i]), "event wait");
+  return from_cuda(cudaEventSynchronize(device_->events[i].get()), "event wait");
 }
 
 float StepStream::elapsed_ms(uint32_t i, uint32_t j) const noexcept {
   float ms = 0.0f;
-  if (cudaEventElapsedTime(&ms, device_->events[i], device_->events[j]) != cudaSuccess) {
+  if (cudaEventElapsedTime(&ms, device_->events[i].get(), device_->events[j].get()) !=
+      cudaSuccess) {
     cudaGetLastError();
     return 0.0f;
   }

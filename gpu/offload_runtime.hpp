@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "gpu/host_memory.hpp"
 #include "gpu/page_residency.hpp"
@@ -65,7 +66,7 @@ class StepStream {
 
  private:
   struct Device;  // the CUDA resources (gpu/offload_runtime.cu)
-  Device* device_ = nullptr;
+  std::unique_ptr<Device> device_;
 };
 
 }  // namespace kvsift::gpu

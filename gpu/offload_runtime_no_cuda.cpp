@@ -9,7 +9,7 @@ namespace kvsift::gpu {
 namespace {
 
 Result unsupported(const char* what) {
-  return Result{false, true, std::string(what) + ": kvsift was built without CUDA"};
+  return without_cuda(what);
 }
 
 }  // namespace
@@ -34,12 +34,8 @@ struct StepStream::Device {};
 
 StepStream::StepStream() = default;
 StepStream::~StepStream() = default;
-StepStream::StepStream(StepStream&& other) noexcept
-    : device_(std::exchange(other.device_, nullptr)) {}
-StepStream& StepStream::operator=(StepStream&& other) noexcept {
-  device_ = std::exchange(other.device_, nullptr);
-  return *this;
-}
+StepStream::StepStream(StepStream&& other) noexcept = default;
+StepStream& StepStream::operator=(StepStream&& other) noexcept = default;
 
 Result StepStream::init() {
   return unsupported("offload: stream");

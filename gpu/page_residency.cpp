@@ -80,7 +80,7 @@ class ClockPolicy final : public ReplacementPolicy {
 };
 
 Result invalid(std::string message) {
-  return Result{false, false, std::move(message)};
+  return Result::invalid(std::move(message));
 }
 
 }  // namespace
@@ -229,7 +229,7 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
                      " distinct pages, more than the cache's " + std::to_string(capacity_) +
                      " slots");
     } catch (...) {
-      return Result{false, false, "page cache: the step needs more distinct pages than its slots"};
+      return invalid("page cache: the step needs more distinct pages than its slots");
     }
   }
   // Hits first, so that no victim is chosen before every resident page of the step is used.

@@ -25,6 +25,7 @@
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/page_transfer.hpp"
 
@@ -38,9 +39,7 @@ constexpr uint32_t kMaxCtaPages = 64;
 // CTAs per multiprocessor the kernels aim for (8 x 256 threads fill an SM's 2048).
 constexpr uint32_t kCtasPerSm = 8;
 
-Result from_cuda(cudaError_t err, const char* what) {
-  return cuda_result(err, std::string("page cache: ") + what);
-}
+constexpr CudaErrors from_cuda{"page cache"};
 
 __global__ void __launch_bounds__(kThreads)
     gather_mapped_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool,
@@ -87,30 +86,20 @@ __global__ void __launch_bounds__(kThreads)
 }  // namespace
 
 struct DevicePageCache::Device {
-  void* pool = nullptr;
+  // The events come first so that they go last: freeing pinned or device memory waits for the
+  // work using it.
+  Event chunk_free[PageCacheConfig::kStagingChunks];  // its copy and scatter are done
+  Event moves_free;                                   // the last mapped kernel has read the list
+  DeviceBuffer<void> pool;
   const void* host_pool_device = nullptr;  // the host pool's device view when it is mapped
-  unsigned char* staging_host[PageCacheConfig::kStagingChunks] = {};
-  unsigned char* staging_device[PageCacheConfig::kStagingChunks] = {};
-  cudaEvent_t chunk_free[PageCacheConfig::kStagingChunks] = {};  // its copy and scatter are done
+  PinnedBuffer<unsigned char> staging_host[PageCacheConfig::kStagingChunks];
+  DeviceBuffer<unsigned char> staging_device[PageCacheConfig::kStagingChunks];
   uint32_t next_chunk = 0;
   std::size_t chunk_pages = 0;
-  PageMove* moves_host = nullptr;  // pinned, mapped: the mapped kernel's list [capacity]
+  PinnedBuffer<PageMove> moves_host;  // pinned, mapped: the mapped kernel's list [capacity]
   const void* moves_device = nullptr;
-  cudaEvent_t moves_free = nullptr;  // the last mapped kernel has read the list
   uint32_t multiprocessors = 0;
   uint32_t vec_shift = 0;
-
-  ~Device() {
-    cudaFree(pool);
-    for (uint32_t c = 0; c < PageCacheConfig::kStagingChunks; ++c) {
-      // Freeing pinned or device memory waits for the work using it; the events go after.
-      cudaFreeHost(staging_host[c]);
-      cudaFree(staging_device[c]);
-      if (chunk_free[c]) cudaEventDestroy(chunk_free[c]);
-    }
-    cudaFreeHost(moves_host);
-    if (moves_free) cudaEventDestroy(moves_free);
-  }
 };
 
 DevicePageCache::DevicePageCache() = default;
@@ -119,7 +108,7 @@ DevicePageCache::DevicePageCache(DevicePageCache&& other) noexcept = default;
 DevicePageCache& DevicePageCache::operator=(DevicePageCache&& other) noexcept = default;
 
 const void* DevicePageCache::device_pool() const noexcept {
-  return device_ ? device_->pool : nullptr;
+  return device_ ? device_->pool.get() : nullptr;
 }
 
 Result DevicePageCache::init(const PageCacheConfig& config) {
@@ -140,52 +129,44 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
   // Pinned (cudaHostAlloc, cudaHostRegister) memory reports its device view; pageable memory
   // reports none and takes the staged path only.
   cudaPointerAttributes attributes{};
-  if (cudaPointerGetAttributes(&attributes, config.host_pool) == cudaSuccess &&
-      attributes.type == cudaMemoryTypeHost)
+  if (const cudaError_t err = cudaPointerGetAttributes(&attributes, config.host_pool);
+      err != cudaSuccess)
+    cudaGetLastError();
+  else if (attributes.type == cudaMemoryTypeHost)
     d->host_pool_device = attributes.devicePointer;
-  cudaGetLastError();
   if (config.path == TransferPath::mapped && d->host_pool_device == nullptr)
-    return Result{false, false,
-                  "page cache: path mapped needs host_pool in mapped pinned memory (pinned_alloc)"};
+    return from_cuda.invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
 
   const std::size_t pool_bytes =
       (std::size_t{config.capacity} + config.reserved_slots) * config.slot_bytes;
-  if (Result r = from_cuda(cudaMalloc(&d->pool, pool_bytes), "device pool (cudaMalloc)"); !r.ok)
+  if (Result r = from_cuda(d->pool.allocate(pool_bytes), "device pool (cudaMalloc)"); !r.ok)
     return r;
   d->chunk_pages = config.staging_chunk_bytes / (config.slot_bytes + sizeof(uint32_t));
   const std::size_t chunk_bytes = d->chunk_pages * (config.slot_bytes + sizeof(uint32_t));
   for (uint32_t c = 0; c < PageCacheConfig::kStagingChunks; ++c) {
-    void* host = nullptr;
-    void* dev = nullptr;
-    if (Result r = from_cuda(cudaHostAlloc(&host, chunk_bytes, cudaHostAllocDefault),
+    if (Result r = from_cuda(d->staging_host[c].allocate(chunk_bytes, cudaHostAllocDefault),
                              "pinned staging (cudaHostAlloc)");
         !r.ok)
       return r;
-    d->staging_host[c] = static_cast<unsigned char*>(host);
-    if (Result r = from_cuda(cudaMalloc(&dev, chunk_bytes), "device staging (cudaMalloc)"); !r.ok)
-      return r;
-    d->staging_device[c] = static_cast<unsigned char*>(dev);
     if (Result r =
-            from_cuda(cudaEventCreateWithFlags(&d->chunk_free[c], cudaEventDisableTiming), "event");
+            from_cuda(d->staging_device[c].allocate(chunk_bytes), "device staging (cudaMalloc)");
         !r.ok)
       return r;
+    if (Result r = from_cuda(d->chunk_free[c].create(cudaEventDisableTiming), "event"); !r.ok)
+      return r;
   }
-  void* moves = nullptr;
-  if (Result r = from_cuda(cudaHostAlloc(&moves, std::size_t{config.capacity} * sizeof(PageMove),
-                                         cudaHostAllocMapped),
+  if (Result r = from_cuda(d->moves_host.allocate(std::size_t{config.capacity} * sizeof(PageMove),
+                                                  cudaHostAllocMapped),
                            "move list (cudaHostAlloc)");
       !r.ok)
     return r;
-  d->moves_host = static_cast<PageMove*>(moves);
   void* moves_device = nullptr;
-  if (Result r = from_cuda(cudaHostGetDevicePointer(&moves_device, moves, 0), "move list view");
+  if (Result r = from_cuda(cudaHostGetDevicePointer(&moves_device, d->moves_host.get(), 0),
+                           "move list view");
       !r.ok)
     return r;
   d->moves_device = moves_device;
-  if (Result r =
-          from_cuda(cudaEventCreateWithFlags(&d->moves_free, cudaEventDisableTiming), "event");
-      !r.ok)
-    return r;
+  if (Result r = from_cuda(d->moves_free.create(cudaEventDisableTiming), "event"); !r.ok) return r;
 
   if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
     return r;
@@ -198,11 +179,10 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
 
 Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
                                void* stream, TransferPath path) noexcept {
-  if (!device_) return Result{false, false, "page cache: ensure() before a successful init()"};
+  if (!device_) return from_cuda.invalid("ensure() before a successful init()");
   if (path == TransferPath::automatic) path = config_.path;
   if (path == TransferPath::mapped && device_->host_pool_device == nullptr)
-    return Result{false, false,
-                  "page cache: path mapped needs host_pool in mapped pinned memory (pinned_alloc)"};
+    return from_cuda.invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
   if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
   const StepCounts& counts = residency_.last_counts();
   const uint64_t bytes = counts.misses * config_.slot_bytes;
@@ -247,12 +227,12 @@ Result DevicePageCache::move_staged(void* stream_ptr) noexcept {
     const uint32_t c = d.next_chunk;
     d.next_chunk = (c + 1) % PageCacheConfig::kStagingChunks;
     // The chunk's previous copy (host staging) and scatter (device staging) must be done.
-    if (Result r = from_cuda(cudaEventSynchronize(d.chunk_free[c]), "staging wait"); !r.ok)
+    if (Result r = from_cuda(cudaEventSynchronize(d.chunk_free[c].get()), "staging wait"); !r.ok)
       return r;
-    gather_pages(config_.host_pool, slot_bytes, moves.data() + done, k, d.staging_host[c],
+    gather_pages(config_.host_pool, slot_bytes, moves.data() + done, k, d.staging_host[c].get(),
                  config_.gather_threads);
     if (Result r = from_cuda(
-            cudaMemcpyAsync(d.staging_device[c], d.staging_host[c],
+            cudaMemcpyAsync(d.staging_device[c].get(), d.staging_host[c].get(),
                             k * (slot_bytes + sizeof(uint32_t)), cudaMemcpyHostToDevice, stream),
             "staged copy (cudaMemcpyAsync)");
         !r.ok)
@@ -261,10 +241,11 @@ Result DevicePageCache::move_staged(void* stream_ptr) noexcept {
     const uint32_t grid =
         std::min((vecs + kThreads - 1) / kThreads, d.multiprocessors * kCtasPerSm);
     scatter_kernel<<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(d.staging_device[c]), static_cast<uint4*>(d.pool),
-        static_cast<uint32_t>(k), d.vec_shift);
-    if (Result r = from_cuda(cudaGetLastError(), "scatter launch"); !r.ok) return r;
-    if (Result r = from_cuda(cudaEventRecord(d.chunk_free[c], stream), "event"); !r.ok) return r;
+        reinterpret_cast<const uint4*>(d.staging_device[c].get()),
+        static_cast<uint4*>(d.pool.get()), static_cast<uint32_t>(k), d.vec_shift);
+    if (Result r = from_cuda.launched("scatter launch"); !r.ok) return r;
+    if (Result r = from_cuda(cudaEventRecord(d.chunk_free[c].get(), stream), "event"); !r.ok)
+      return r;
     done += k;
   }
   return Result{};
@@ -275,8 +256,9 @@ Result DevicePageCache::move_mapped(void* stream_ptr) noexcept {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
   const std::vector<PageMove>& moves = residency_.moves();
   // The list is read by the kernel over PCIe: the previous step's kernel must be done with it.
-  if (Result r = from_cuda(cudaEventSynchronize(d.moves_free), "move list wait"); !r.ok) return r;
-  std::memcpy(d.moves_host, moves.data(), moves.size() * sizeof(PageMove));
+  if (Result r = from_cuda(cudaEventSynchronize(d.moves_free.get()), "move list wait"); !r.ok)
+    return r;
+  std::memcpy(d.moves_host.get(), moves.data(), moves.size() * sizeof(PageMove));
   const auto n_pages = static_cast<uint32_t>(moves.size());
   const uint64_t total = uint64_t{n_pages} << d.vec_shift;
   const uint64_t slot_vecs = uint64_t{1} << d.vec_shift;
@@ -288,10 +270,10 @@ Result DevicePageCache::move_mapped(void* stream_ptr) noexcept {
   per_cta = std::min(per_cta, (kMaxCtaPages - 2) * slot_vecs);
   const uint64_t grid = (total + per_cta - 1) / per_cta;
   gather_mapped_kernel<<<static_cast<uint32_t>(grid), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(d.host_pool_device), static_cast<uint4*>(d.pool),
+      static_cast<const uint4*>(d.host_pool_device), static_cast<uint4*>(d.pool.get()),
       static_cast<const uint2*>(d.moves_device), n_pages, d.vec_shift, per_cta);
-  if (Result r = from_cuda(cudaGetLastError(), "mapped gather launch"); !r.ok) return r;
-  return from_cuda(cudaEventRecord(d.moves_free, stream), "event");
+  if (Result r = from_cuda.launched("mapped gather launch"); !r.ok) return r;
+  return from_cuda(cudaEventRecord(d.moves_free.get(), stream), "event");
 }
 
 }  // namespace kvsift::gpu

@@ -53,7 +53,9 @@ const char* transfer_path_name(TransferPath path) noexcept {
 }
 
 Result validate(const PageCacheConfig& c) {
-  auto invalid = [](std::string message) { return Result{false, false, "page cache: " + message}; };
+  auto invalid = [](const std::string& message) {
+    return Result::invalid("page cache: " + message);
+  };
   if (c.slot_bytes < 16 || c.slot_bytes > kMaxSlotBytes || (c.slot_bytes & (c.slot_bytes - 1)) != 0)
     return invalid("slot_bytes " + std::to_string(c.slot_bytes) +
                    " is not a power of two in 16..1 MiB");

@@ -19,20 +19,20 @@ const void* DevicePageCache::device_pool() const noexcept {
 
 Result DevicePageCache::init(const PageCacheConfig& config) {
   if (Result r = validate(config); !r.ok) return r;
-  return Result{false, true, "GPU page cache: kvsift was built without CUDA"};
+  return without_cuda("GPU page cache");
 }
 
 Result DevicePageCache::ensure(const uint32_t*, std::size_t, uint32_t*, void*,
                                TransferPath) noexcept {
-  return Result{false, true, "GPU page cache: kvsift was built without CUDA"};
+  return without_cuda("GPU page cache");
 }
 
 Result DevicePageCache::move_staged(void*) noexcept {
-  return Result{false, true, "GPU page cache: kvsift was built without CUDA"};
+  return without_cuda("GPU page cache");
 }
 
 Result DevicePageCache::move_mapped(void*) noexcept {
-  return Result{false, true, "GPU page cache: kvsift was built without CUDA"};
+  return without_cuda("GPU page cache");
 }
 
 }  // namespace kvsift::gpu

@@ -12,25 +12,22 @@ bool built_with_cuda() noexcept {
 
 Result device_count(int* n_devices) {
   *n_devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(n_devices);
-  if (err != cudaSuccess) {
+  const Result r = cuda_result(cudaGetDeviceCount(n_devices), "cudaGetDeviceCount");
+  if (!r.ok) {
     *n_devices = 0;
-    cudaGetLastError();  // clear the sticky error so later calls start clean
-    return cuda_result(err, "cudaGetDeviceCount");
+    return r;
   }
-  if (*n_devices == 0) return Result{false, true, "no CUDA device present"};
-  return Result{};
+  if (*n_devices == 0) return Result::absent("no CUDA device present");
+  return r;
 }
 
 Result pinned_alloc(std::size_t bytes, void** out) {
   *out = nullptr;
-  const cudaError_t err = cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable);
-  if (err != cudaSuccess) {
-    *out = nullptr;
-    cudaGetLastError();
-    return cuda_result(err, "pinned host memory (cudaHostAlloc)");
-  }
-  return Result{};
+  const Result r =
+      cuda_result(cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
+                  "pinned host memory (cudaHostAlloc)");
+  if (!r.ok) *out = nullptr;
+  return r;
 }
 
 void pinned_free(void* p) noexcept {

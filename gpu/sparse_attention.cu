@@ -25,6 +25,7 @@
 #include <sstream>
 #include <utility>
 
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/sparse_attention.hpp"
 
@@ -494,7 +495,7 @@ template <class... Parts>
 Result invalid(const Parts&... parts) {
   std::ostringstream message;
   (message << ... << parts);
-  return Result{false, false, message.str()};
+  return Result::invalid(message.str());
 }
 
 bool aligned16(const void* p) {
@@ -575,7 +576,7 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
   plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, target_ctas);
   if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
-    return Result{false, false, "split plan exceeds the workspace (internal error)"};
+    return Result::failed("split plan exceeds the workspace (internal error)");
   AttendParams params{};
   params.pool = static_cast<const uint16_t*>(t.pool);
   params.q = t.q;
@@ -605,6 +606,11 @@ uint32_t log2_exact(uint32_t power_of_two) {
 
 }  // namespace
 
+struct SparseDecodeAttention::Workspace {
+  DeviceBuffer<float> memory;  // the partials, then the arrival counters
+};
+
+SparseDecodeAttention::SparseDecodeAttention() = default;
 SparseDecodeAttention::~SparseDecodeAttention() {
   release();
 }
@@ -620,6 +626,7 @@ SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& 
   max_batch_ = std::exchange(other.max_batch_, 0);
   target_ctas_ = std::exchange(other.target_ctas_, 0);
   partial_slots_ = std::exchange(other.partial_slots_, 0);
+  workspace_ = std::move(other.workspace_);
   partials_ = std::exchange(other.partials_, nullptr);
   arrivals_ = std::exchange(other.arrivals_, nullptr);
   plan_ = other.plan_;
@@ -627,7 +634,7 @@ SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& 
 }
 
 void SparseDecodeAttention::release() noexcept {
-  if (partials_ != nullptr) cudaFree(partials_);  // arrivals_ lives in the same allocation
+  workspace_.reset();
   partials_ = nullptr;
   arrivals_ = nullptr;
   max_batch_ = 0;
@@ -677,22 +684,23 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   const std::size_t units = uint64_t{max_batch} * shape.n_kv_heads * head_blocks;
   const std::size_t slots = target + units;
   const std::size_t floats = slots * kMaxBlockHeads * (2 + std::size_t{shape.head_dim});
-  void* memory = nullptr;
-  if (Result r = cuda_result(cudaMalloc(&memory, floats * sizeof(float) + units * sizeof(uint32_t)),
-                             "split workspace");
+  auto workspace = std::make_unique<Workspace>();
+  if (Result r =
+          cuda_result(workspace->memory.allocate(floats * sizeof(float) + units * sizeof(uint32_t)),
+                      "split workspace");
       !r.ok)
     return r;
-  uint32_t* arrivals = reinterpret_cast<uint32_t*>(static_cast<float*>(memory) + floats);
+  float* partials = workspace->memory.get();
+  uint32_t* arrivals = reinterpret_cast<uint32_t*>(partials + floats);
   if (Result r = cuda_result(cudaMemset(arrivals, 0, units * sizeof(uint32_t)), "split counters");
-      !r.ok) {
-    cudaFree(memory);
+      !r.ok)
     return r;
-  }
   shape_ = shape;
   max_batch_ = max_batch;
   target_ctas_ = target;
   partial_slots_ = slots;
-  partials_ = static_cast<float*>(memory);
+  workspace_ = std::move(workspace);
+  partials_ = partials;
   arrivals_ = arrivals;
   plan_ = SplitPlan{};
   return Result{};

@@ -28,6 +28,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "gpu/host_memory.hpp"
 #include "simd/kernels.hpp"
@@ -108,7 +109,7 @@ struct SplitPlan {
 // caller. Movable, not copyable.
 class SparseDecodeAttention {
  public:
-  SparseDecodeAttention() = default;
+  SparseDecodeAttention();  // out of line, where Workspace is complete
   ~SparseDecodeAttention();
   SparseDecodeAttention(SparseDecodeAttention&& other) noexcept;
   SparseDecodeAttention& operator=(SparseDecodeAttention&& other) noexcept;
@@ -136,15 +137,17 @@ class SparseDecodeAttention {
   const AttentionShape& shape() const noexcept { return shape_; }
 
  private:
+  struct Workspace;  // the split workspace's device memory (gpu/sparse_attention.cu)
   void release() noexcept;
 
   AttentionShape shape_{};
   uint32_t max_batch_ = 0;
   uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
   std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
-  float* partials_ = nullptr;      // device: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
-  uint32_t* arrivals_ = nullptr;   // device, after the partials: finished splits per (pair, head
-                                   // block), back to zero at the end of every call
+  std::unique_ptr<Workspace> workspace_;
+  float* partials_ = nullptr;     // workspace_: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
+  uint32_t* arrivals_ = nullptr;  // workspace_, after the partials: finished splits per (pair,
+                                  // head block), back to zero at the end of every call
   SplitPlan plan_{};
 };
 

@@ -8,11 +8,14 @@ namespace kvsift::gpu {
 namespace {
 
 Result unsupported(const char* what) {
-  return Result{false, true, std::string(what) + ": kvsift was built without CUDA"};
+  return without_cuda(what);
 }
 
 }  // namespace
 
+struct SparseDecodeAttention::Workspace {};
+
+SparseDecodeAttention::SparseDecodeAttention() = default;
 SparseDecodeAttention::~SparseDecodeAttention() = default;
 
 SparseDecodeAttention::SparseDecodeAttention(SparseDecodeAttention&& other) noexcept {

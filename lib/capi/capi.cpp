@@ -360,8 +360,7 @@ kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache, kvsift_cache_sta
 kvsift_status kvsift_gpu_device_count(int* n_devices) {
   return guard(__func__, [&] {
     require_pointer(n_devices, "n_devices");
-    const kvsift::gpu::Result r = kvsift::gpu::device_count(n_devices);
-    if (!r.ok) kvsift::fail(r.unsupported ? Status::unsupported : Status::internal, r.message);
+    kvsift::gpu::check(kvsift::gpu::device_count(n_devices));
   });
 }
 

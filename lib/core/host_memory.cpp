@@ -14,8 +14,7 @@ HostRegion::HostRegion(std::size_t bytes, bool pinned, bool huge_pages)
   if (bytes == 0) return;
   if (pinned) {
     void* p = nullptr;
-    const gpu::Result r = gpu::pinned_alloc(bytes, &p);
-    if (!r.ok) fail(r.unsupported ? Status::unsupported : Status::out_of_memory, r.message);
+    gpu::check(gpu::pinned_alloc(bytes, &p));
     data_ = static_cast<std::byte*>(p);
     return;
   }

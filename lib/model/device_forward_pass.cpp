@@ -9,11 +9,9 @@ namespace kvsift::model {
 
 namespace {
 
-// The device model's failures: no device is "unsupported", the rest internal.
+// The device model's failures, with gpu/result.hpp's statuses.
 void device_check(const gpu::Result& r, const char* what) {
-  if (!r.ok)
-    fail(r.unsupported ? Status::unsupported : Status::internal, "device model: ", what, ": ",
-         r.message);
+  gpu::check(r, "device model: ", what, ": ");
 }
 
 }  // namespace

@@ -26,10 +26,7 @@ std::unique_ptr<LlamaModel> LlamaModel::load(const std::string& path, const Mode
   if (options.device >= 0) {
     // Before anything is allocated: the offload mode's first need is a device.
     int n_devices = 0;
-    const gpu::Result r = gpu::device_count(&n_devices);
-    if (!r.ok)
-      fail(r.unsupported || !gpu::built_with_cuda() ? Status::unsupported : Status::internal,
-           "device=", options.device, " (offload mode): ", r.message);
+    gpu::check(gpu::device_count(&n_devices), "device=", options.device, " (offload mode): ");
     require(options.device < n_devices, "device=", options.device, " is not in 0..", n_devices - 1);
   }
   GgufFile file = GgufFile::open(path);

@@ -25,11 +25,9 @@ std::size_t round_up(std::size_t n, std::size_t to) {
   return (n + to - 1) / to * to;
 }
 
-// Cold-path failures of the gpu layer: no device is "unsupported", the rest is internal.
+// Cold-path failures of the gpu layer, with gpu/result.hpp's statuses.
 void check(const gpu::Result& r, const char* what) {
-  if (r.ok) return;
-  fail(r.unsupported ? Status::unsupported : Status::internal, "OffloadAttention: ", what, ": ",
-       r.message);
+  gpu::check(r, "OffloadAttention: ", what, ": ");
 }
 
 // The events: per part p, 3p (start), 3p + 1 (transfers enqueued), 3p + 2 (attention done); then

@@ -39,10 +39,8 @@ LocksDevice::LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batc
   shape.max_pair_pages = max_pages;
   shape.table_copies = static_cast<uint32_t>(std::min<uint64_t>(
       uint64_t{g.n_layers} * shape.max_pairs, 2 * slots / std::max<uint64_t>(max_pages, 1)));
-  const gpu::Result r = scorer_.init(policy.device, shape);
-  if (!r.ok)
-    fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
-         "the locks device scorer on device ", policy.device, ": ", r.message);
+  gpu::check(scorer_.init(policy.device, shape), "the locks device scorer on device ",
+             policy.device, ": ");
   upload_slots_.resize(slots);
   upload_marked_.assign(slots, 0);
   pairs_.resize(shape.max_pairs);

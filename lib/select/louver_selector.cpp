@@ -70,10 +70,8 @@ LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t ma
     shape.max_group = g.group_size;
     shape.max_items = max_batch * g.n_kv_heads;
     filter_ = std::make_unique<gpu::LouverFilter>();
-    const gpu::Result r = filter_->init(policy.device, shape);
-    if (!r.ok)
-      fail(r.unsupported ? Status::unsupported : Status::invalid_argument,
-           "the louver device filter on device ", policy.device, ": ", r.message);
+    gpu::check(filter_->init(policy.device, shape), "the louver device filter on device ",
+               policy.device, ": ");
     items_.resize(shape.max_items);
     q_norms_.resize(std::size_t{shape.max_items} * g.group_size * simd::kLouverMaxSubspaces);
     taus_.resize(std::size_t{shape.max_items} * g.group_size);
@@ -132,11 +130,8 @@ void LouverSelector::prepare(const SelectCall& call, Selection& out) {
       }
       if (filter_) {
         // The device copy follows the index: only a flush (or the first build) uploads anything.
-        const gpu::Result r =
-            filter_->sync(slot_of(seq, call.layer, h), louver_device_view(*index));
-        if (!r.ok)
-          fail(r.unsupported ? Status::unsupported : Status::internal,
-               "louver device filter: ", r.message);
+        gpu::check(filter_->sync(slot_of(seq, call.layer, h), louver_device_view(*index)),
+                   "louver device filter: ");
       }
     }
   }
