@@ -1,14 +1,14 @@
 // The shape of a KV cache, fixed when it is created.
 //
-// Data layout (stated once, here): a page holds page_tokens consecutive tokens of one
-// (sequence, layer, KV head); its pool slot stores K as [page_tokens, head_dim] followed by V as
-// [page_tokens, head_dim], in the storage dtype (simd/kernels.hpp reads exactly this).
+// A page holds page_tokens consecutive tokens of one (sequence, layer, KV head); where each token
+// keeps its K and V inside the page's pool slot is simd/page_layout.hpp's alone.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "simd/kernels.hpp"
+#include "simd/page_layout.hpp"
 
 namespace kvsift {
 
@@ -24,10 +24,10 @@ struct CacheGeometry {
   void validate() const;
 
   uint32_t n_query_heads() const noexcept { return n_kv_heads * group_size; }
-  std::size_t page_elems() const noexcept { return std::size_t{page_tokens} * head_dim; }
-  // K page + V page, 2 bytes per element.
-  std::size_t slot_bytes() const noexcept { return 2 * page_elems() * sizeof(uint16_t); }
-  std::size_t token_bytes() const noexcept { return 2 * std::size_t{head_dim} * sizeof(uint16_t); }
+  simd::PageLayout layout() const noexcept { return {page_tokens, head_dim}; }
+  std::size_t page_elems() const noexcept { return layout().page_elems(); }
+  std::size_t slot_bytes() const noexcept { return layout().slot_bytes(); }
+  std::size_t token_bytes() const noexcept { return layout().token_bytes(); }
   // Pages that hold `tokens` tokens (the last one possibly partial).
   uint64_t pages_for(uint64_t tokens) const noexcept {
     return (tokens + page_tokens - 1) / page_tokens;

@@ -126,16 +126,16 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
     k = rotated_.data();
   }
 
-  const std::size_t page_elems = geometry_.page_elems();
+  const simd::PageLayout layout = geometry_.layout();
   for (uint32_t h = 0; h < H; ++h) {
     auto& table = seq.tables[std::size_t{layer} * H + h];
     for (uint64_t i = 0; i < new_pages_per_head; ++i) table.push_back(pool_.acquire());
     for (uint64_t pos = before; pos < after; ++pos) {
       const std::size_t row = static_cast<std::size_t>(pos - before) * H + h;
-      auto* slot = reinterpret_cast<uint16_t*>(pool_.slot(table[pos / B]));
-      const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
-      kernels_->encode(k + row * d, slot + offset, d, geometry_.dtype);
-      kernels_->encode(v + row * d, slot + page_elems + offset, d, geometry_.dtype);
+      std::byte* slot = pool_.slot(table[pos / B]);
+      const auto t = static_cast<uint32_t>(pos % B);
+      kernels_->encode(k + row * d, layout.key(slot, t), d, geometry_.dtype);
+      kernels_->encode(v + row * d, layout.value(slot, t), d, geometry_.dtype);
     }
   }
   seq.tokens[layer] = after;
@@ -147,12 +147,12 @@ void KvCache::notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page,
                             uint64_t end_page) const {
   const Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
   const uint32_t H = geometry_.n_kv_heads;
+  const simd::PageLayout layout = geometry_.layout();
   for (uint64_t page = first_page; page < end_page; ++page) {
     for (uint32_t h = 0; h < H; ++h) {
-      const auto* slot = reinterpret_cast<const uint16_t*>(
-          pool_.slot(seq.tables[std::size_t{layer} * H + h][page]));
-      const SealedPage sealed{
-          seq_id, layer, h, static_cast<uint32_t>(page), slot, slot + geometry_.page_elems()};
+      const std::byte* slot = pool_.slot(seq.tables[std::size_t{layer} * H + h][page]);
+      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), layout.key(slot),
+                              layout.value(slot)};
       for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
     }
   }
@@ -201,16 +201,16 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
           "pre-RoPE keys can be read back only from a cache that takes pre-RoPE keys");
   const uint32_t B = geometry_.page_tokens, d = geometry_.head_dim;
   const auto& table = seq.tables[std::size_t{layer} * geometry_.n_kv_heads + kv_head];
+  const simd::PageLayout layout = geometry_.layout();
   for (uint64_t i = 0; i < n; ++i) {
     const uint64_t pos = first + i;
-    const auto* slot = reinterpret_cast<const uint16_t*>(pool_.slot(table[pos / B]));
-    const std::size_t offset = static_cast<std::size_t>(pos % B) * d;
+    const std::byte* slot = pool_.slot(table[pos / B]);
+    const auto t = static_cast<uint32_t>(pos % B);
     if (k_out) {
-      kernels_->decode(slot + offset, k_out + i * d, d, geometry_.dtype);
+      kernels_->decode(layout.key(slot, t), k_out + i * d, d, geometry_.dtype);
       if (form == KeyForm::pre_rope) rope_->unrotate(k_out + i * d, 1, pos);
     }
-    if (v_out)
-      kernels_->decode(slot + geometry_.page_elems() + offset, v_out + i * d, d, geometry_.dtype);
+    if (v_out) kernels_->decode(layout.value(slot, t), v_out + i * d, d, geometry_.dtype);
   }
 }
 
