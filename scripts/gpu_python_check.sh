@@ -16,10 +16,13 @@
 #                                       ($KVSIFT_MODEL) into .pystage/model.part.* of 30 MiB.
 #   scripts/gpu_python_check.sh run     On the GPU machine, whose image has torch, transformers and
 #                                       accelerate: carry .pystage/stage.tar.xz and the model parts
-#                                       over several calls (at most 64 MiB each; ignored files stay
-#                                       on a warm machine between calls, and a call may run `true`
-#                                       just to carry a part). Unpacks to /tmp/kvsift-py, joins the
-#                                       model, runs the tests and the example.
+#                                       over several calls (at most 64 MiB each), back to back while
+#                                       the machine is warm. A call's carry replaces the .pystage
+#                                       left by the one before, so each call copies what it carried
+#                                       to a folder there (`mkdir -p /tmp/kvparts && cp .pystage/*
+#                                       /tmp/kvparts/`) and the last one runs this with
+#                                       GPU_PY_STAGE=/tmp/kvparts. Unpacks to /tmp/kvsift-py, joins
+#                                       the model, runs the tests and the example.
 #
 # Why a module built here: the GPU image lacks the Debian packages the library's configure needs
 # (scripts/gpu_check.sh says which); the module links the library statically, so it needs only
@@ -63,7 +66,8 @@ cat "$stage"/model.part.* >"$root/model.gguf"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/site" \
   "$root"/pkg/whl/*.whl
 mkdir -p "$(dirname "$devil")" && cp "$root/pkg/devil.dict.dz" "$devil"
-export PYTHONPATH=$root/pkg/python:$root/site LD_LIBRARY_PATH=$root/pkg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+export PYTHONPATH=$root/pkg/python:$root/site
+export LD_LIBRARY_PATH=$root/pkg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVSIFT_MODEL=$root/model.gguf PYTHONUNBUFFERED=1
 python3 -c 'import sys, torch, transformers, kvsift
 print("python", sys.version.split()[0], "torch", torch.__version__, "transformers",

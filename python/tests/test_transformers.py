@@ -148,3 +148,14 @@ def test_smollm_greedy_tokens_dense_equal_sdpa_and_locks_answers(smollm, model):
     assert "Marmalade" in ref_text
     assert "Marmalade" in locks_text
     assert stats.pages_chosen < stats.pages_stored / 10
+
+
+def test_the_readme_example_runs(model_path, capsys):
+    for name in ("gguf", "accelerate"):
+        pytest.importorskip(name, reason=f"{name} is not installed")
+    from test_readme import python_blocks
+
+    code = next(b for b in python_blocks() if "kvsift.transformers" in b)
+    exec(compile(code, "README.md", "exec"), {"path": model_path})
+    printed = capsys.readouterr().out
+    assert "lighthouse" in printed.lower() and "SelectionStats(" in printed
