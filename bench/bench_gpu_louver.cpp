@@ -132,7 +132,7 @@ void BM_louver_filter_cpu(benchmark::State& state) {
     benchmark::ClobberMemory();
   }
   set_common(state, batch, n);
-  state.SetLabel(std::string(simd::isa_name(batch.indexes[0]->kernels().isa)) + ", " +
+  state.SetLabel(std::string(simd::level_name(batch.indexes[0]->kernels().level)) + ", " +
                  std::to_string(omp_get_max_threads()) + " threads");
 }
 

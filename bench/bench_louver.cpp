@@ -142,7 +142,7 @@ void BM_louver_query(benchmark::State& state) {
   state.counters["index_B_per_key"] = double(index.index_bytes()) / n;
   state.SetItemsProcessed(state.iterations() * int64_t(n));
   state.SetBytesProcessed(int64_t(bytes));
-  state.SetLabel(simd::isa_name(index.kernels().isa));
+  state.SetLabel(simd::level_name(index.kernels().level));
 }
 
 void BM_louver_scan(benchmark::State& state) {
@@ -162,7 +162,7 @@ void BM_louver_scan(benchmark::State& state) {
   }
   state.SetItemsProcessed(state.iterations() * int64_t(n));
   state.SetBytesProcessed(state.iterations() * int64_t(n) * kDim * 2);
-  state.SetLabel(simd::isa_name(index.kernels().isa));
+  state.SetLabel(simd::level_name(index.kernels().level));
 }
 
 // A layer's decode step: 8 KV heads (copies of one index, each its own query), one OpenMP

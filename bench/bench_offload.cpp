@@ -41,6 +41,7 @@
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/error.hpp"
+#include "lib/core/kernel_runtime.hpp"
 #include "lib/engine/decode_engine.hpp"
 #include "lib/offload/offload_attention.hpp"
 #include "lib/select/page_selector.hpp"
@@ -59,6 +60,12 @@ constexpr float kAnchorScale = 1.0f;
 constexpr uint32_t kFillChunk = 2048;                     // tokens per append while filling
 constexpr std::size_t kCopyChunk = std::size_t{1} << 30;  // plain copies go in 1 GiB pieces
 constexpr uint64_t kSeed = 0x6b7673696674;
+
+// The kernels of a handle created with the defaults (the best level under KVSIFT_MAX_ISA).
+const simd::Kernels& default_kernels() {
+  static const KernelRuntime runtime;
+  return runtime.kernels();
+}
 
 double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
@@ -493,7 +500,7 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   row.c_max_pages = static_cast<uint32_t>(max_pages);
   row.c_cache_pages = options.device_cache_pages;
   row.c_parts = std::min(options.device_step_parts, batch);
-  DecodeEngine engine(cache, options);
+  DecodeEngine engine(cache, default_kernels(), options);
   engine.set_selector(policy);
   const OffloadAttention& offload = *engine.offload();
   say("  (c) device cache of %u pages (twice a step's), at most %lu pages per (sequence, KV head), "
@@ -631,7 +638,7 @@ void device_phases(const Config& cfg, Host& host, const Synth& synth, Row& row, 
   if (row.context * row.batch <= cfg.check_tokens) {
     phase = "CPU check";
     cpu_out.resize(host.q.size());
-    DecodeAttention cpu(host.geometry, row.batch, threads);
+    DecodeAttention cpu(host.geometry, row.batch, threads, default_kernels());
     const AttendCall call{0, row.batch, host.ids.data(), host.q.data(), cpu_out.data()};
     cpu.validate(*host.cache, call);
     cpu.run(*host.cache, call);
@@ -668,7 +675,7 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
   const char* phase = "pinned pool";
   try {
     auto t = Clock::now();
-    host.cache = std::make_unique<KvCache>(g, options);
+    host.cache = std::make_unique<KvCache>(g, options, default_kernels());
     row.alloc_s = seconds_since(t);
     say("  pinned pool of %.2f GiB in %.2f s", row.pool_gib, row.alloc_s);
 
@@ -679,8 +686,8 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
     policy.device = cfg.locks_device;
     // Created before the fill, so that it sees every seal.
     host.pool = std::make_unique<ThreadPool>(threads);
-    host.selector =
-        select::Selector::create(policy, *host.cache, batch, pages_per_head + 1, *host.pool);
+    host.selector = select::Selector::create(policy, *host.cache, batch, pages_per_head + 1,
+                                             *host.pool, default_kernels());
     for (uint32_t s = 0; s < batch; ++s) host.ids.push_back(host.cache->create_sequence());
     t = Clock::now();
     fill(host, synth, row.context, threads);

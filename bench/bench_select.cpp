@@ -245,12 +245,11 @@ void BM_locks_score(benchmark::State& state) {
   const auto pages = static_cast<uint32_t>(state.range(0));
   const bool vnni = state.range(1) == 0;
   const auto heads = static_cast<uint32_t>(state.range(2));
-  const kvsift::simd::LocksScoreFn fn =
-      vnni ? kvsift::simd::avx512_vnni_locks_score()
-           : kvsift::simd::kernels_for(kvsift::simd::resolve_isa(kvsift::simd::Isa::avx512))
-                 .locks_score;
-  if (fn == nullptr) {
-    state.SkipWithError("CPU lacks AVX-512 VNNI");
+  using kvsift::simd::Level;
+  const Level level = vnni ? Level::avx512_vnni : Level::avx512;
+  const kvsift::simd::LocksScoreFn fn = kvsift::simd::kernels_for(level).locks_score;
+  if (!kvsift::simd::cpu_has(level)) {
+    state.SkipWithError(vnni ? "CPU lacks AVX-512 VNNI" : "CPU lacks AVX-512");
     return;
   }
   // One pool per shape for the process: the keys take seconds to make.

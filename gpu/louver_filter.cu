@@ -156,7 +156,7 @@ struct Slot {
   bool live = false;
   uint32_t n_subspaces = 0, head_dim = 0;
   uint32_t offset[kMaxS + 1] = {};
-  simd::Isa isa = simd::Isa::scalar;
+  simd::Level isa = simd::Level::scalar;
   uint32_t n_clusters = 0, n_indexed = 0;  // uploaded so far
   uint32_t cluster_capacity = 0, key_capacity = 0;
   DeviceBuffer<__half> centers;
@@ -245,7 +245,7 @@ Result LouverFilter::sync(uint32_t slot, const LouverIndexView& view) {
     return invalid("subspace offsets do not cover head_dim");
   for (uint32_t s = 0; s < S; ++s)
     if (view.offset[s + 1] <= view.offset[s]) return invalid("subspace offsets are not increasing");
-  if (view.isa != simd::Isa::avx512 && view.isa != simd::Isa::scalar)
+  if (view.isa != simd::Level::avx512 && view.isa != simd::Level::scalar)
     return invalid("isa is neither avx512 nor scalar");
   for (uint32_t s = 0; s < S; ++s)
     if ((view.n_clusters > 0 && (!view.centers[s] || !view.radii[s])) ||
@@ -415,7 +415,7 @@ Result LouverFilter::run(const LouverFilterItem* items, uint32_t n_items) noexce
     p.n_subspaces = sl.n_subspaces;
     p.group = item.group;
     p.head_dim = d;
-    p.fused = sl.isa == simd::Isa::avx512;
+    p.fused = sl.isa == simd::Level::avx512;
     std::copy(sl.offset, sl.offset + kMaxS + 1, p.offset);
     std::memcpy(base, &p, sizeof(p));
     auto* floats = reinterpret_cast<float*>(base + sizeof(ItemParams));

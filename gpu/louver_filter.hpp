@@ -55,7 +55,7 @@ struct LouverIndexView {
   const float* radii[simd::kLouverMaxSubspaces] = {};
   const uint32_t* assignments[simd::kLouverMaxSubspaces] = {};
   // The CPU table whose bound arithmetic the device repeats (avx512 or scalar).
-  simd::Isa isa = simd::Isa::scalar;
+  simd::Level isa = simd::Level::scalar;
 };
 
 struct LouverFilterShape {

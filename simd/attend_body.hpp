@@ -3,8 +3,8 @@
 //
 // Everything here has internal linkage, and no standard-library template over a non-arch type is
 // called: an out-of-line copy of such a template, compiled with AVX-512 flags, could otherwise be
-// picked by the linker for baseline callers (pitfall 16 in research/env.md; a test checks the
-// objects with nm).
+// picked by the linker for baseline callers (tests/check_isa_symbols.cmake checks the objects
+// with nm).
 #pragma once
 
 #include <cstddef>
@@ -292,7 +292,7 @@ struct Body {
         break;
     }
   }
-  // ---- LOCKS page scores (papers.md 2(b) "Score"; layout in simd/locks_record.hpp) ----
+  // ---- LOCKS page scores (docs/methods.md, LOCKS; layout in simd/locks_record.hpp) ----
 
   static constexpr uint32_t kMaxHeadDim = 256;
   static constexpr uint32_t kMaxPageTokens = 64;

@@ -134,8 +134,8 @@ double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept 
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Isa::scalar, encode,      decode, attend,
-                             matvec_bf16, locks_score, exp_sum};
+  static const Kernels table{Level::scalar, encode,      decode, attend,
+                             matvec_bf16,   locks_score, exp_sum};
   return table;
 }
 

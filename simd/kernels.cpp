@@ -1,20 +1,65 @@
+// Levels to tables. Each architecture's branch names its own tables only, so that a build for
+// another architecture compiles and links none of them (simd/CMakeLists.txt compiles simd/x86/
+// exactly where __x86_64__ is defined).
 #include "simd/kernels.hpp"
+
+#include "simd/louver_kernels.hpp"
+
+#if defined(__x86_64__)
+#include "simd/x86/x86_kernels.hpp"
+#endif
 
 namespace kvsift::simd {
 
-const Kernels& kernels_for(Isa isa) noexcept {
-  switch (isa) {
-    case Isa::avx512: return avx512_kernels();
-    case Isa::avx2: return avx2_kernels();
-    case Isa::scalar: break;
+#if defined(__x86_64__)
+
+namespace {
+
+// avx512_vnni's LOCKS scorer: int8 queries on VNNI, exact queries (the certified selector's) on
+// the AVX-512 float kernel. Baseline code: it only forwards to the two.
+void locks_score_vnni_level(const LocksScoreJob& job) noexcept {
+  if (job.int8_query)
+    locks_score_avx512_vnni(job);
+  else
+    avx512_kernels().locks_score(job);
+}
+
+// avx512's table with the int8 LOCKS scorer replaced: VNNI adds one kernel, not a table.
+const Kernels& avx512_vnni_kernels() noexcept {
+  static const Kernels table = [] {
+    Kernels t = avx512_kernels();
+    t.level = Level::avx512_vnni;
+    t.locks_score = locks_score_vnni_level;
+    return t;
+  }();
+  return table;
+}
+
+}  // namespace
+
+#endif
+
+const Kernels& kernels_for(Level level) noexcept {
+  switch (level) {
+#if defined(__x86_64__)
+    case Level::avx2: return avx2_kernels();
+    case Level::avx512: return avx512_kernels();
+    case Level::avx512_vnni: return avx512_vnni_kernels();
+#endif
+    default: break;
   }
   return scalar_kernels();
 }
 
-LocksScoreFn avx512_vnni_locks_score() noexcept {
-  // VNNI is not part of x86-64-v4: Skylake-SP has AVX-512 without it.
-  static const bool vnni = detect_isa() == Isa::avx512 && __builtin_cpu_supports("avx512vnni");
-  return vnni ? locks_score_avx512_vnni : nullptr;
+const LouverKernels& louver_kernels_for(Level level) noexcept {
+  switch (level) {
+#if defined(__x86_64__)
+    case Level::avx512:
+    case Level::avx512_vnni: return louver_avx512_kernels();
+#endif
+    default: break;
+  }
+  return louver_scalar_kernels();
 }
 
 }  // namespace kvsift::simd

@@ -1,4 +1,5 @@
-// The kernel table: every hot loop of kvsift, once per ISA, chosen once per handle.
+// The kernel table: every hot loop of kvsift, one table per level (simd/isa.hpp), chosen once per
+// handle (lib/core/kernel_runtime.hpp).
 //
 // Page slot layout (owned by lib/cache, stated here because the kernels read it): a slot holds
 // one page of one (layer, KV head): K as [page_tokens, head_dim] then V as [page_tokens, head_dim],
@@ -37,7 +38,7 @@ struct AttendJob {
   float* scratch;       // [group, page_tokens] floats of workspace, 64-byte aligned
 };
 
-// LOCKS page scores (papers.md 2(b) "Score") of the G query heads of one KV head over `count`
+// LOCKS page scores (docs/methods.md, LOCKS) of the G query heads of one KV head over `count`
 // page records (layout: simd/locks_record.hpp), for each head g and page i:
 //   lse[g * count + i] = log sum_{t < page_tokens} exp(scale * (c_t . z + mu . q~)),  z = V^T q~,
 // with q~ = q[g], or, when int8_query, q rounded per head to s_q * round(q / s_q), s_q = max|q|/127
@@ -59,7 +60,7 @@ struct LocksScoreJob {
 };
 
 struct Kernels {
-  Isa isa;
+  Level level;
   // n float32 values to storage dtype (round to nearest even).
   void (*encode)(const float* src, uint16_t* dst, std::size_t n, Dtype dtype) noexcept;
   // n storage values to float32.
@@ -81,22 +82,15 @@ struct Kernels {
 // Values exp_sum adds in float32 lanes before it moves the partial sums to float64.
 inline constexpr std::size_t kExpSumBlock = 256;
 
-// The table for an ISA the CPU supports (callers resolve the ISA first with resolve_isa).
-const Kernels& kernels_for(Isa isa) noexcept;
+// The table of a level of kLevels (scalar's for any other value). Callers choose the level first
+// (resolve_level, or cpu_has for a named one): a table's code faults on a CPU without its features.
+const Kernels& kernels_for(Level level) noexcept;
 
-// Per-ISA tables, each defined in its own translation unit.
+// The portable table (simd/attend_scalar.cpp). The others are an architecture's own
+// (simd/x86/x86_kernels.hpp) and reached through kernels_for.
 const Kernels& scalar_kernels() noexcept;
-const Kernels& avx2_kernels() noexcept;
-const Kernels& avx512_kernels() noexcept;
 
 using LocksScoreFn = void (*)(const LocksScoreJob& job) noexcept;
-// locks_score for int8-query jobs (job.int8_query must be true) with AVX-512 VNNI: z = V^T q~ and
-// mu . q~ exact in integers, the rest in float32 (simd/locks_avx512_vnni.cpp). nullptr when the
-// CPU lacks AVX-512 or AVX-512 VNNI (checked once). avx512_kernels().locks_score sends int8-query
-// jobs here when it is not null; exposed so that tests can run it by name.
-LocksScoreFn avx512_vnni_locks_score() noexcept;
-// The kernel itself: call it only through the pointer above.
-void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
 
 // Largest group the SIMD kernels take in one pass over a page; larger groups are processed in
 // blocks of this many heads (each block re-reads the page from L1/L2, not from DRAM).

@@ -1,6 +1,6 @@
-// The LOCKS page record: one (page, KV head)'s compact key summary (papers.md 2(b)), written by
-// lib/select/locks_summary.cpp and read by the locks_score kernels. The one statement of its
-// layout.
+// The LOCKS page record: one (page, KV head)'s compact key summary (docs/methods.md, LOCKS),
+// written by lib/select/locks_summary.cpp and read by the locks_score kernels. The one statement of
+// its layout.
 //
 // For head_dim d, page_tokens B, rank r (1 <= r < B), all offsets in bytes from the record start:
 //   v_codes   0                 V (d x r, orthonormal basis) as int4 in [-8, 7], column-major:
@@ -14,11 +14,11 @@
 //   v_scales  residual + 4      r bf16: V[:, j] = v_code * v_scale[j]   (max |V[:, j]| / 7)
 //   c_scales  v_scales + 2r     B bf16: c_i = c_code * c_scale[i]       (max |c_i| / 127)
 //   mu_scale  c_scales + 2B     1 bf16: mu = mu_code * mu_scale         (max |mu| / 127)
-//   end       mu_scale + 2      = the paper's bytes + 4 (papers.md 2(c)); records are padded to
+//   end       mu_scale + 2      = the paper's bytes + 4; records are padded to
 //                               a multiple of 64 bytes: 832 at d = 128, B = 16, r = 8.
 // Every field before `residual` is a multiple of 16 bytes long for the supported shapes (d in
 // {64, 128, 256}, B in {16, 32, 64}), so the float is aligned. C is component-major (the paper
-// stores it token-major; the byte layout is free, papers.md 2(e)7) so that the kernels load W
+// stores it token-major; the byte layout is free) so that the kernels load W
 // tokens of one component with one load.
 #pragma once
 
@@ -29,12 +29,12 @@ namespace kvsift::simd {
 
 struct LocksRecordLayout {
   uint32_t v_codes, c_codes, mu_codes, residual, v_scales, c_scales, mu_scale;
-  uint32_t paper_bytes;  // r*d*4/8 + 2r + B*r + 2B + d + 2 (papers.md 2(c))
+  uint32_t paper_bytes;  // r*d*4/8 + 2r + B*r + 2B + d + 2 (the paper's count)
   uint32_t bytes;        // stored size: the fields above, padded to 64
 };
 
 // Internal linkage: the ISA translation units include this, and an inline function with external
-// linkage could leave them a weak copy (research/env.md pitfall 16).
+// linkage could leave them a weak copy (tests/check_isa_symbols.cmake).
 namespace {
 
 constexpr LocksRecordLayout locks_record_layout(uint32_t head_dim, uint32_t page_tokens,

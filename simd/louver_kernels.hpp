@@ -1,6 +1,6 @@
-// Louver kernels (papers.md section 1): ball upper bounds over fp16 cluster centers, the per-key
-// candidate filter over those bounds, and the exact check q.k >= tau over fp16 keys. One table per
-// ISA, chosen once per index (louver_kernels_for).
+// Louver kernels (docs/methods.md, Louver): ball upper bounds over fp16 cluster centers, the
+// per-key candidate filter over those bounds, and the exact check q.k >= tau over fp16 keys. One
+// table per instruction set, chosen once per index for its level (louver_kernels_for).
 //
 // Layouts (owned by lib/select/louver_index.hpp, stated here because the kernels read them):
 // - keys: fp16 [n, head_dim] row-major, token order, 64-byte aligned rows (head_dim * 2 bytes).
@@ -44,7 +44,7 @@ struct LouverFilterJob {
 };
 
 struct LouverKernels {
-  Isa isa;
+  Level level;  // the level whose instructions it uses (scalar or avx512)
   // ub[c] = sum_{j < width} q[j] * center_c[j] + q_norm * radius[c] for c < n rounded up to a
   // multiple of 16 (ub and radius have that many entries); q holds the subspace's coordinates.
   void (*ball_bounds)(const float* q, const uint16_t* centers, uint32_t width, const float* radius,
@@ -62,10 +62,9 @@ struct LouverKernels {
                  uint32_t n, float* out) noexcept;
 };
 
-// AVX-512 where the CPU (and the cap the caller resolved) allows it, otherwise the scalar table
-// (there is no AVX2 Louver table yet).
-const LouverKernels& louver_kernels_for(Isa isa) noexcept;
+// The Louver table of a level the CPU has (simd/kernels.cpp): AVX-512's for avx512 and
+// avx512_vnni, the scalar one for the others (there is no AVX2 Louver table yet).
+const LouverKernels& louver_kernels_for(Level level) noexcept;
 const LouverKernels& louver_scalar_kernels() noexcept;
-const LouverKernels& louver_avx512_kernels() noexcept;
 
 }  // namespace kvsift::simd

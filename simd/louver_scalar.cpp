@@ -48,13 +48,9 @@ using Loops = LouverLoops<score>;
 }  // namespace
 
 const LouverKernels& louver_scalar_kernels() noexcept {
-  static const LouverKernels table{Isa::scalar,  ball_bounds, filter,
-                                   Loops::check, Loops::scan, Loops::scores};
+  static const LouverKernels table{Level::scalar, ball_bounds, filter,
+                                   Loops::check,  Loops::scan, Loops::scores};
   return table;
-}
-
-const LouverKernels& louver_kernels_for(Isa isa) noexcept {
-  return isa == Isa::avx512 ? louver_avx512_kernels() : louver_scalar_kernels();
 }
 
 }  // namespace kvsift::simd

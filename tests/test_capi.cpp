@@ -151,7 +151,8 @@ struct IsaCapRestorer {
   ~IsaCapRestorer() {
     kvsift_isa cap = KVSIFT_ISA_AUTO;
     if (const char* env = std::getenv("KVSIFT_MAX_ISA")) {
-      for (kvsift_isa isa : {KVSIFT_ISA_SCALAR, KVSIFT_ISA_AVX2, KVSIFT_ISA_AVX512})
+      for (kvsift_isa isa :
+           {KVSIFT_ISA_SCALAR, KVSIFT_ISA_AVX2, KVSIFT_ISA_AVX512, KVSIFT_ISA_AVX512_VNNI})
         if (std::strcmp(env, kvsift_isa_name(isa)) == 0) cap = isa;
     }
     EXPECT_EQ(kvsift_set_max_isa(cap), KVSIFT_STATUS_OK);
@@ -438,9 +439,9 @@ TEST(CApi, create_rejects_unknown_isa) {
 }
 
 TEST(CApi, create_reports_an_isa_the_cpu_lacks_unsupported) {
-  if (kvsift_isa_supported() == KVSIFT_ISA_AVX512) GTEST_SKIP() << "this CPU has every ISA";
+  if (kvsift_isa_supported() == KVSIFT_ISA_AVX512_VNNI) GTEST_SKIP() << "this CPU has every ISA";
   kvsift_cache_params params = small_params();
-  params.isa = KVSIFT_ISA_AVX512;
+  params.isa = KVSIFT_ISA_AVX512_VNNI;
   expect_create_fails(params, KVSIFT_STATUS_UNSUPPORTED, "isa");
 }
 
@@ -472,13 +473,15 @@ TEST(CApi, cache_free_accepts_null) {
 TEST(CApi, isa_supported_is_a_concrete_isa) {
   const kvsift_isa isa = kvsift_isa_supported();
   EXPECT_NE(isa, KVSIFT_ISA_AUTO);
-  EXPECT_TRUE(isa == KVSIFT_ISA_SCALAR || isa == KVSIFT_ISA_AVX2 || isa == KVSIFT_ISA_AVX512);
+  EXPECT_TRUE(isa == KVSIFT_ISA_SCALAR || isa == KVSIFT_ISA_AVX2 || isa == KVSIFT_ISA_AVX512 ||
+              isa == KVSIFT_ISA_AVX512_VNNI);
 }
 
 TEST(CApi, isa_name_names_every_isa) {
   EXPECT_STREQ(kvsift_isa_name(KVSIFT_ISA_SCALAR), "scalar");
   EXPECT_STREQ(kvsift_isa_name(KVSIFT_ISA_AVX2), "avx2");
   EXPECT_STREQ(kvsift_isa_name(KVSIFT_ISA_AVX512), "avx512");
+  EXPECT_STREQ(kvsift_isa_name(KVSIFT_ISA_AVX512_VNNI), "avx512_vnni");
   EXPECT_STREQ(kvsift_isa_name(KVSIFT_ISA_AUTO), "auto");
   EXPECT_STREQ(kvsift_isa_name(static_cast<kvsift_isa>(7)), "unknown");
 }
@@ -509,7 +512,7 @@ TEST(CApi, set_max_isa_scalar_caps_new_caches_only) {
 
 TEST(CApi, set_max_isa_rejects_unknown_value) {
   IsaCapRestorer restore;
-  EXPECT_FAILS(kvsift_set_max_isa(static_cast<kvsift_isa>(3)), KVSIFT_STATUS_INVALID_ARGUMENT,
+  EXPECT_FAILS(kvsift_set_max_isa(static_cast<kvsift_isa>(9)), KVSIFT_STATUS_INVALID_ARGUMENT,
                "max_isa");
 }
 

@@ -20,13 +20,15 @@ namespace {
 
 struct FilledCache {
   CacheGeometry geometry;
+  const simd::Kernels& kernels;  // the level's, as a handle that asked for it would get
   KvCache cache;
   std::vector<int32_t> seqs;
   std::vector<std::vector<float>> raw_k, raw_v;  // per sequence [tokens, H, d], as appended
 
-  FilledCache(const CacheGeometry& g, simd::Isa isa, const std::vector<uint64_t>& lengths,
+  FilledCache(const CacheGeometry& g, simd::Level isa, const std::vector<uint64_t>& lengths,
               uint32_t seed)
-      : geometry(g), cache(g, options(isa)) {
+      : geometry(g), kernels(simd::kernels_for(simd::resolve_level(isa))),
+        cache(g, options(), kernels) {
     for (uint64_t n : lengths) {
       const int32_t seq = cache.create_sequence();
       seqs.push_back(seq);
@@ -36,9 +38,8 @@ struct FilledCache {
         cache.append(seq, 0, static_cast<uint32_t>(n), raw_k.back().data(), raw_v.back().data());
     }
   }
-  static CacheOptions options(simd::Isa isa) {
+  static CacheOptions options() {
     CacheOptions o;
-    o.isa = isa;
     o.max_pages = 1 << 16;
     return o;
   }
@@ -98,11 +99,11 @@ TEST_P(DecodeAttentionIsa, ragged_batches_match_float64_on_one_and_two_threads) 
   for (const CacheGeometry& g :
        {geometry(2, 3, 64), geometry(2, 4, 128), geometry(1, 1, 256, 64)}) {
     const FilledCache s(g, GetParam(), lengths, 10);
-    ASSERT_EQ(s.cache.kernels().isa, GetParam());
+    ASSERT_EQ(s.kernels.level, GetParam());
     const std::size_t per_seq = std::size_t{g.n_query_heads()} * g.head_dim;
     const auto q = test::random_floats(lengths.size() * per_seq, 99);
     for (int threads : {1, 2}) {
-      DecodeAttention attention(g, 8, threads);
+      DecodeAttention attention(g, 8, threads, s.kernels);
       std::vector<float> out(q.size(), -1.0f);
       AttendCall call;
       call.n_seqs = static_cast<uint32_t>(s.seqs.size());
@@ -122,13 +123,12 @@ TEST_P(DecodeAttentionIsa, ragged_batches_match_float64_on_one_and_two_threads) 
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, DecodeAttentionIsa,
-                         ::testing::Values(simd::Isa::scalar, simd::Isa::avx2, simd::Isa::avx512),
+INSTANTIATE_TEST_SUITE_P(AllIsas, DecodeAttentionIsa, ::testing::ValuesIn(simd::kLevels),
                          test::isa_test_name);
 
 TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
   const CacheGeometry g = geometry(2, 4, 128);
-  const FilledCache s(g, simd::Isa::avx512, {16 * 40 + 9, 16 * 3}, 20);
+  const FilledCache s(g, simd::Level::avx512, {16 * 40 + 9, 16 * 3}, 20);
   const std::size_t per_seq = std::size_t{g.n_query_heads()} * g.head_dim;
   const auto q = test::random_floats(2 * per_seq, 21);
   // Sequence 0: sink + a scattered middle + the open page per head; sequence 1: one head empty.
@@ -141,7 +141,7 @@ TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
       offsets.push_back(static_cast<uint32_t>(ids.size()));
     }
   const PageLists pages{offsets.data(), ids.data()};
-  DecodeAttention attention(g, 4, 2);
+  DecodeAttention attention(g, 4, 2, s.kernels);
   std::vector<float> out(q.size(), -1.0f);
   AttendCall call;
   call.n_seqs = 2;
@@ -169,7 +169,7 @@ TEST(DecodeAttention, page_lists_attend_exactly_the_listed_pages) {
 TEST(DecodeAttention, row_chunks_attend_with_the_pages_as_one_softmax) {
   const CacheGeometry g = geometry(2, 4, 64);
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
-  for (simd::Isa isa : test::supported_isas()) {
+  for (simd::Level isa : test::supported_isas()) {
     const FilledCache s(g, isa, {B * 20 + 5}, 30);
     const uint64_t n = B * 20 + 5;
     const auto q = test::random_floats(std::size_t{H} * G * d, 31);
@@ -192,7 +192,7 @@ TEST(DecodeAttention, row_chunks_attend_with_the_pages_as_one_softmax) {
       std::memcpy(chunk + g.slot_bytes() / 2 + to, page + g.slot_bytes() / 2 + from, row_bytes);
     }
     const RowChunks rows{chunks.data(), chunk_offsets, row_counts};
-    DecodeAttention attention(g, 1, 2);
+    DecodeAttention attention(g, 1, 2, s.kernels);
     std::vector<float> out(q.size(), -1.0f);
     AttendCall call;
     call.n_seqs = 1;
@@ -220,7 +220,7 @@ TEST(DecodeAttention, row_chunks_attend_with_the_pages_as_one_softmax) {
                           d, ref.data() + std::size_t{h} * G * d);
     }
     EXPECT_LT(test::relative_error(out.data(), ref.data(), out.size()), 1e-5)
-        << simd::isa_name(isa);
+        << simd::level_name(isa);
     EXPECT_EQ(attention.last_stats().tokens_read, 2 * (B + 5) + 37u);
     // A chunk count that does not match the rows is refused.
     const uint32_t bad_offsets[3] = {0, 2, 2};
@@ -233,14 +233,15 @@ TEST(DecodeAttention, row_chunks_attend_with_the_pages_as_one_softmax) {
 
 TEST(DecodeAttention, split_count_does_not_change_the_result_beyond_rounding) {
   const CacheGeometry g = geometry(1, 4, 128);
-  const FilledCache s(g, simd::Isa::avx512, {16 * 500 + 3}, 30);
+  const FilledCache s(g, simd::Level::avx512, {16 * 500 + 3}, 30);
   const auto q = test::random_floats(4 * 128, 31);
   std::vector<float> one(q.size()), many(q.size());
   AttendCall call;
   call.n_seqs = 1;
   call.seq_ids = s.seqs.data();
   call.q = q.data();
-  DecodeAttention single(g, 1, 1), split(g, 1, 2);  // 1 thread: 4 splits; 2 threads: 8 splits
+  // 1 thread: 4 splits; 2 threads: 8 splits
+  DecodeAttention single(g, 1, 1, s.kernels), split(g, 1, 2, s.kernels);
   call.out = one.data();
   single.run(s.cache, call);
   call.out = many.data();
@@ -250,7 +251,7 @@ TEST(DecodeAttention, split_count_does_not_change_the_result_beyond_rounding) {
 
 TEST(DecodeAttention, an_empty_sequence_gives_zeros) {
   const CacheGeometry g = geometry(2, 2, 64);
-  const FilledCache s(g, simd::Isa::avx512, {0, 5}, 40);
+  const FilledCache s(g, simd::Level::avx512, {0, 5}, 40);
   const auto q = test::random_floats(2 * 2 * 2 * 64, 41);
   std::vector<float> out(q.size(), -1.0f);
   AttendCall call;
@@ -258,7 +259,7 @@ TEST(DecodeAttention, an_empty_sequence_gives_zeros) {
   call.seq_ids = s.seqs.data();
   call.q = q.data();
   call.out = out.data();
-  DecodeAttention attention(g, 2, 2);
+  DecodeAttention attention(g, 2, 2, s.kernels);
   attention.run(s.cache, call);
   for (std::size_t c = 0; c < q.size() / 2; ++c) ASSERT_EQ(out[c], 0.0f);
   EXPECT_NE(out[q.size() / 2], 0.0f);
@@ -268,7 +269,7 @@ TEST(DecodeAttention, an_empty_sequence_gives_zeros) {
 TEST(DecodeAttention, sixty_four_thousand_tokens_stay_within_fp16_storage_error) {
   const CacheGeometry g = geometry(1, 4, 128);
   const uint64_t n = 65536 + 7;
-  const FilledCache s(g, simd::Isa::avx512, {n}, 50);
+  const FilledCache s(g, simd::Level::avx512, {n}, 50);
   const auto q = test::random_floats(4 * 128, 51);
   std::vector<float> out(q.size());
   AttendCall call;
@@ -276,7 +277,7 @@ TEST(DecodeAttention, sixty_four_thousand_tokens_stay_within_fp16_storage_error)
   call.seq_ids = s.seqs.data();
   call.q = q.data();
   call.out = out.data();
-  DecodeAttention attention(g, 1, 2);
+  DecodeAttention attention(g, 1, 2, s.kernels);
   attention.validate(s.cache, call);
   attention.run(s.cache, call);
   const double arithmetic =

@@ -133,7 +133,7 @@ struct Fixture {
     }
     CacheOptions options;
     options.max_pages = pages + 16;
-    cache = std::make_unique<KvCache>(g, options);
+    cache = std::make_unique<KvCache>(g, options, test::kernels());
     keys = std::make_unique<Keys>(g.n_kv_heads, g.head_dim, seed);
     std::vector<float> k, v;
     for (uint32_t n : c.contexts) {
@@ -269,7 +269,8 @@ TEST(LocksPairPlan, matches_the_cpu_selector_s_counts) {
     select::Policy policy;
     policy.kind = select::Kind::locks;
     policy.budget = budget;
-    auto cpu = select::Selector::create(policy, *f.cache, f.seqs.size(), f.max_pages, test::pool(1));
+    auto cpu = select::Selector::create(policy, *f.cache, f.seqs.size(), f.max_pages, test::pool(1),
+                                        test::kernels());
     select::Selection sel;
     cpu->reserve_selection(sel);
     const auto q = make_queries(*f.keys, f.seqs.size(), 2, 4, 64, 9);
@@ -306,27 +307,30 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   g.group_size = 4;
   CacheOptions options;
   options.max_pages = 64;
-  KvCache cache(g, options);
+  KvCache cache(g, options, test::kernels());
   select::Policy policy;
   policy.kind = select::Kind::locks;
   policy.budget = 0.1;
   policy.device = -2;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
-                     Status::invalid_argument, "policy.device");
+  test::expect_error(
+      [&] { select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels()); },
+      Status::invalid_argument, "policy.device");
   policy.device = 0;
   policy.kind = select::Kind::locks_certified;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
-                     Status::invalid_argument, "certified");
+  test::expect_error(
+      [&] { select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels()); },
+      Status::invalid_argument, "certified");
   policy.kind = select::Kind::locks;
   policy.locks.int8_query = false;
-  test::expect_error([&] { select::Selector::create(policy, cache, 1, 64, test::pool(1)); },
-                     Status::invalid_argument, "int8");
+  test::expect_error(
+      [&] { select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels()); },
+      Status::invalid_argument, "int8");
   policy.locks.int8_query = true;
   std::string why;
   const bool usable = test::device_usable(&why);
   policy.device = usable ? 4096 : 0;
   try {
-    select::Selector::create(policy, cache, 1, 64, test::pool(1));
+    select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels());
     ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
     if (!usable) {
@@ -336,10 +340,10 @@ TEST(LocksSelectorDevice, refuses_bad_policies_and_a_missing_device_at_creation)
   }
   // Other kinds ignore the field; the CPU path takes no device.
   policy.device = -1;
-  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1)));
+  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels()));
   policy.device = 0;
   policy.kind = select::Kind::quest;
-  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1)));
+  EXPECT_NO_THROW(select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels()));
 }
 
 TEST(LocksScorer, is_unsupported_without_a_device_and_refuses_bad_shapes_with_one) {
@@ -463,7 +467,7 @@ void expect_cpu_head_scores(const Fixture& f, const Config& c, gpu::LocksScorer&
   ASSERT_TRUE(scorer.validate(pairs.data(), n_pairs).ok) << where;
   const gpu::Result r = scorer.run(pairs.data(), n_pairs);
   ASSERT_TRUE(r.ok) << where << ": " << r.message;
-  const simd::Kernels& kernels = f.cache->kernels();
+  const simd::Kernels& kernels = test::kernels();  // the cache's
   for (uint32_t i = 0; i < n_pairs; ++i) {
     const gpu::LocksPair& p = pairs[i];
     const uint32_t n_pages = static_cast<uint32_t>(f.g.pages_for(p.tokens));
@@ -609,9 +613,11 @@ TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
         policy.kind = select::Kind::locks;
         policy.budget = budget;
         policy.combine = combine;
-        auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
+        auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2),
+                                            test::kernels());
         policy.device = 0;
-        auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
+        auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2),
+                                            test::kernels());
         select::Selection sel_cpu, sel_dev;
         cpu->reserve_selection(sel_cpu);
         dev->reserve_selection(sel_dev);
@@ -648,9 +654,11 @@ TEST(LocksSelectorDevice, follows_decode_steps_that_seal_pages_and_reuse_slots) 
   select::Policy policy;
   policy.kind = select::Kind::locks;
   policy.budget = 0.05;
-  auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
+  auto cpu = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2),
+                                      test::kernels());
   policy.device = 0;
-  auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2));
+  auto dev = select::Selector::create(policy, *f.cache, n_seqs, f.max_pages, test::pool(2),
+                                      test::kernels());
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);
   dev->reserve_selection(sel_dev);

@@ -59,7 +59,7 @@ std::vector<float> needle_queries(const std::vector<float>& keys, uint32_t group
 
 // An index over n keys of head h, then `appended` more through append() (a flush every
 // buffer_keys, the rest buffered).
-std::unique_ptr<LouverIndex> make_index(uint32_t S, simd::Isa isa, uint32_t h, uint32_t n,
+std::unique_ptr<LouverIndex> make_index(uint32_t S, simd::Level isa, uint32_t h, uint32_t n,
                                         uint32_t appended, uint64_t seed) {
   LouverParams params;
   params.head_dim = kDim;
@@ -106,7 +106,7 @@ bool holds(const std::vector<uint32_t>& mask, const std::vector<uint32_t>& answe
 // the answer's own keys alone: the exact check decides, whatever superset the filter kept.
 TEST(LouverSplitQuery, finish_query_returns_query_s_tokens_for_any_superset_of_the_answer) {
   for (uint32_t S : {1u, 2u, 4u, 8u, 16u}) {
-    auto index = make_index(S, simd::Isa::avx512, 0, 3000, 300, 11 + S);
+    auto index = make_index(S, simd::Level::avx512, 0, 3000, 300, 11 + S);
     const std::vector<float> keys = head_keys(4, 0, 0, 3300, 11 + S);
     const uint32_t words = mask_words(*index);
     for (uint32_t group : {1u, 4u}) {
@@ -146,13 +146,13 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
   g.head_dim = kDim;
   CacheOptions options;
   options.max_pages = 64;
-  KvCache cache(g, options);
+  KvCache cache(g, options, test::kernels());
   select::Policy policy;
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
   policy.device = -2;
   try {
-    select::Selector::create(policy, cache, 1, 64, test::pool(1));
+    select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels());
     ADD_FAILURE() << "device -2 accepted";
   } catch (const Error& e) {
     EXPECT_EQ(e.status(), Status::invalid_argument) << e.what();
@@ -160,7 +160,7 @@ TEST(LouverSelectorDevice, refuses_a_device_it_cannot_use_when_created) {
   std::string why;
   policy.device = test::device_usable(&why) ? 4096 : 0;
   try {
-    select::Selector::create(policy, cache, 1, 64, test::pool(1));
+    select::Selector::create(policy, cache, 1, 64, test::pool(1), test::kernels());
     ADD_FAILURE() << "device " << policy.device << " accepted";
   } catch (const Error& e) {
     if (policy.device == 0) {
@@ -264,12 +264,13 @@ void expect_device_matches(std::vector<std::unique_ptr<LouverIndex>>& indexes,
 
 TEST(LouverFilter, device_candidates_equal_the_cpu_filters_and_hold_the_answer) {
   KVSIFT_SKIP_WITHOUT_DEVICE();
-  std::vector<simd::Isa> isas{simd::Isa::scalar};
-  if (simd::resolve_isa(simd::Isa::avx512) == simd::Isa::avx512) isas.push_back(simd::Isa::avx512);
+  std::vector<simd::Level> isas{simd::Level::scalar};
+  if (simd::resolve_level(simd::Level::avx512) == simd::Level::avx512)
+    isas.push_back(simd::Level::avx512);
   constexpr uint32_t kIndexes = 4, kPrompt = 20000;
-  for (simd::Isa isa : isas)
+  for (simd::Level isa : isas)
     for (uint32_t S : {1u, 2u, 4u, 8u, 16u, 32u}) {
-      const std::string what = std::string(simd::isa_name(isa)) + " S=" + std::to_string(S);
+      const std::string what = std::string(simd::level_name(isa)) + " S=" + std::to_string(S);
       std::vector<std::unique_ptr<LouverIndex>> indexes;
       std::vector<std::vector<float>> keys;
       for (uint32_t h = 0; h < kIndexes; ++h) {
@@ -278,7 +279,7 @@ TEST(LouverFilter, device_candidates_equal_the_cpu_filters_and_hold_the_answer) 
         indexes.push_back(make_index(S, isa, h, n, appended, 40 + S));
         keys.push_back(head_keys(4, h, 0, n + appended, 40 + S));
       }
-      ASSERT_EQ(indexes[0]->kernels().isa, isa);
+      ASSERT_EQ(indexes[0]->kernels().level, isa);
       gpu::LouverFilter filter;
       gpu::LouverFilterShape shape;
       shape.head_dim = kDim;
@@ -319,7 +320,7 @@ TEST(LouverFilter, device_candidates_equal_the_cpu_filters_and_hold_the_answer) 
 
 TEST(LouverFilter, refuses_bad_views_and_batches) {
   KVSIFT_SKIP_WITHOUT_DEVICE();
-  auto index = make_index(4, simd::Isa::avx512, 0, 2000, 0, 5);
+  auto index = make_index(4, simd::Level::avx512, 0, 2000, 0, 5);
   gpu::LouverFilter filter;
   gpu::LouverFilterShape shape;
   shape.head_dim = kDim;
@@ -344,7 +345,7 @@ TEST(LouverFilter, refuses_bad_views_and_batches) {
   bad.radii[1] = nullptr;
   EXPECT_TRUE(refused(bad));
   bad = good;
-  bad.isa = simd::Isa::avx2;
+  bad.isa = simd::Level::avx2;
   EXPECT_TRUE(refused(bad));
   std::vector<uint32_t> wild(good.assignments[0], good.assignments[0] + good.n_indexed);
   wild[123] = good.n_clusters;
@@ -356,7 +357,7 @@ TEST(LouverFilter, refuses_bad_views_and_batches) {
   bad.n_clusters -= 16;  // a smaller index in a used slot
   bad.n_indexed -= 64;
   EXPECT_TRUE(refused(bad, 0));
-  const auto eight = make_index(8, simd::Isa::avx512, 0, 2000, 0, 5);
+  const auto eight = make_index(8, simd::Level::avx512, 0, 2000, 0, 5);
   EXPECT_TRUE(refused(select::louver_device_view(*eight), 0));  // another geometry, a used slot
   ASSERT_TRUE(filter.sync(1, good).ok);
 
@@ -403,7 +404,7 @@ TEST(LouverSelectorDevice, chooses_the_cpu_modes_tokens_over_decode_steps_with_f
   g.page_tokens = 16;
   CacheOptions options;
   options.max_pages = 8192;
-  KvCache cache(g, options);
+  KvCache cache(g, options, test::kernels());
   const uint32_t H = g.n_kv_heads, G = g.group_size, L = g.n_layers;
   const bench::Shape shape{"test", H, G, kDim};
   std::vector<std::unique_ptr<bench::KeyMaker>> makers;
@@ -427,9 +428,9 @@ TEST(LouverSelectorDevice, chooses_the_cpu_modes_tokens_over_decode_steps_with_f
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
   const uint64_t max_pages = g.pages_for(3100 + 300);
-  auto cpu = select::Selector::create(policy, cache, 2, max_pages, test::pool(2));
+  auto cpu = select::Selector::create(policy, cache, 2, max_pages, test::pool(2), test::kernels());
   policy.device = 0;
-  auto dev = select::Selector::create(policy, cache, 2, max_pages, test::pool(2));
+  auto dev = select::Selector::create(policy, cache, 2, max_pages, test::pool(2), test::kernels());
   select::Selection sel_cpu, sel_dev;
   cpu->reserve_selection(sel_cpu);
   dev->reserve_selection(sel_dev);

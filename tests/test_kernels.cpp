@@ -17,7 +17,7 @@
 
 using namespace kvsift;
 using simd::Dtype;
-using simd::Isa;
+using simd::Level;
 
 namespace {
 
@@ -182,8 +182,8 @@ TEST_P(Kernels, exp_sum_matches_float64_over_odd_sizes) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
-                         isa_test_name);
+// Every level of the build, the VNNI variant of avx512 included (its own table).
+INSTANTIATE_TEST_SUITE_P(AllIsas, Kernels, ::testing::ValuesIn(simd::kLevels), isa_test_name);
 
 TEST_P(Kernels, bf16_matrix_vector_products_match_float64_for_every_batch) {
   for (std::size_t cols : {16u, 64u, 576u, 1536u}) {

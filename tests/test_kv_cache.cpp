@@ -38,7 +38,7 @@ struct Recorder : SealListener {
 
 TEST(KvCache, stored_tokens_read_back_as_the_rounded_inputs) {
   const CacheGeometry g = small_geometry();
-  KvCache cache(g, CacheOptions{});
+  KvCache cache(g, CacheOptions{}, test::kernels());
   const int32_t seq = cache.create_sequence();
   const uint32_t n = 37, H = g.n_kv_heads, d = g.head_dim;
   const auto k = test::random_floats(n * H * d, 1), v = test::random_floats(n * H * d, 2);
@@ -76,7 +76,7 @@ TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
   CacheOptions pre;
   pre.key_form = KeyForm::pre_rope;
   pre.rope_theta = 50000.0f;
-  KvCache cache(g, pre);
+  KvCache cache(g, pre, test::kernels());
   const int32_t seq = cache.create_sequence();
   const uint32_t n = 41, H = g.n_kv_heads, d = g.head_dim;
   const auto k = test::random_floats(n * H * d, 3), v = test::random_floats(n * H * d, 4);
@@ -103,7 +103,7 @@ TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
 
 TEST(KvCache, pre_rope_keys_read_back_only_from_a_pre_rope_cache) {
   const CacheGeometry g = small_geometry();
-  KvCache cache(g, CacheOptions{});
+  KvCache cache(g, CacheOptions{}, test::kernels());
   const int32_t seq = cache.create_sequence();
   const auto k = test::random_floats(g.n_kv_heads * g.head_dim, 5);
   cache.append(seq, 0, 1, k.data(), k.data());
@@ -114,12 +114,13 @@ TEST(KvCache, pre_rope_keys_read_back_only_from_a_pre_rope_cache) {
   CacheOptions bad;
   bad.key_form = KeyForm::pre_rope;
   bad.rope_theta = 0.0f;
-  test::expect_error([&] { KvCache c(g, bad); }, Status::invalid_argument, "theta");
+  test::expect_error([&] { KvCache c(g, bad, test::kernels()); }, Status::invalid_argument,
+                     "theta");
 }
 
 TEST(KvCache, pages_seal_once_when_they_fill_in_order) {
   const CacheGeometry g = small_geometry();
-  KvCache cache(g, CacheOptions{});
+  KvCache cache(g, CacheOptions{}, test::kernels());
   Recorder recorder;
   cache.add_seal_listener(&recorder);
   const int32_t seq = cache.create_sequence();
@@ -145,7 +146,7 @@ TEST(KvCache, pages_seal_once_when_they_fill_in_order) {
 
 TEST(KvCache, freeing_a_sequence_returns_its_pages_and_its_id) {
   const CacheGeometry g = small_geometry();
-  KvCache cache(g, CacheOptions{});
+  KvCache cache(g, CacheOptions{}, test::kernels());
   const int32_t a = cache.create_sequence(), b = cache.create_sequence();
   const auto k = test::random_floats(33 * g.n_kv_heads * g.head_dim, 5);
   cache.append(a, 0, 33, k.data(), k.data());
@@ -162,7 +163,7 @@ TEST(KvCache, an_append_past_capacity_fails_and_changes_nothing) {
   const CacheGeometry g = small_geometry();
   CacheOptions options;
   options.max_pages = 2 * g.n_kv_heads;  // two pages per head
-  KvCache cache(g, options);
+  KvCache cache(g, options, test::kernels());
   const int32_t seq = cache.create_sequence();
   const auto k = test::random_floats(40 * g.n_kv_heads * g.head_dim, 6);
   cache.append(seq, 0, 20, k.data(), k.data());
@@ -181,7 +182,7 @@ TEST(KvCache, an_append_past_capacity_fails_and_changes_nothing) {
 TEST(KvCache, bf16_storage_rounds_to_nearest_even) {
   CacheGeometry g = small_geometry();
   g.dtype = simd::Dtype::bf16;
-  KvCache cache(g, CacheOptions{});
+  KvCache cache(g, CacheOptions{}, test::kernels());
   const int32_t seq = cache.create_sequence();
   const auto k = test::random_floats(g.n_kv_heads * g.head_dim, 7);
   cache.append(seq, 0, 1, k.data(), k.data());

@@ -34,7 +34,7 @@ void dgesvd_(const char* jobu, const char* jobvt, const int* m, const int* n, do
 using namespace kvsift;
 using select::LocksShape;
 using simd::Dtype;
-using simd::Isa;
+using simd::Level;
 
 namespace {
 
@@ -584,8 +584,7 @@ TEST_P(LocksKernels, an_empty_job_writes_nothing) {
   EXPECT_EQ(sentinel, 42.0f);
 }
 
-INSTANTIATE_TEST_SUITE_P(Locks, LocksKernels,
-                         ::testing::Values(Isa::scalar, Isa::avx2, Isa::avx512), isa_test_name);
+INSTANTIATE_TEST_SUITE_P(Locks, LocksKernels, ::testing::ValuesIn(simd::kLevels), isa_test_name);
 
 // ---- The AVX-512 VNNI int8-query kernel ---------------------------------------------------------
 
@@ -662,8 +661,9 @@ double logit_magnitude(const LocksShape& s, const std::byte* rec, const float* q
 // so the tolerance is the float32 one of the other kernels plus the rounding of logits whose
 // terms are large and cancel.
 TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
-  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
-  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  if (!simd::cpu_has(Level::avx512_vnni)) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  // The avx512_vnni level's scorer runs the VNNI kernel on int8-query jobs.
+  const simd::LocksScoreFn vnni = simd::kernels_for(Level::avx512_vnni).locks_score;
   uint32_t seed = 7000;
   double worst = 0.0;
   for (const LocksShape& base : all_shapes(8))
@@ -742,8 +742,9 @@ TEST(LocksVnniKernel, int8_query_scores_match_the_float64_reference) {
 // records again and again, spikes and far tokens among them) go round it several times, for group
 // sizes that fill the rows differently, and every page still gets its own score.
 TEST(LocksVnniKernel, long_jobs_score_every_page) {
-  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
-  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  if (!simd::cpu_has(Level::avx512_vnni)) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  // The avx512_vnni level's scorer runs the VNNI kernel on int8-query jobs.
+  const simd::LocksScoreFn vnni = simd::kernels_for(Level::avx512_vnni).locks_score;
   const LocksShape s{128, 16, 8};
   const std::size_t bytes = select::locks_record_bytes(s);
   const std::vector<PageKind> kinds = {PageKind::random, PageKind::low_rank, PageKind::spike,
@@ -794,11 +795,12 @@ TEST(LocksVnniKernel, long_jobs_score_every_page) {
   }
 }
 
-// Where the CPU has VNNI, the AVX-512 table sends int8-query jobs to it and keeps the float
-// kernel for exact queries.
-TEST(LocksVnniKernel, the_avx512_table_uses_it_for_int8_queries_only) {
-  const simd::LocksScoreFn vnni = simd::avx512_vnni_locks_score();
-  if (vnni == nullptr) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+// The avx512_vnni table is avx512's with the int8-query scorer replaced: exact queries keep the
+// AVX-512 float kernel.
+TEST(LocksVnniKernel, the_vnni_level_replaces_only_the_int8_query_scorer) {
+  if (!simd::cpu_has(Level::avx512_vnni)) GTEST_SKIP() << "CPU lacks AVX-512 VNNI";
+  // The avx512_vnni level's scorer runs the VNNI kernel on int8-query jobs.
+  const simd::LocksScoreFn vnni = simd::kernels_for(Level::avx512_vnni).locks_score;
   const LocksShape s{128, 16, 8};
   const std::size_t bytes = select::locks_record_bytes(s);
   const uint32_t count = 9;
@@ -828,8 +830,8 @@ TEST(LocksVnniKernel, the_avx512_table_uses_it_for_int8_queries_only) {
     fn(job);
     return lse;
   };
-  const simd::LocksScoreFn table = simd::avx512_kernels().locks_score;
-  EXPECT_EQ(run(table, true), run(vnni, true));
-  // The exact query's scores differ from the int8 query's (the float kernel ran, not VNNI).
-  EXPECT_NE(run(table, false), run(vnni, true));
+  const simd::LocksScoreFn avx512 = simd::kernels_for(Level::avx512).locks_score;
+  EXPECT_EQ(run(vnni, false), run(avx512, false));
+  // The int8 query's scores on VNNI are not the float kernel's on the rounded query (VNNI ran).
+  EXPECT_NE(run(vnni, true), run(avx512, true));
 }

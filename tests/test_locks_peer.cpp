@@ -251,7 +251,7 @@ struct Heads {
     geometry.page_tokens = kPageTokens;
     CacheOptions options;
     options.max_pages = n_kv * ((n + kPageTokens - 1) / kPageTokens) + 16;
-    cache = std::make_unique<KvCache>(geometry, options);
+    cache = std::make_unique<KvCache>(geometry, options, test::kernels());
     seq = cache->create_sequence();
     keys = &k;
     keys_tokens = n;
@@ -279,7 +279,7 @@ struct Heads {
 
 std::unique_ptr<select::Selector> create_selector(const select::Policy& p, KvCache& cache,
                                                   uint64_t max_pages) {
-  return select::Selector::create(p, cache, 1u, max_pages, test::pool(2));
+  return select::Selector::create(p, cache, 1u, max_pages, test::pool(2), test::kernels());
 }
 
 select::Policy policy_of(select::Kind kind, double budget_tokens, select::GqaCombine combine) {
@@ -334,7 +334,7 @@ std::vector<float> kvsift_head_scores(const Heads& heads, uint32_t h, const floa
   job.count = n;
   std::vector<float> lse(std::size_t{g.group_size} * n);
   job.lse = lse.data();
-  heads.cache->kernels().locks_score(job);
+  test::kernels().locks_score(job);
   return lse;  // [group, n]
 }
 

@@ -89,9 +89,9 @@ void expect_exact(LouverIndex& index, const float* q, float tau, Tally& tally) {
 }
 
 TEST(LouverKernels, avx512_matches_the_scalar_reference) {
-  if (simd::detect_isa() < simd::Isa::avx512) GTEST_SKIP() << "no AVX-512";
+  if (!simd::cpu_has(simd::Level::avx512)) GTEST_SKIP() << "no AVX-512";
   const auto& ref = simd::louver_scalar_kernels();
-  const auto& vec = simd::louver_avx512_kernels();
+  const auto& vec = simd::louver_kernels_for(simd::Level::avx512);
   for (uint32_t n : {1u, 15u, 16u, 17u, 203u}) {
     for (uint32_t w : {1u, 16u, 21u, 32u}) {
       const uint32_t padded = (n + 15) / 16 * 16;
@@ -243,8 +243,9 @@ TEST(LouverIndex, ball_bound_holds_for_every_member_and_query) {
 
 TEST(LouverIndex, returns_exactly_the_brute_force_set_on_random_keys) {
   Tally tally;
-  for (simd::Isa isa : test::supported_isas()) {
-    if (isa == simd::Isa::avx2) continue;  // no AVX2 table: it resolves to scalar
+  for (simd::Level isa : test::supported_isas()) {
+    // One run per Louver table: avx2 runs the scalar one, avx512_vnni the AVX-512 one.
+    if (isa == simd::Level::avx2 || isa == simd::Level::avx512_vnni) continue;
     for (uint32_t d : {64u, 128u}) {
       for (bool isotropic : {false, true}) {
         const uint64_t n = 1000;
@@ -254,7 +255,7 @@ TEST(LouverIndex, returns_exactly_the_brute_force_set_on_random_keys) {
         params.head_dim = d;
         params.isa = isa;
         LouverIndex index(params, keys.data(), n);
-        EXPECT_EQ(index.kernels().isa, isa);
+        EXPECT_EQ(index.kernels().level, isa);
         std::mt19937 rng(d);
         for (uint32_t t = 0; t < 100; ++t) {
           const std::vector<float> q = test::random_floats(d, 1000 * d + t, 0.3f);
@@ -542,7 +543,7 @@ TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends
   g.page_tokens = 16;
   CacheOptions options;
   options.max_pages = 1024;
-  KvCache cache(g, options);
+  KvCache cache(g, options, test::kernels());
   const int32_t seq = cache.create_sequence();
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
   const uint64_t n = 1500;
@@ -557,10 +558,11 @@ TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends
   select::Policy policy;
   policy.kind = select::Kind::louver;
   policy.budget = 0.1;
-  auto selector = select::Selector::create(policy, cache, 1, g.pages_for(n + 8), test::pool(2));
+  auto selector = select::Selector::create(policy, cache, 1, g.pages_for(n + 8), test::pool(2),
+                                           test::kernels());
   select::Selection sel;
   selector->reserve_selection(sel);
-  DecodeAttention attention(g, 1, 2);
+  DecodeAttention attention(g, 1, 2, test::kernels());
   for (uint32_t step = 0; step < 3; ++step) {
     const auto kv = test::random_floats(2 * H * d, 220 + step);
     cache.append(seq, 0, 1, kv.data(), kv.data() + H * d);

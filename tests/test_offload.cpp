@@ -58,7 +58,7 @@ class Model {
     options.pinned = true;
     options.key_form = key_form;
     options.max_pages = max_pages() * c.n_layers * c.n_kv_heads * (c.batch + 1);
-    cache_ = std::make_unique<KvCache>(geometry_, options);
+    cache_ = std::make_unique<KvCache>(geometry_, options, test::kernels());
     dir_ = test::random_floats(geometry_.head_dim, seed + 1);
     for (uint32_t s = 0; s < c.batch; ++s) seq_ids_.push_back(new_sequence());
     q_ = test::random_floats(c.batch * geometry_.n_query_heads() * geometry_.head_dim, seed + 2,
@@ -125,11 +125,11 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
   policy.budget = 0.05;
   // One selector per mode, each seeing the same seals: the CPU-only and the offload mode must
   // choose the same pages for the same inputs.
-  auto cpu_selector =
-      Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64,
+                                       test::pool(2), test::kernels());
   Selection cpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
-  DecodeAttention cpu(g, c.batch, 2);
+  DecodeAttention cpu(g, c.batch, 2, test::kernels());
   EngineOptions options;
   options.max_batch = c.batch;
   options.n_threads = 2;
@@ -139,7 +139,7 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
   // One part: the checks below read what the device attended for the whole batch
   // (attended_*() report the last part); the split is checked by its own test.
   options.device_step_parts = 1;
-  DecodeEngine engine(model.cache(), options);
+  DecodeEngine engine(model.cache(), test::kernels(), options);
   engine.set_selector(policy);
   OffloadAttention* offload = engine.offload();
   const Selection& gpu_selection = engine.selection();
@@ -263,7 +263,7 @@ TEST_F(OffloadTest, dense_calls_attend_every_page) {
   options.max_pages_per_pair = 64;
   options.cache_pages = 2 * 2 * 64;
   auto offload = OffloadAttention::create(model.cache(), options);
-  DecodeAttention cpu(g, 2, 2);
+  DecodeAttention cpu(g, 2, 2, test::kernels());
   const std::size_t elems = 2 * std::size_t{g.n_query_heads()} * g.head_dim;
   std::vector<float> out_cpu(elems), out_gpu(elems, std::numeric_limits<float>::quiet_NaN());
   AttendCall call{0, 2, model.seq_ids().data(), model.q().data(), out_gpu.data()};
@@ -333,11 +333,11 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
     select::Policy policy;
     policy.kind = kind;
     policy.budget = 0.1;
-    auto selector =
-        Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+    auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64,
+                                     test::pool(2), test::kernels());
     Selection selection;
     selector->reserve_selection(selection);
-    DecodeAttention cpu(g, c.batch, 2);
+    DecodeAttention cpu(g, c.batch, 2, test::kernels());
     OffloadOptions options;
     options.max_batch = c.batch;
     options.max_pages_per_pair = model.max_pages();
@@ -391,11 +391,11 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
   select::Policy policy;
   policy.kind = Kind::locks;
   policy.budget = 0.05;
-  auto cpu_selector =
-      Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64, test::pool(2));
+  auto cpu_selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64,
+                                       test::pool(2), test::kernels());
   Selection cpu_selection;
   cpu_selector->reserve_selection(cpu_selection);
-  DecodeAttention cpu(g, c.batch, 2);
+  DecodeAttention cpu(g, c.batch, 2, test::kernels());
   for (const uint32_t parts : {2u, 3u}) {
     SCOPED_TRACE(parts);
     EngineOptions options;
@@ -406,7 +406,7 @@ TEST_F(OffloadTest, a_step_in_parts_equals_one_selection_of_the_whole_batch) {
     options.device_cache_pages =
         static_cast<uint32_t>(c.batch * g.n_kv_heads * c.max_pages_per_pair);
     options.device_step_parts = parts;
-    DecodeEngine engine(model.cache(), options);
+    DecodeEngine engine(model.cache(), test::kernels(), options);
     engine.set_selector(policy);
     const OffloadAttention* offload = engine.offload();
     double select_us = 0.0, overlap_us = 0.0;
@@ -587,7 +587,7 @@ TEST_F(OffloadTest, the_c_api_offload_cache_attends_like_the_cpu_cache) {
 // Runs everywhere: the refusal comes before any device is touched.
 TEST(Offload, create_refuses_an_unpinned_cache_or_a_build_without_cuda) {
   CacheGeometry geometry;
-  KvCache cache(geometry, CacheOptions{});
+  KvCache cache(geometry, CacheOptions{}, test::kernels());
   OffloadOptions options;
   options.max_pages_per_pair = 4;
   options.cache_pages = 4;

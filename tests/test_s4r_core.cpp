@@ -30,12 +30,12 @@ void dgesvd_(const char* jobu, const char* jobvt, const int* m, const int* n, do
 using namespace kvsift;
 namespace s4r = kvsift::select::s4r;
 using simd::Dtype;
-using simd::Isa;
+using simd::Level;
 
 namespace {
 
 const simd::Kernels& best_kernels() {
-  return simd::kernels_for(simd::detect_isa());
+  return simd::kernels_for(simd::best_level(simd::detect_features()));
 }
 
 float decode_value(uint16_t h, Dtype dtype) {
@@ -429,7 +429,7 @@ TEST_P(S4rProjection, reconstruct_matches_the_float64_reference) {
     }
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, S4rProjection, testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
+INSTANTIATE_TEST_SUITE_P(Isa, S4rProjection, testing::ValuesIn(simd::kLevels),
                          test::isa_test_name);
 
 // ---- Latent relevance and selection ----------------------------------------------------------
@@ -569,7 +569,7 @@ TEST_P(S4rRelevance, full_rank_latent_logits_are_the_exact_logits) {
   EXPECT_LT(test::relative_error(out.data(), want.data(), L), 3e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Isa, S4rRelevance, testing::Values(Isa::scalar, Isa::avx2, Isa::avx512),
+INSTANTIATE_TEST_SUITE_P(Isa, S4rRelevance, testing::ValuesIn(simd::kLevels),
                          test::isa_test_name);
 
 // The k best ids ascending, ties to the lower id, NaN below everything, against a full sort.

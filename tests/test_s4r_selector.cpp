@@ -71,17 +71,18 @@ std::vector<float> low_rank_rows(uint64_t n, uint32_t dim, uint32_t rank, uint32
 // One cache, one sequence of n tokens, a selector, and one step's attention through it.
 struct Bench {
   CacheGeometry g = geometry();
-  KvCache cache{g, pre_rope_options()};
+  KvCache cache{g, pre_rope_options(), test::kernels()};
   int32_t seq = cache.create_sequence();
   std::unique_ptr<Selector> selector;
   Selection selection;
-  DecodeAttention attention{g, 1, 2};
+  DecodeAttention attention{g, 1, 2, test::kernels()};
 
   Bench(uint64_t n, const Policy& policy, uint32_t seed) {
     const uint32_t dim = g.n_kv_heads * g.head_dim;
     const auto k = low_rank_rows(n, dim, 24, seed), v = low_rank_rows(n, dim, 24, seed + 10);
     cache.append(seq, 0, static_cast<uint32_t>(n), k.data(), v.data());
-    selector = Selector::create(policy, cache, 1, g.pages_for(n + 64), test::pool(2));
+    selector =
+        Selector::create(policy, cache, 1, g.pages_for(n + 64), test::pool(2), test::kernels());
     selector->reserve_selection(selection);
   }
   // Appends one token, selects and attends with q; returns the output.
@@ -175,15 +176,17 @@ TEST(S4r, the_bytes_held_follow_the_memory_model) {
 
 TEST(S4r, refusals_are_clear_errors) {
   const CacheGeometry g = geometry();
-  KvCache post(g, CacheOptions{});
-  test::expect_error([&] { Selector::create(s4r_policy(0.1, 2.5), post, 1, 64, test::pool(1)); },
-                     Status::invalid_argument, "pre-RoPE");
+  KvCache post(g, CacheOptions{}, test::kernels());
+  test::expect_error(
+      [&] { Selector::create(s4r_policy(0.1, 2.5), post, 1, 64, test::pool(1), test::kernels()); },
+      Status::invalid_argument, "pre-RoPE");
   Bench b(800, s4r_policy(0.1, 2.5), 100);
   const auto q = test::random_floats(std::size_t{g.n_query_heads()} * g.head_dim, 101);
   b.step(q, 102);
   test::expect_error([&] { b.cache.fork_sequence(b.seq); }, Status::unsupported, "compressed");
-  test::expect_error([&] { Selector::create(Policy{}, b.cache, 1, 64, test::pool(1)); },
-                     Status::invalid_argument, "free them");
+  test::expect_error(
+      [&] { Selector::create(Policy{}, b.cache, 1, 64, test::pool(1), test::kernels()); },
+      Status::invalid_argument, "free them");
   std::vector<float> out(q.size());
   AttendCall dense{0, 1, &b.seq, q.data(), out.data(), nullptr, nullptr};
   test::expect_error([&] { b.attention.validate(b.cache, dense); }, Status::invalid_argument,
@@ -270,10 +273,10 @@ TEST(S4r, real_model_kv_reconstruction_error_per_layer) {
         select::s4r::fit_basis(part.data(), n, width, width, sample.data(), sample.size(), rank);
     coeffs.resize(n * rank);
     select::s4r::project(part.data(), n, width, basis, coeffs.data(), g.dtype, matmul,
-                         cache.kernels());
+                         test::kernels());
     std::vector<float> workspace(select::s4r::reconstruct_workspace_floats(basis));
     select::s4r::reconstruct(coeffs.data(), g.dtype, basis, ids.data(), static_cast<uint32_t>(n),
-                             back.data(), cache.kernels(), matmul, workspace.data());
+                             back.data(), test::kernels(), matmul, workspace.data());
     for (std::size_t i = 0; i < n * width; ++i) {
       err += (double(back[i]) - part[i]) * (double(back[i]) - part[i]);
       norm += double(part[i]) * part[i];

@@ -43,7 +43,7 @@ struct Fixture {
     geometry.group_size = G;
     geometry.head_dim = d;
     geometry.page_tokens = B;
-    cache = std::make_unique<KvCache>(geometry, CacheOptions{});
+    cache = std::make_unique<KvCache>(geometry, CacheOptions{}, test::kernels());
     for (std::size_t i = 0; i < lengths.size(); ++i) {
       const int32_t id = cache->create_sequence();
       seq_ids.push_back(id);
@@ -79,7 +79,8 @@ struct Fixture {
   }
 
   std::unique_ptr<Selector> selector(const Policy& policy) {
-    return Selector::create(policy, *cache, static_cast<uint32_t>(seq_ids.size()), max_pages(), test::pool(2));
+    return Selector::create(policy, *cache, static_cast<uint32_t>(seq_ids.size()), max_pages(),
+                            test::pool(2), test::kernels());
   }
 
   Selection run(Selector& selector) {
@@ -330,13 +331,14 @@ TEST(Select, equal_scores_choose_the_lower_page_ids) {
   geometry.n_kv_heads = 1;
   geometry.group_size = 2;
   geometry.head_dim = 64;
-  KvCache cache(geometry, CacheOptions{});
+  KvCache cache(geometry, CacheOptions{}, test::kernels());
   const int32_t seq = cache.create_sequence();
   const std::vector<float> k(std::size_t{16} * 20 * 64, 0.5f);  // every page the same
   cache.append(seq, 0, 16 * 20, k.data(), k.data());
   const std::vector<float> q = test::random_floats(2 * 64, 1);
   for (Kind kind : {Kind::oracle, Kind::quest, Kind::locks}) {
-    auto selector = Selector::create(policy_of(kind, 16 * 6), cache, 1, 20, test::pool(2));
+    auto selector =
+        Selector::create(policy_of(kind, 16 * 6), cache, 1, 20, test::pool(2), test::kernels());
     Selection sel;
     selector->reserve_selection(sel);
     selector->select(select::SelectCall{0, 1, &seq, q.data()}, sel);

@@ -56,11 +56,11 @@ struct World {
 std::unique_ptr<KvCache> new_cache() {
   CacheOptions options;
   options.max_pages = kSlots;
-  return std::make_unique<KvCache>(geometry(), options);
+  return std::make_unique<KvCache>(geometry(), options, test::kernels());
 }
 
 std::unique_ptr<Selector> new_selector(const Policy& policy, KvCache& cache) {
-  return Selector::create(policy, cache, kMaxBatch, kSlots, test::pool(2));
+  return Selector::create(policy, cache, kMaxBatch, kSlots, test::pool(2), test::kernels());
 }
 
 // Keys with page structure (a per-page gain along one direction), so that pages differ in mass and

@@ -29,6 +29,13 @@ inline ThreadPool& pool(int n_threads) {
   return *pool;
 }
 
+// The kernel table of a handle created now with the default request (best, under the process
+// cap), for code a test drives outside a handle (a cache, an attention or a selector made
+// directly). Tests of one level pass that level's table instead (IsaTest::k()).
+inline const simd::Kernels& kernels() {
+  return simd::kernels_for(simd::resolve_level(simd::Level::best));
+}
+
 inline std::vector<float> random_floats(std::size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
   std::normal_distribution<float> dist(0.0f, scale);
@@ -62,25 +69,26 @@ void expect_error(F&& f, Status status, std::string_view needle) {
   }
 }
 
-inline std::vector<simd::Isa> supported_isas() {
-  std::vector<simd::Isa> isas;
-  for (simd::Isa isa : {simd::Isa::scalar, simd::Isa::avx2, simd::Isa::avx512})
-    if (isa <= simd::detect_isa()) isas.push_back(isa);
-  return isas;
+// The kernel levels of this build (simd::kLevels) that this CPU has.
+inline std::vector<simd::Level> supported_isas() {
+  std::vector<simd::Level> levels;
+  for (simd::Level level : simd::kLevels)
+    if (simd::cpu_has(level)) levels.push_back(level);
+  return levels;
 }
 
-// A test parameterised over the ISAs: it skips the ones this CPU lacks, and k() is the kernel
-// table of the one it runs on.
-class IsaTest : public ::testing::TestWithParam<simd::Isa> {
+// A test parameterised over the levels (instantiate it with ::testing::ValuesIn(simd::kLevels)):
+// it skips the ones this CPU lacks, and k() is the kernel table of the one it runs on.
+class IsaTest : public ::testing::TestWithParam<simd::Level> {
  protected:
   void SetUp() override {
-    if (GetParam() > simd::detect_isa()) GTEST_SKIP() << "CPU lacks " << simd::isa_name(GetParam());
+    if (!simd::cpu_has(GetParam())) GTEST_SKIP() << "CPU lacks " << simd::level_name(GetParam());
   }
   const simd::Kernels& k() const { return simd::kernels_for(GetParam()); }
 };
 
-inline std::string isa_test_name(const ::testing::TestParamInfo<simd::Isa>& info) {
-  return simd::isa_name(info.param);
+inline std::string isa_test_name(const ::testing::TestParamInfo<simd::Level>& info) {
+  return simd::level_name(info.param);
 }
 
 }  // namespace kvsift::test

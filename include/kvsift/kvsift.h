@@ -109,24 +109,31 @@ KVSIFT_API void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log
 /* ---------------------------------------------------------------------------------------------- */
 /* Instruction sets */
 
+/* Kernel levels: each is a set of CPU features and one table of kernels built for them (README,
+ * "Instruction sets"). A handle runs one level, chosen when it is created. */
 typedef enum kvsift_isa {
-  KVSIFT_ISA_SCALAR = 0, /* portable reference code */
-  KVSIFT_ISA_AVX2 = 1,   /* AVX2 + FMA + F16C */
-  KVSIFT_ISA_AVX512 = 2, /* AVX-512 F/CD/DQ/BW/VL */
-  KVSIFT_ISA_AUTO = 255, /* the best the CPU supports, within the process cap */
+  KVSIFT_ISA_SCALAR = 0,      /* portable code */
+  KVSIFT_ISA_AVX2 = 1,        /* x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE */
+  KVSIFT_ISA_AVX512 = 2,      /* x86-64-v4: avx2's and AVX-512 F/CD/DQ/BW/VL */
+  KVSIFT_ISA_AVX512_VNNI = 3, /* avx512's and AVX-512 VNNI: int8 LOCKS queries scored on VNNI */
+  KVSIFT_ISA_AUTO = 255,      /* the best the CPU supports, within the process cap */
   KVSIFT_ISA_MAX_ENUM = 0x7fffffff
 } kvsift_isa;
 
-/* The best ISA this CPU and OS support (CPUID + XCR0), ignoring any cap. */
+/* The best level this CPU and OS support (CPUID + XCR0), ignoring any cap. */
 KVSIFT_API kvsift_isa kvsift_isa_supported(void);
 
-/* Caps the ISA chosen by handles created afterwards. The environment variable KVSIFT_MAX_ISA
- * (scalar | avx2 | avx512) sets the initial cap; this call replaces it. KVSIFT_ISA_AUTO removes
- * the cap. Existing handles keep the ISA they chose. Errors: INVALID_ARGUMENT for an unknown
- * value. */
+/* Caps the level chosen by handles created afterwards: they get the best level whose features
+ * the CPU has and the cap level has too (a cap of AVX512 leaves out AVX512_VNNI). The environment
+ * variable KVSIFT_MAX_ISA (a name of kvsift_isa_name: scalar | avx2 | avx512 | avx512_vnni, or
+ * best for none) sets the initial cap; this call replaces it. With any other value of the
+ * variable, creating a cache or a model fails with INVALID_ARGUMENT naming it, until this call
+ * sets a cap. KVSIFT_ISA_AUTO removes the cap. Existing handles keep the level they chose.
+ * Errors: INVALID_ARGUMENT for an unknown value. */
 KVSIFT_API kvsift_status kvsift_set_max_isa(kvsift_isa max_isa);
 
-/* "scalar", "avx2", "avx512" or "auto"; "unknown" for other values. Static storage. */
+/* "scalar", "avx2", "avx512", "avx512_vnni" or "auto"; "unknown" for other values. Static
+ * storage. */
 KVSIFT_API const char* kvsift_isa_name(kvsift_isa isa);
 
 /* ---------------------------------------------------------------------------------------------- */
@@ -175,7 +182,8 @@ typedef struct kvsift_cache_params {
                          thread included; 0 = the CPUs in the process's affinity mask. Idle
                          threads sleep; nothing process-wide changes (README, "Threads").
                          Default 0. */
-  kvsift_isa isa;     /* ISA for this handle, capped by the process cap. Default AUTO. */
+  kvsift_isa isa;     /* Level for this handle: AUTO, or a level the CPU has (one the process
+                         cap leaves out falls back to the best level below it). Default AUTO. */
   /* Offload mode: a CUDA device index, or -1 (default) for attention on the CPU. With a device the
    * pool is pinned (whatever `pinned` says) and kvsift_attend / kvsift_attend_selected run on the
    * device: the pages a call lists (and a token-level selector's rows) not already held by the
@@ -193,15 +201,15 @@ KVSIFT_API void kvsift_cache_params_init(kvsift_cache_params* params);
 
 /* Creates a cache. *out receives the handle (set to NULL on failure); free it with
  * kvsift_cache_free. Errors: INVALID_ARGUMENT (NULL pointers, counts outside the ranges above,
- * unknown enum values), UNSUPPORTED (a head_dim or page_tokens kvsift has no kernels for, pinned
- * memory without CUDA or without a usable driver, an ISA the CPU lacks),
- * OUT_OF_MEMORY. */
+ * unknown enum values, KVSIFT_MAX_ISA set to a name that is not a level), UNSUPPORTED (a head_dim
+ * or page_tokens kvsift has no kernels for, pinned memory without CUDA or without a usable
+ * driver, a level the CPU lacks), OUT_OF_MEMORY. */
 KVSIFT_API kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cache** out);
 
 /* Frees the cache and every sequence in it. NULL is accepted and ignored. */
 KVSIFT_API void kvsift_cache_free(kvsift_cache* cache);
 
-/* The ISA this cache's kernels run with (never KVSIFT_ISA_AUTO). SCALAR for a NULL cache. */
+/* The level this cache's kernels run with (never KVSIFT_ISA_AUTO). SCALAR for a NULL cache. */
 KVSIFT_API kvsift_isa kvsift_cache_isa(const kvsift_cache* cache);
 
 /* Creates an empty sequence; *seq_id receives its id (>= 0). Ids of freed sequences are reused.

@@ -19,8 +19,9 @@ constexpr uint32_t kMinPagesPerTask = 16;
 
 }  // namespace
 
-DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads)
-    : geometry_(geometry), max_batch_(max_batch) {
+DecodeAttention::DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads,
+                                 const simd::Kernels& kernels)
+    : geometry_(geometry), kernels_(&kernels), max_batch_(max_batch) {
   geometry_.validate();
   require(max_batch >= 1 && max_batch <= 65536, "max_batch=", max_batch, " is not in 1..65536");
   pool_ = std::make_unique<ThreadPool>(n_threads);
@@ -168,7 +169,7 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
 
   const uint32_t n_tasks = plan(cache, call);
   const uint32_t pairs = call.n_seqs * H;
-  const simd::Kernels& kernels = cache.kernels();
+  const simd::Kernels& kernels = *kernels_;
   const std::size_t scratch_stride = round_to_lines<float>(std::size_t{G} * B);
 
   pool_->parallel_for(n_tasks, 1, [&](uint64_t i, uint64_t, int thread) noexcept {

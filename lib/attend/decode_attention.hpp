@@ -75,8 +75,10 @@ class DecodeAttention final : public AttentionBackend {
  public:
   // Starts the pool of n_threads threads (0: the CPUs in the process's affinity mask) that the
   // handle owning this attention also lends its selector and its other parallel loops
-  // (thread_pool.hpp). Throws invalid_argument / out_of_memory.
-  DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads);
+  // (thread_pool.hpp). kernels: the handle's table (lib/core/kernel_runtime.hpp), a static one.
+  // Throws invalid_argument / out_of_memory.
+  DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads,
+                  const simd::Kernels& kernels);
 
   // Throws Error naming the first bad argument; writes nothing.
   void validate(const KvCache& cache, const AttendCall& call) const override;
@@ -104,6 +106,7 @@ class DecodeAttention final : public AttentionBackend {
   uint32_t plan(const KvCache& cache, const AttendCall& call) noexcept;
 
   CacheGeometry geometry_;
+  const simd::Kernels* kernels_;
   uint32_t max_batch_;
   std::unique_ptr<ThreadPool> pool_;
   int n_threads_;

@@ -19,9 +19,10 @@ const CacheGeometry& validated(const CacheGeometry& geometry) {
 
 }  // namespace
 
-KvCache::KvCache(const CacheGeometry& geometry, const CacheOptions& options)
+KvCache::KvCache(const CacheGeometry& geometry, const CacheOptions& options,
+                 const simd::Kernels& kernels)
     : geometry_(validated(geometry)),
-      kernels_(&simd::kernels_for(simd::resolve_isa(options.isa))),
+      kernels_(&kernels),
       pool_(geometry.slot_bytes(), options.max_pages, options.pinned),
       key_form_(options.key_form) {
   if (key_form_ == KeyForm::pre_rope) rope_.emplace(options.rope_theta, geometry_.head_dim);

@@ -23,7 +23,6 @@ struct CacheOptions {
   KeyForm key_form = KeyForm::post_rope;
   float rope_theta = 10000.0f;  // pre_rope only
   bool pinned = false;
-  simd::Isa isa = simd::Isa::avx512;  // capped by the CPU and the process cap
 };
 
 // A page that just filled up; passed to SealListener while its K/V are final.
@@ -53,8 +52,10 @@ class SealListener {
 
 class KvCache {
  public:
-  // Throws Error (invalid_argument / unsupported / out_of_memory).
-  KvCache(const CacheGeometry& geometry, const CacheOptions& options);
+  // kernels: the table append and read_tokens convert with, the handle's
+  // (lib/core/kernel_runtime.hpp); a static one. Throws Error (invalid_argument / unsupported /
+  // out_of_memory).
+  KvCache(const CacheGeometry& geometry, const CacheOptions& options, const simd::Kernels& kernels);
 
   int32_t create_sequence();
   // A new sequence holding a copy of src's pages (listeners see the full ones sealed). All or
@@ -108,7 +109,6 @@ class KvCache {
   KeyForm key_form() const noexcept { return key_form_; }
   // The cache's RoPE, covering every stored position; pre_rope caches only.
   const Rope& rope() const noexcept { return *rope_; }
-  const simd::Kernels& kernels() const noexcept { return *kernels_; }
 
  private:
   struct Sequence {

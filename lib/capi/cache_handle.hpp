@@ -4,13 +4,18 @@
 #pragma once
 
 #include "lib/cache/kv_cache.hpp"
+#include "lib/core/kernel_runtime.hpp"
 #include "lib/engine/decode_engine.hpp"
 
 struct kvsift_cache {
   kvsift_cache(const kvsift::CacheGeometry& geometry, const kvsift::CacheOptions& options,
-               const kvsift::EngineOptions& engine_options)
-      : cache(geometry, options), engine(cache, engine_options) {}
+               kvsift::simd::Level level, const kvsift::EngineOptions& engine_options)
+      : runtime(level),
+        cache(geometry, options, runtime.kernels()),
+        engine(cache, runtime.kernels(), engine_options) {}
 
+  // The handle's kernel level, chosen once; the cache and the engine run its tables.
+  kvsift::KernelRuntime runtime;
   kvsift::KvCache cache;
   // After the cache, which its selector and offload backend listen to (and leave before it goes).
   kvsift::DecodeEngine engine;

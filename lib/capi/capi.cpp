@@ -25,8 +25,8 @@ using kvsift::Status;
 using kvsift::capi::guard;
 using kvsift::capi::require_pointer;
 using kvsift::capi::to_dtype;
-using kvsift::capi::to_isa;
-using kvsift::capi::to_supported_isa;
+using kvsift::capi::to_level;
+using kvsift::capi::to_supported_level;
 
 static_assert(static_cast<int>(Status::ok) == KVSIFT_STATUS_OK);
 static_assert(static_cast<int>(Status::invalid_argument) == KVSIFT_STATUS_INVALID_ARGUMENT);
@@ -40,9 +40,12 @@ static_assert(static_cast<int>(Status::internal) == KVSIFT_STATUS_INTERNAL);
 static_assert(static_cast<int>(Status::buffer_too_small) == KVSIFT_STATUS_BUFFER_TOO_SMALL);
 static_assert(static_cast<int>(kvsift::LogLevel::debug) == KVSIFT_LOG_DEBUG);
 static_assert(static_cast<int>(kvsift::LogLevel::error) == KVSIFT_LOG_ERROR);
-static_assert(static_cast<int>(kvsift::simd::Isa::scalar) == KVSIFT_ISA_SCALAR);
-static_assert(static_cast<int>(kvsift::simd::Isa::avx2) == KVSIFT_ISA_AVX2);
-static_assert(static_cast<int>(kvsift::simd::Isa::avx512) == KVSIFT_ISA_AVX512);
+// A kvsift_isa is the level's own value (capi/guard.cpp: to_level).
+static_assert(static_cast<int>(kvsift::simd::Level::scalar) == KVSIFT_ISA_SCALAR);
+static_assert(static_cast<int>(kvsift::simd::Level::avx2) == KVSIFT_ISA_AVX2);
+static_assert(static_cast<int>(kvsift::simd::Level::avx512) == KVSIFT_ISA_AVX512);
+static_assert(static_cast<int>(kvsift::simd::Level::avx512_vnni) == KVSIFT_ISA_AVX512_VNNI);
+static_assert(static_cast<int>(kvsift::simd::Level::best) == KVSIFT_ISA_AUTO);
 
 namespace {
 
@@ -115,24 +118,20 @@ void kvsift_set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_
 }
 
 kvsift_isa kvsift_isa_supported(void) {
-  return static_cast<kvsift_isa>(kvsift::simd::detect_isa());
+  return static_cast<kvsift_isa>(kvsift::simd::best_level(kvsift::simd::detect_features()));
 }
 
 kvsift_status kvsift_set_max_isa(kvsift_isa max_isa) {
   return guard(__func__, [&] {
-    kvsift::simd::set_max_isa(to_isa(kvsift::capi::enum_bits(max_isa), "max_isa"));
+    kvsift::simd::set_max_level(to_level(kvsift::capi::enum_bits(max_isa), "max_isa"));
   });
 }
 
 const char* kvsift_isa_name(kvsift_isa isa) {
   const int32_t bits = kvsift::capi::enum_bits(isa);
-  switch (bits) {
-    case KVSIFT_ISA_SCALAR:
-    case KVSIFT_ISA_AVX2:
-    case KVSIFT_ISA_AVX512: return kvsift::simd::isa_name(static_cast<kvsift::simd::Isa>(bits));
-    case KVSIFT_ISA_AUTO: return "auto";
-    default: break;
-  }
+  if (bits == KVSIFT_ISA_AUTO) return "auto";
+  for (kvsift::simd::Level level : kvsift::simd::kLevels)
+    if (bits == static_cast<int32_t>(level)) return kvsift::simd::level_name(level);
   return "unknown";
 }
 
@@ -183,19 +182,18 @@ kvsift_status kvsift_cache_create(const kvsift_cache_params* params, kvsift_cach
     kvsift::require(params->device >= -1, "params->device=", params->device,
                     " is neither -1 (CPU) nor a device index");
     options.pinned = params->pinned != 0 || params->device >= 0;
-    options.isa = to_supported_isa(kvsift::capi::enum_bits(params->isa), "params->isa");
-    if (auto env_error = kvsift::simd::env_max_isa_error(); !env_error.empty())
-      kvsift::log(kvsift::LogLevel::warn, std::string(env_error));
     kvsift::EngineOptions engine;
     engine.max_batch = params->max_batch;
     engine.n_threads = params->n_threads;
     engine.device = params->device;
     engine.device_cache_pages = params->device_cache_pages;
-    auto handle = std::make_unique<kvsift_cache>(geometry, options, engine);
+    const kvsift::simd::Level level =
+        to_supported_level(kvsift::capi::enum_bits(params->isa), "params->isa");
+    auto handle = std::make_unique<kvsift_cache>(geometry, options, level, engine);
     if (kvsift::log_enabled(kvsift::LogLevel::info))
       kvsift::log(kvsift::LogLevel::info,
                   std::string("cache created: isa=") +
-                      kvsift::simd::isa_name(handle->cache.kernels().isa) +
+                      kvsift::simd::level_name(handle->runtime.level()) +
                       ", threads=" + std::to_string(handle->engine.n_threads()) +
                       ", pool bytes=" + std::to_string(handle->cache.pool().region().size()));
     *out = handle.release();
@@ -208,7 +206,7 @@ void kvsift_cache_free(kvsift_cache* cache) {
 
 kvsift_isa kvsift_cache_isa(const kvsift_cache* cache) {
   if (cache == nullptr) return KVSIFT_ISA_SCALAR;
-  return static_cast<kvsift_isa>(cache->cache.kernels().isa);
+  return static_cast<kvsift_isa>(cache->runtime.level());
 }
 
 kvsift_status kvsift_sequence_create(kvsift_cache* cache, int32_t* seq_id) {

@@ -33,22 +33,22 @@ void copy_out(const std::string& bytes, char* out, std::size_t capacity, std::si
   }
 }
 
-simd::Isa to_isa(int32_t isa, const char* name) {
-  switch (isa) {
-    case KVSIFT_ISA_SCALAR: return simd::Isa::scalar;
-    case KVSIFT_ISA_AVX2: return simd::Isa::avx2;
-    case KVSIFT_ISA_AVX512:
-    case KVSIFT_ISA_AUTO: return simd::Isa::avx512;
-    default: break;
-  }
+simd::Level to_level(int32_t isa, const char* name) {
+  if (isa == KVSIFT_ISA_AUTO) return simd::Level::best;
+  // Every level of this build is a kvsift_isa: one a later build adds needs no case here.
+  for (simd::Level level : simd::kLevels)
+    if (isa == static_cast<int32_t>(level)) return level;
   fail(Status::invalid_argument, name, "=", isa, " is not a kvsift_isa");
 }
 
-simd::Isa to_supported_isa(int32_t isa, const char* name) {
-  const simd::Isa wanted = to_isa(isa, name);
-  if (isa != KVSIFT_ISA_AUTO && simd::detect_isa() < wanted)
-    fail(Status::unsupported, name, "=", simd::isa_name(wanted),
-         " is not supported by this CPU (best: ", simd::isa_name(simd::detect_isa()), ")");
+simd::Level to_supported_level(int32_t isa, const char* name) {
+  if (const std::string_view env = simd::env_max_level_error(); !env.empty())
+    fail(Status::invalid_argument, env);
+  const simd::Level wanted = to_level(isa, name);
+  if (!simd::cpu_has(wanted))
+    fail(Status::unsupported, name, "=", simd::level_name(wanted),
+         " is not supported by this CPU (best: ",
+         simd::level_name(simd::best_level(simd::detect_features())), ")");
   return wanted;
 }
 

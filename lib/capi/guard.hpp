@@ -66,10 +66,11 @@ int32_t enum_in_range(const Enum& value, int32_t count, const char* name, const 
 }
 
 // C enums (given as enum_bits) to their C++ twins; unknown values throw invalid_argument naming
-// the field.
-simd::Isa to_isa(int32_t isa, const char* name);
-// Also throws unsupported for an explicit ISA the CPU lacks (AUTO is always fine).
-simd::Isa to_supported_isa(int32_t isa, const char* name);
+// the field. A kvsift_isa is a level's own value (simd/isa.hpp), or AUTO for Level::best.
+simd::Level to_level(int32_t isa, const char* name);
+// A handle's level request: also throws unsupported for a named level the CPU lacks (AUTO is
+// always fine), and invalid_argument when KVSIFT_MAX_ISA is not a level name.
+simd::Level to_supported_level(int32_t isa, const char* name);
 simd::Dtype to_dtype(int32_t dtype, const char* name);
 // Also validates the policy (select::Policy::validate).
 select::Policy to_policy(const kvsift_selector_policy& policy);

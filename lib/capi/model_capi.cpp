@@ -57,7 +57,8 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
     options.kv_dtype = kvsift::capi::to_dtype(kvsift::capi::enum_bits(params->kv_dtype), "params->kv_dtype");
     options.page_tokens = params->page_tokens;
     options.n_threads = params->n_threads;
-    options.isa = kvsift::capi::to_supported_isa(kvsift::capi::enum_bits(params->isa), "params->isa");
+    options.isa =
+        kvsift::capi::to_supported_level(kvsift::capi::enum_bits(params->isa), "params->isa");
     kvsift::require(params->device >= -1, "params->device=", params->device,
                     " is neither -1 (CPU) nor a device index");
     options.device = params->device;

@@ -42,9 +42,11 @@ OffloadOptions offload_options(const KvCache& cache, const EngineOptions& option
 
 }  // namespace
 
-DecodeEngine::DecodeEngine(KvCache& cache, const EngineOptions& options)
+DecodeEngine::DecodeEngine(KvCache& cache, const simd::Kernels& kernels,
+                           const EngineOptions& options)
     : cache_(cache),
-      cpu_(cache.geometry(), options.max_batch, options.n_threads),
+      kernels_(kernels),
+      cpu_(cache.geometry(), options.max_batch, options.n_threads, kernels),
       selector_max_pages_(options.max_pages_per_pair != 0 ? options.max_pages_per_pair
                                                           : cache.pool().capacity()) {
   require(options.device >= -1, "device=", options.device,
@@ -65,8 +67,8 @@ const AttentionBackend& DecodeEngine::backend() const noexcept {
 }
 
 void DecodeEngine::set_selector(const select::Policy& policy) {
-  std::unique_ptr<select::Selector> selector =
-      select::Selector::create(policy, cache_, cpu_.max_batch(), selector_max_pages_, cpu_.pool());
+  std::unique_ptr<select::Selector> selector = select::Selector::create(
+      policy, cache_, cpu_.max_batch(), selector_max_pages_, cpu_.pool(), kernels_);
   select::Selection selection;
   selector->reserve_selection(selection);
   selector_ = std::move(selector);

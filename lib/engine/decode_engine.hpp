@@ -58,10 +58,11 @@ struct LayerStepStats {
 class DecodeEngine {
  public:
   // Registers the offload backend and the selector with the cache as listeners; the engine must
-  // not outlive the cache. Starts with the dense selector. Throws Error: invalid_argument (options
-  // out of range), unsupported (a device without CUDA in the build or a usable device),
-  // out_of_memory.
-  DecodeEngine(KvCache& cache, const EngineOptions& options);
+  // not outlive the cache. kernels: the handle's table (lib/core/kernel_runtime.hpp), which the
+  // engine hands its attention and its selectors. Starts with the dense selector. Throws Error:
+  // invalid_argument (options out of range), unsupported (a device without CUDA in the build or a
+  // usable device), out_of_memory.
+  DecodeEngine(KvCache& cache, const simd::Kernels& kernels, const EngineOptions& options);
   ~DecodeEngine();
   DecodeEngine(const DecodeEngine&) = delete;
   DecodeEngine& operator=(const DecodeEngine&) = delete;
@@ -115,6 +116,7 @@ class DecodeEngine {
   void attend_in_parts(const AttendCall& call);
 
   KvCache& cache_;
+  const simd::Kernels& kernels_;
   DecodeAttention cpu_;
   std::unique_ptr<OffloadAttention> offload_;  // after cache_, which it listens to
   uint64_t selector_max_pages_;

@@ -67,7 +67,6 @@ CacheOptions cache_options_for(const LlamaConfig& config, const ModelOptions& op
   CacheOptions o;
   o.max_pages = uint64_t{options.max_seqs} * config.n_layers * config.n_kv_heads *
                 ((n_ctx + options.page_tokens - 1) / options.page_tokens);
-  o.isa = options.isa;
   // The runner hands the cache pre-RoPE keys: the cache rotates them with the same Rope code the
   // runner uses for queries, and a selector that works before RoPE (S4R) can read them back.
   o.key_form = KeyForm::pre_rope;
@@ -96,19 +95,20 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
       config_(config),
       options_(options),
       n_ctx_(context_for(config, options)),
-      cache_(geometry_for(config, options), cache_options_for(config, options)),
-      engine_(cache_, engine_options_for(config, options)) {
+      runtime_(options.isa),
+      cache_(geometry_for(config, options), cache_options_for(config, options), runtime_.kernels()),
+      engine_(cache_, runtime_.kernels(), engine_options_for(config, options)) {
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
   LlamaWeights weights = LlamaWeights::load(std::move(file), config, options.weight_type,
-                                            cache_.kernels(), engine_.pool());
+                                            runtime_.kernels(), engine_.pool());
   const uint32_t max_rows = std::max(options.prefill_chunk, options.max_seqs);
   if (options.device >= 0)
     forward_ = std::make_unique<DeviceForwardPass>(
         std::move(weights), config, cache_, options.device, max_rows, n_ctx_, options.kv_dtype);
   else
     forward_ =
-        std::make_unique<CpuForwardPass>(std::move(weights), config, cache_, cache_.kernels(),
+        std::make_unique<CpuForwardPass>(std::move(weights), config, cache_, runtime_.kernels(),
                                          engine_.pool(), max_rows, options.prefill_chunk, n_ctx_);
 }
 

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "lib/cache/kv_cache.hpp"
+#include "lib/core/kernel_runtime.hpp"
 #include "lib/core/matmul.hpp"
 #include "lib/engine/decode_engine.hpp"
 #include "lib/model/forward_pass.hpp"
@@ -30,7 +31,7 @@ struct ModelOptions {
   simd::Dtype kv_dtype = simd::Dtype::f16;
   uint32_t page_tokens = 16;
   int n_threads = 0;  // the model's thread pool, caller included; 0 = the CPUs it may run on
-  simd::Isa isa = simd::Isa::avx512;
+  simd::Level isa = simd::Level::best;  // simd::resolve_level: the CPU and the process cap
   // Offload mode: a CUDA device index, or -1 for the CPU only. With a device the weights live and
   // the products, norms, RoPE, SwiGLU and the prefill's attention run there (gpu/device_llama.hpp;
   // weight_type must be bf16), while the KV cache stays in host memory (pinned): each layer's K/V
@@ -133,6 +134,7 @@ class LlamaModel {
   LlamaConfig config_;
   ModelOptions options_;
   uint32_t n_ctx_;
+  KernelRuntime runtime_;  // the model's kernel level: its cache, engine and products run it
   KvCache cache_;
   DecodeEngine engine_;                   // after cache_, which it listens to
   std::unique_ptr<ForwardPass> forward_;  // after cache_ and engine_, which it borrows

@@ -93,7 +93,7 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
       max_tokens_(options.max_row_chunks == 0
                       ? 0
                       : (max_listed_ + options.max_row_chunks) * geometry_.page_tokens),
-      checker_(geometry_, options.max_batch, 1) {
+      checker_(geometry_, options.max_batch, 1, simd::scalar_kernels()) {  // never runs them
   static_assert(3 * kMaxParts < gpu::StepStream::kEvents, "3 events per part and kDone");
   check(stream_.init(), "stream");
   const gpu::AttentionShape shape{geometry_.n_kv_heads, geometry_.group_size, geometry_.head_dim,

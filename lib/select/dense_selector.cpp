@@ -18,8 +18,8 @@ class DenseSelector final : public PageSelector {
 
 std::unique_ptr<Selector> make_dense_selector(const Policy& policy, KvCache& cache,
                                               uint32_t max_batch, uint64_t max_pages,
-                                              ThreadPool& pool) {
-  return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, pool);
+                                              ThreadPool& pool, const simd::Kernels& kernels) {
+  return std::make_unique<DenseSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 }  // namespace kvsift::select

@@ -20,8 +20,8 @@ namespace {
 class LocksSelector final : public PageSelector {
  public:
   LocksSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                ThreadPool& pool)
-      : PageSelector(policy, cache, max_batch, max_pages, pool),
+                ThreadPool& pool, const simd::Kernels& kernels)
+      : PageSelector(policy, cache, max_batch, max_pages, pool, kernels),
         shape_{cache.geometry().head_dim, cache.geometry().page_tokens, kLocksDefaultRank},
         record_bytes_(locks_record_bytes(shape_)),
         records_(cache.pool().capacity() * record_bytes_, /*huge_pages=*/true),
@@ -77,7 +77,7 @@ class LocksSelector final : public PageSelector {
     if (!certified()) return;
     const uint32_t B = shape_.page_tokens, d = shape_.head_dim;
     float keys[64 * 256];  // page_tokens * head_dim at most
-    cache_.kernels().decode(k, keys, std::size_t{B} * d, geometry().dtype);
+    kernels_.decode(k, keys, std::size_t{B} * d, geometry().dtype);
     float most = 0.0f;
     for (uint32_t t = 0; t < B; ++t) most = std::max(most, l2_norm(keys + std::size_t{t} * d, d));
     key_norms_[slot] = most;
@@ -100,7 +100,7 @@ class LocksSelector final : public PageSelector {
     job.slots = pair.table;
     job.count = sealed;
     job.lse = s.slack.data();  // [G, sealed], spread into s.head's rows below
-    cache_.kernels().locks_score(job);
+    kernels_.locks_score(job);
     for (uint32_t h = G; h-- > 0;)  // backwards: row h moves to h * max_pages_ >= h * sealed
       std::memmove(s.head.data() + h * max_pages_, s.slack.data() + std::size_t{h} * sealed,
                    sealed * sizeof(float));
@@ -131,14 +131,15 @@ class LocksSelector final : public PageSelector {
 
 std::unique_ptr<Selector> make_locks_selector(const Policy& policy, KvCache& cache,
                                               uint32_t max_batch, uint64_t max_pages,
-                                              ThreadPool& pool) {
-  return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
+                                              ThreadPool& pool, const simd::Kernels& kernels) {
+  return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 std::unique_ptr<Selector> make_locks_certified_selector(const Policy& policy, KvCache& cache,
                                                         uint32_t max_batch, uint64_t max_pages,
-                                                        ThreadPool& pool) {
-  return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool);
+                                                        ThreadPool& pool,
+                                                        const simd::Kernels& kernels) {
+  return std::make_unique<LocksSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 }  // namespace kvsift::select

@@ -27,7 +27,7 @@ simd::LocksRecordLayout layout_of(const LocksShape& shape) noexcept {
 // n key values to float32. Every ISA's decode is exact, so the best one the CPU has is used
 // (the scalar fp16 decode cost as much as the Gram).
 void decode(const uint16_t* k, std::size_t n, simd::Dtype dtype, float* out) noexcept {
-  static const simd::Kernels& kernels = simd::kernels_for(simd::resolve_isa(simd::Isa::avx512));
+  static const simd::Kernels& kernels = simd::kernels_for(simd::resolve_level(simd::Level::best));
   kernels.decode(k, out, n, dtype);
 }
 

@@ -162,7 +162,7 @@ LouverIndex::LouverIndex(const LouverParams& params, const float* keys, uint64_t
   if (params.max_group == 0 || params.max_group > simd::kLouverMaxGroup)
     fail(Status::invalid_argument, "max_group=", params.max_group, " is not in 1..16");
   if (n > UINT32_MAX / 2) fail(Status::invalid_argument, "n=", n, " keys exceed the id range");
-  kernels_ = &simd::louver_kernels_for(simd::resolve_isa(params.isa));
+  kernels_ = &simd::louver_kernels_for(simd::resolve_level(params.isa));
   // Contiguous near-equal subspaces, the wider first (papers.md 1(b) step 1).
   for (uint32_t s = 0; s < S_; ++s) offset_[s + 1] = offset_[s] + d_ / S_ + (s < d_ % S_);
   centers_.resize(S_);

@@ -109,7 +109,7 @@ struct LouverParams {
   uint32_t power_iterations = 6;      // per tree node, PCA split only
   uint32_t max_group = 8;             // most query heads per query (workspace sizing), <= 16
   uint64_t seed = 0x6c6f75766572;     // reservoir sampling
-  simd::Isa isa = simd::Isa::avx512;  // capped by the CPU and the process cap
+  simd::Level isa = simd::Level::best;  // simd::resolve_level: the CPU and the process cap
 };
 
 struct LouverQuery {

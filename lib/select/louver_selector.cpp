@@ -50,19 +50,19 @@ gpu::LouverIndexView louver_device_view(const LouverIndex& index) noexcept {
   }
   view.n_clusters = index.n_clusters();
   view.n_indexed = static_cast<uint32_t>(index.indexed());
-  view.isa = index.kernels().isa;
+  view.isa = index.kernels().level;
   return view;
 }
 
 LouverSelector::LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                               uint64_t max_pages, ThreadPool& pool)
-    : Selector(policy, cache, max_batch, max_pages, pool) {
+                               uint64_t max_pages, ThreadPool& pool, const simd::Kernels& kernels)
+    : Selector(policy, cache, max_batch, max_pages, pool, kernels) {
   const CacheGeometry& g = cache.geometry();
   require(g.group_size <= 16, "the louver selector serves groups of up to 16 query heads, not ",
           g.group_size);
   params_.head_dim = g.head_dim;
   params_.max_group = g.group_size;
-  params_.isa = cache.kernels().isa;
+  params_.isa = kernels.level;
   key_.resize(g.head_dim);
   if (policy.device >= 0) {
     gpu::LouverFilterShape shape;
@@ -223,8 +223,8 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
 
 std::unique_ptr<Selector> make_louver_selector(const Policy& policy, KvCache& cache,
                                                uint32_t max_batch, uint64_t max_pages,
-                                               ThreadPool& pool) {
-  return std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, pool);
+                                               ThreadPool& pool, const simd::Kernels& kernels) {
+  return std::make_unique<LouverSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 }  // namespace kvsift::select

@@ -40,7 +40,7 @@ class LouverSelector final : public Selector {
   // With policy.device >= 0, throws Error(unsupported) when the build has no CUDA or the
   // device cannot be used (Policy::validate refuses a device below -1).
   LouverSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                 ThreadPool& pool);
+                 ThreadPool& pool, const simd::Kernels& kernels);
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;

@@ -27,8 +27,8 @@ struct BetterPage {
 }  // namespace
 
 PageSelector::PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                           uint64_t max_pages, ThreadPool& pool)
-    : Selector(policy, cache, max_batch, max_pages, pool),
+                           uint64_t max_pages, ThreadPool& pool, const simd::Kernels& kernels)
+    : Selector(policy, cache, max_batch, max_pages, pool, kernels),
       scale_(1.0f / std::sqrt(static_cast<float>(cache.geometry().head_dim))) {
   const CacheGeometry& g = cache.geometry();
   const std::size_t per_head = std::size_t{g.group_size} * max_pages;
@@ -117,7 +117,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   const uint64_t left = pair.tokens - uint64_t{page} * B;
   const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
   const auto* k = reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[page]));
-  cache_.kernels().decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
+  kernels_.decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
   float key_norm = 0.0f;  // only a certified bound reads the slack
   if (certified())
     for (uint32_t t = 0; t < n; ++t)
@@ -303,7 +303,7 @@ void PageSelector::masses(Scratch& s, uint32_t first, uint32_t last) const noexc
     float* mh = s.mass.data() + h * max_pages_;
     const float top = *std::max_element(sh + first, sh + last);
     s.top[h] = top;
-    s.selectable_mass[h] = cache_.kernels().exp_sum(sh + first, top, mh + first, last - first);
+    s.selectable_mass[h] = kernels_.exp_sum(sh + first, top, mh + first, last - first);
   }
 }
 

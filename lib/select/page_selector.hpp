@@ -65,7 +65,7 @@ class PageSelector : public Selector {
   virtual uint64_t device_bytes() const noexcept { return 0; }
 
   PageSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-               ThreadPool& pool);
+               ThreadPool& pool, const simd::Kernels& kernels);
 
  protected:
   // Whether every page is chosen unscored, whatever the plan (dense).

@@ -12,8 +12,8 @@ namespace {
 class QuestSelector final : public PageSelector {
  public:
   QuestSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                ThreadPool& pool)
-      : PageSelector(policy, cache, max_batch, max_pages, pool),
+                ThreadPool& pool, const simd::Kernels& kernels)
+      : PageSelector(policy, cache, max_batch, max_pages, pool, kernels),
         bounds_(cache.pool().capacity() * 2 * cache.geometry().head_dim, /*huge_pages=*/true) {}
 
   std::size_t summary_bytes_per_page() const noexcept override {
@@ -32,7 +32,7 @@ class QuestSelector final : public PageSelector {
     const CacheGeometry& g = geometry();
     const uint32_t B = g.page_tokens, d = g.head_dim;
     float keys[64 * 256];  // page_tokens * head_dim at most
-    cache_.kernels().decode(k, keys, std::size_t{B} * d, g.dtype);
+    kernels_.decode(k, keys, std::size_t{B} * d, g.dtype);
     uint16_t* lo = bounds_.data() + std::size_t{slot} * 2 * d;
     uint16_t* hi = lo + d;
     for (uint32_t c = 0; c < d; ++c) {
@@ -51,8 +51,8 @@ class QuestSelector final : public PageSelector {
     const uint32_t d = g.head_dim, G = g.group_size;
     const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
     for (uint32_t p = 0; p < sealed; ++p) {
-      cache_.kernels().decode(bounds_.data() + std::size_t{pair.table[p]} * 2 * d, s.keys.data(),
-                              2 * std::size_t{d}, g.dtype);
+      kernels_.decode(bounds_.data() + std::size_t{pair.table[p]} * 2 * d, s.keys.data(),
+                      2 * std::size_t{d}, g.dtype);
       const float* lo = s.keys.data();
       const float* hi = lo + d;
       for (uint32_t h = 0; h < G; ++h) {
@@ -73,8 +73,8 @@ class QuestSelector final : public PageSelector {
 
 std::unique_ptr<Selector> make_quest_selector(const Policy& policy, KvCache& cache,
                                               uint32_t max_batch, uint64_t max_pages,
-                                              ThreadPool& pool) {
-  return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, pool);
+                                              ThreadPool& pool, const simd::Kernels& kernels) {
+  return std::make_unique<QuestSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 }  // namespace kvsift::select

@@ -7,10 +7,10 @@
 namespace kvsift::select {
 
 // Each method's file defines its factory.
-#define KVSIFT_SELECTOR_FACTORY(kind, c_name, level, description)                          \
-  std::unique_ptr<Selector> make_##kind##_selector(const Policy& policy, KvCache& cache,   \
-                                                   uint32_t max_batch, uint64_t max_pages, \
-                                                   ThreadPool& pool);
+#define KVSIFT_SELECTOR_FACTORY(kind, c_name, level, description)                   \
+  std::unique_ptr<Selector> make_##kind##_selector(                                 \
+      const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages, \
+      ThreadPool& pool, const simd::Kernels& kernels);
 KVSIFT_SELECTORS(KVSIFT_SELECTOR_FACTORY)
 #undef KVSIFT_SELECTOR_FACTORY
 

@@ -16,6 +16,9 @@
 namespace kvsift {
 class KvCache;
 class ThreadPool;
+namespace simd {
+struct Kernels;
+}  // namespace simd
 }  // namespace kvsift
 
 namespace kvsift::select {
@@ -30,8 +33,7 @@ namespace kvsift::select {
   X(locks, LOCKS, page, "page-local rank-8 summaries, estimated page mass, top-b")                 \
   X(locks_certified, LOCKS_CERTIFIED, page, "LOCKS grown until the proven dropped mass < epsilon") \
   X(s4r, S4R, token, "the prompt compressed to low rank, its most relevant tokens reconstructed")  \
-  X(louver, LOUVER, token, "exact range search: every token with q.k >= tau, tau from the budget") \
-  /* a new selector: one line above this one */
+  X(louver, LOUVER, token, "exact range search: every token with q.k >= tau, tau from the budget")
 
 enum class Kind : uint8_t {
 #define KVSIFT_SELECTOR_KIND(kind, c_name, level, description) kind,
@@ -49,7 +51,7 @@ struct Policy;
 // the cache afterwards. Throws Error.
 using Factory = std::unique_ptr<Selector> (*)(const Policy& policy, KvCache& cache,
                                               uint32_t max_batch, uint64_t max_pages,
-                                              ThreadPool& pool);
+                                              ThreadPool& pool, const simd::Kernels& kernels);
 
 struct SelectorInfo {
   Kind kind;

@@ -26,8 +26,8 @@ constexpr double kRecentShare = 0.7;
 }  // namespace
 
 S4rSelector::S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                         uint64_t max_pages, ThreadPool& pool)
-    : Selector(policy, cache, max_batch, max_pages, pool), matmul_(&pool) {
+                         uint64_t max_pages, ThreadPool& pool, const simd::Kernels& kernels)
+    : Selector(policy, cache, max_batch, max_pages, pool, kernels), matmul_(&pool) {
   require(cache.key_form() == KeyForm::pre_rope,
           "the s4r selector compresses keys before RoPE: it needs a cache that takes pre-RoPE "
           "keys (key form pre_rope)");
@@ -152,7 +152,7 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
         basis.singular_values = {};  // diagnostics of the fit; decode needs only the columns
         coeffs.resize(static_cast<std::size_t>(n) * rank);
-        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_, cache_.kernels());
+        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_, kernels_);
       }
       unit.queries.assign(std::size_t{W} * G * rank, 0.0f);
     }
@@ -173,7 +173,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   const CacheGeometry& g = cache_.geometry();
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
   const uint32_t W = policy_.s4r.window, hpu = heads_per_unit(), dim = hpu * d;
-  const simd::Kernels& kernels = cache_.kernels();
+  const simd::Kernels& kernels = kernels_;
   Unit& unit = st.units[unit_index];
   const uint32_t rank = unit.keys.rank;
   const int32_t seq = call.seq_ids[seq_index];
@@ -284,8 +284,8 @@ void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
 
 std::unique_ptr<Selector> make_s4r_selector(const Policy& policy, KvCache& cache,
                                             uint32_t max_batch, uint64_t max_pages,
-                                            ThreadPool& pool) {
-  return std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, pool);
+                                            ThreadPool& pool, const simd::Kernels& kernels) {
+  return std::make_unique<S4rSelector>(policy, cache, max_batch, max_pages, pool, kernels);
 }
 
 }  // namespace kvsift::select

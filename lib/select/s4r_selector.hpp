@@ -36,7 +36,7 @@ class S4rSelector final : public Selector {
  public:
   // Throws Error(invalid_argument) for a post-RoPE cache, out_of_memory.
   S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-              ThreadPool& pool);
+              ThreadPool& pool, const simd::Kernels& kernels);
 
   void on_page_sealed(const SealedPage&) noexcept override {}
   void on_sequence_freed(int32_t seq_id) noexcept override;

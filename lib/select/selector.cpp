@@ -103,8 +103,13 @@ double Selection::worst_dropped_bound() const noexcept {
 }
 
 Selector::Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-                   ThreadPool& pool)
-    : cache_(cache), policy_(policy), max_batch_(max_batch), max_pages_(max_pages), pool_(pool) {
+                   ThreadPool& pool, const simd::Kernels& kernels)
+    : cache_(cache),
+      policy_(policy),
+      max_batch_(max_batch),
+      max_pages_(max_pages),
+      pool_(pool),
+      kernels_(kernels) {
   require(max_batch > 0, "max_batch must be > 0");
   require(max_pages > 0, "max_pages must be > 0");
 }
@@ -122,14 +127,15 @@ void Selector::reserve_selection(Selection& selection) const {
 }
 
 std::unique_ptr<Selector> Selector::create(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                                           uint64_t max_pages, ThreadPool& pool) {
+                                           uint64_t max_pages, ThreadPool& pool,
+                                           const simd::Kernels& kernels) {
   policy.validate();
   // Compressed sequences live on only in the selector that compressed them.
   require(!cache.has_released_pages(),
           "the cache holds sequences whose pages S4R compressed; "
           "free them before setting a new selector");
   std::unique_ptr<Selector> selector =
-      selector_info(policy.kind).make(policy, cache, max_batch, max_pages, pool);
+      selector_info(policy.kind).make(policy, cache, max_batch, max_pages, pool, kernels);
   cache.add_seal_listener(selector.get());
   selector->summarise_existing();
   return selector;

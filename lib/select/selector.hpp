@@ -165,10 +165,11 @@ class Selector : public SealListener {
   // Registers itself with the cache as a seal listener (and removes itself when destroyed) and
   // summarises the pages already sealed. max_batch: most sequences per select(); max_pages: most
   // pages one (sequence, layer, KV head) holds; pool: the threads of the handle it serves
-  // (borrowed: it must outlive the selector). Throws Error (invalid_argument for a bad policy,
-  // out_of_memory).
+  // (borrowed: it must outlive the selector); kernels: the handle's table (a static one). Throws
+  // Error (invalid_argument for a bad policy, out_of_memory).
   static std::unique_ptr<Selector> create(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                                          uint64_t max_pages, ThreadPool& pool);
+                                          uint64_t max_pages, ThreadPool& pool,
+                                          const simd::Kernels& kernels);
   ~Selector() override;
 
   // Work a step needs before select() that may fail: S4R compresses the prompt of each (sequence,
@@ -199,7 +200,7 @@ class Selector : public SealListener {
 
  protected:
   Selector(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-           ThreadPool& pool);
+           ThreadPool& pool, const simd::Kernels& kernels);
   // Whether select() returns token rows besides pages: the token-level selectors.
   bool selects_rows() const noexcept { return selector_info(policy_.kind).level == Level::token; }
   KvCache& cache_;
@@ -207,6 +208,7 @@ class Selector : public SealListener {
   uint32_t max_batch_;
   uint64_t max_pages_;
   ThreadPool& pool_;
+  const simd::Kernels& kernels_;  // the handle's level (lib/core/kernel_runtime.hpp)
 };
 
 }  // namespace kvsift::select

@@ -42,7 +42,7 @@ SELECTORS: tuple[str, ...] = tuple(_core.selector_names())
 
 
 def isa_supported() -> str:
-    """The best ISA this CPU supports: "scalar", "avx2" or "avx512"."""
+    """The best ISA level this CPU supports: "scalar", "avx2", "avx512" or "avx512_vnni"."""
     return _core.isa_supported()
 
 

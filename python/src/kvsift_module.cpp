@@ -144,7 +144,8 @@ kvsift_isa isa_of(const std::string& name) {
   if (name == "scalar") return KVSIFT_ISA_SCALAR;
   if (name == "avx2") return KVSIFT_ISA_AVX2;
   if (name == "avx512") return KVSIFT_ISA_AVX512;
-  invalid("isa '" + name + "' is not auto, scalar, avx2 or avx512");
+  if (name == "avx512_vnni") return KVSIFT_ISA_AVX512_VNNI;
+  invalid("isa '" + name + "' is not auto, scalar, avx2, avx512 or avx512_vnni");
 }
 
 kvsift_key_form key_form_of(const std::string& name) {

@@ -1,6 +1,6 @@
-// LOCKS page scores of int8 queries with AVX-512 VNNI (papers.md 2(b) "Score"; record layout in
-// simd/locks_record.hpp). Compiled with -march=x86-64-v4 -mavx512vnni, and called only where the
-// CPU has AVX-512 VNNI (avx512_vnni_locks_score in simd/kernels.hpp).
+// LOCKS page scores of int8 queries with AVX-512 VNNI (docs/methods.md, LOCKS; record layout in
+// simd/locks_record.hpp). Compiled with -march=x86-64-v4 -mavx512vnni, and called only through
+// the avx512_vnni level's table (simd/kernels.cpp), which a CPU without VNNI never gets.
 //
 // q~ = s_q * qcode, so z_j = s_q * v_scale_j * sum_c vcode[c, j] * qcode[c] and mu . q~ =
 // s_q * mu_scale * sum_c mucode[c] * qcode[c]. vpdpbusd multiplies unsigned by signed bytes, so
@@ -38,6 +38,7 @@
 
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
+#include "simd/x86/x86_kernels.hpp"
 
 namespace kvsift::simd {
 namespace {

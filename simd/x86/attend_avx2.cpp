@@ -1,4 +1,4 @@
-// AVX2 + FMA + F16C instantiation of the kernels. Compiled with -march=x86-64-v3 only.
+// Level avx2: the kernels instantiated for AVX2 + FMA + F16C. Compiled with -march=x86-64-v3 only.
 #include <immintrin.h>
 
 #include <xsimd/xsimd.hpp>
@@ -8,6 +8,7 @@
 #endif
 
 #include "simd/kernels.hpp"
+#include "simd/x86/x86_kernels.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -70,13 +71,10 @@ struct IsaOps {
 namespace kvsift::simd {
 
 const Kernels& avx2_kernels() noexcept {
-  static const Kernels table{Isa::avx2,
-                             Body<IsaOps>::encode,
-                             Body<IsaOps>::decode,
-                             Body<IsaOps>::attend,
-                             Body<IsaOps>::matvec_bf16,
-                             Body<IsaOps>::locks_score,
-                             Body<IsaOps>::exp_sum};
+  static const Kernels table{
+      Level::avx2,          Body<IsaOps>::encode,      Body<IsaOps>::decode,
+      Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16, Body<IsaOps>::locks_score,
+      Body<IsaOps>::exp_sum};
   return table;
 }
 

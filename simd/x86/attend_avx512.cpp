@@ -1,4 +1,5 @@
-// AVX-512 (F/CD/DQ/BW/VL) instantiation of the kernels. Compiled with -march=x86-64-v4 only.
+// Level avx512: the kernels instantiated for AVX-512 F/CD/DQ/BW/VL. Compiled with -march=x86-64-v4
+// only. Level avx512_vnni starts from this table (simd/kernels.cpp).
 #include <immintrin.h>
 
 #include <xsimd/xsimd.hpp>
@@ -8,6 +9,7 @@
 #endif
 
 #include "simd/kernels.hpp"
+#include "simd/x86/x86_kernels.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -65,27 +67,10 @@ struct IsaOps {
 
 namespace kvsift::simd {
 
-namespace {
-
-// Only installed where the CPU has VNNI. The float kernel stays for exact queries (the certified
-// selector's).
-void locks_score_with_vnni(const LocksScoreJob& job) noexcept {
-  if (job.int8_query)
-    locks_score_avx512_vnni(job);
-  else
-    Body<IsaOps>::locks_score(job);
-}
-
-}  // namespace
-
 const Kernels& avx512_kernels() noexcept {
   static const Kernels table{
-      Isa::avx512,
-      Body<IsaOps>::encode,
-      Body<IsaOps>::decode,
-      Body<IsaOps>::attend,
-      Body<IsaOps>::matvec_bf16,
-      avx512_vnni_locks_score() != nullptr ? locks_score_with_vnni : Body<IsaOps>::locks_score,
+      Level::avx512,        Body<IsaOps>::encode,      Body<IsaOps>::decode,
+      Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16, Body<IsaOps>::locks_score,
       Body<IsaOps>::exp_sum};
   return table;
 }

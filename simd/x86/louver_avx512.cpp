@@ -4,6 +4,7 @@
 
 #include "simd/louver_kernels.hpp"
 #include "simd/louver_loops.hpp"
+#include "simd/x86/x86_kernels.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -80,8 +81,8 @@ using Loops = LouverLoops<score>;
 }  // namespace
 
 const LouverKernels& louver_avx512_kernels() noexcept {
-  static const LouverKernels table{Isa::avx512,  ball_bounds, filter,
-                                   Loops::check, Loops::scan, Loops::scores};
+  static const LouverKernels table{Level::avx512, ball_bounds, filter,
+                                   Loops::check,  Loops::scan, Loops::scores};
   return table;
 }
 

@@ -1,0 +1,18 @@
+// The x86-64 tables and kernels that portable code names (simd/kernels.cpp, where the levels map
+// to tables). Each is defined in a translation unit of this folder compiled with its level's
+// flags: call one only on a CPU with that level's features (cpu_has in simd/isa.hpp).
+#pragma once
+
+#include "simd/kernels.hpp"
+#include "simd/louver_kernels.hpp"
+
+namespace kvsift::simd {
+
+const Kernels& avx2_kernels() noexcept;    // attend_avx2.cpp
+const Kernels& avx512_kernels() noexcept;  // attend_avx512.cpp
+// LOCKS scores of int8-query jobs (job.int8_query must be true) on AVX-512 VNNI: z = V^T q~ and
+// mu . q~ exact in integers, the rest in float32 (locks_avx512_vnni.cpp).
+void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
+const LouverKernels& louver_avx512_kernels() noexcept;  // louver_avx512.cpp
+
+}  // namespace kvsift::simd
