@@ -24,6 +24,7 @@
 #include "model_handle.hpp"
 #include "simd/kernels.hpp"
 #include "test_util.hpp"
+#include "tests/gpu_skip.hpp"
 
 namespace {
 
@@ -300,6 +301,52 @@ TEST_F(ModelTest, the_dense_policy_is_accepted_and_a_budget_for_it_is_refused) {
   policy.budget = 0.0;
   policy.selector = static_cast<kvsift_selector>(42);
   EXPECT_EQ(kvsift_model_set_selector(model.get(), &policy), KVSIFT_STATUS_INVALID_ARGUMENT);
+}
+
+// Offload mode (skips without a usable device). Sequence a is prefilled in two parts with decode
+// steps and another sequence's prefill between them, so its second part's device prefill attention
+// reads positions the device scratch must reload from the host cache (the device forward pass's
+// prefill_begin); a's logits then match the CPU runner's within the modes' bf16 differences.
+TEST_F(ModelTest, a_device_prefill_after_decode_and_another_prefill_matches_the_cpu) {
+  KVSIFT_SKIP_WITHOUT_DEVICE();
+  std::vector<float> logits[2];
+  std::vector<int32_t> ids;
+  for (int device : {-1, 0}) {
+    kvsift_model_params params;
+    kvsift_model_params_init(&params);
+    params.n_ctx = 512;
+    params.prefill_chunk = 16;
+    params.device = device;
+    kvsift_model* raw = nullptr;
+    ASSERT_EQ(kvsift_model_load(model_path(), &params, &raw), KVSIFT_STATUS_OK)
+        << kvsift_last_error();
+    Model model(raw);
+    if (ids.empty()) ids = tokenize(raw, kText + " " + kText);
+    ASSERT_GT(ids.size(), 60u);
+    int32_t a = -1, b = -1;
+    ASSERT_EQ(kvsift_model_sequence_create(raw, &a), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_prefill(raw, a, ids.data(), 20, nullptr, nullptr, nullptr),
+              KVSIFT_STATUS_OK);
+    for (std::size_t pos = 20; pos < 24; ++pos)
+      ASSERT_EQ(kvsift_model_decode(raw, 1, &a, &ids[pos]), KVSIFT_STATUS_OK)
+          << kvsift_last_error();
+    ASSERT_EQ(kvsift_model_sequence_create(raw, &b), KVSIFT_STATUS_OK);
+    ASSERT_EQ(kvsift_model_prefill(raw, b, ids.data() + 30, 30, nullptr, nullptr, nullptr),
+              KVSIFT_STATUS_OK);
+    ASSERT_EQ(
+        kvsift_model_prefill(raw, a, ids.data() + 24, ids.size() - 24, nullptr, nullptr, nullptr),
+        KVSIFT_STATUS_OK)
+        << kvsift_last_error();
+    const float* l = nullptr;
+    std::size_t n = 0;
+    ASSERT_EQ(kvsift_model_logits(raw, a, &l, &n), KVSIFT_STATUS_OK);
+    logits[device + 1].assign(l, l + n);
+  }
+  // The offload test's bound for the two modes' logits (tests/test_offload.cpp).
+  EXPECT_LT(kvsift::test::relative_error(logits[1].data(), logits[0].data(), logits[0].size()),
+            5e-2);
+  EXPECT_EQ(std::max_element(logits[0].begin(), logits[0].end()) - logits[0].begin(),
+            std::max_element(logits[1].begin(), logits[1].end()) - logits[1].begin());
 }
 
 namespace {

@@ -33,7 +33,8 @@ namespace kvsift::select {
   X(locks, LOCKS, page, "page-local rank-8 summaries, estimated page mass, top-b")                 \
   X(locks_certified, LOCKS_CERTIFIED, page, "LOCKS grown until the proven dropped mass < epsilon") \
   X(s4r, S4R, token, "the prompt compressed to low rank, its most relevant tokens reconstructed")  \
-  X(louver, LOUVER, token, "exact range search: every token with q.k >= tau, tau from the budget")
+  X(louver, LOUVER, token, "exact range search: every token with q.k >= tau, tau from the budget") \
+  /* a new selector: one line above this one */
 
 enum class Kind : uint8_t {
 #define KVSIFT_SELECTOR_KIND(kind, c_name, level, description) kind,
