@@ -64,7 +64,8 @@ class FeatureSet {
     return from_bits(bits_ & other.bits_);
   }
   constexpr FeatureSet without(Feature f) const noexcept { return from_bits(bits_ & ~bit(f)); }
-  constexpr bool operator==(const FeatureSet&) const noexcept = default;
+  // Written out, not defaulted: gpu/'s .cu files include this header and compile as C++17.
+  constexpr bool operator==(const FeatureSet& other) const noexcept { return bits_ == other.bits_; }
 
  private:
   static constexpr uint32_t bit(Feature f) noexcept { return 1u << static_cast<unsigned>(f); }
