@@ -235,8 +235,8 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   const uint32_t n_tokens = form.count(pair, list_begin);
   const uint32_t first = split * p.tokens_per_split;
   const uint32_t last = min(n_tokens, first + p.tokens_per_split);
-  const std::size_t slot_elems = std::size_t{2} * p.page_tokens * kHeadDim;
-  const uint32_t v_offset = p.page_tokens * kHeadDim;
+  const simd::PageLayout layout{p.page_tokens, kHeadDim};
+  const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
 
   float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][8];
 #pragma unroll
@@ -269,10 +269,10 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   auto issue_copies = [&](uint32_t stage) {
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
-      const uint16_t* k = p.pool + address[r].slot * slot_elems +
-                          std::size_t{address[r].row} * kHeadDim + chunk * 8;
-      copy16(piece(stage, r, 0), k, listed[r]);  // rows past the list: zeros, nothing read
-      copy16(piece(stage, r, 1), k + v_offset, listed[r]);
+      const std::byte* slot = layout.slot(pool, address[r].slot);
+      // Rows past the list: zeros, nothing read.
+      copy16(piece(stage, r, 0), layout.key(slot, address[r].row) + chunk * 8, listed[r]);
+      copy16(piece(stage, r, 1), layout.value(slot, address[r].row) + chunk * 8, listed[r]);
     }
     commit_copies();
   };

@@ -4,9 +4,8 @@
 // defines every function to return Result{unsupported}.
 //
 // Data layout (stated once, here; every pointer named "device" is device memory):
-// - Pool: slots of slot_bytes = 2 * page_tokens * head_dim * 2 bytes, each K [page_tokens,
-//   head_dim] then V [page_tokens, head_dim] in the storage dtype: the host pool's slot layout
-//   (lib/cache/geometry.hpp), so a host page moves to the device as one unit. 16-byte aligned.
+// - Pool: slots in the host pool's slot layout (simd/page_layout.hpp), so a host page moves to the
+//   device as one unit. 16-byte aligned.
 // - q, out: [n_seqs, n_kv_heads * group_size, head_dim] fp32, query head kv_head * group_size + g
 //   (the CPU kernel's layout, lib/attend/decode_attention.hpp). q is unscaled; 1/sqrt(head_dim) is
 //   applied here.
@@ -46,12 +45,12 @@ struct AttentionShape {
   simd::Dtype dtype = simd::Dtype::f16;
 
   std::size_t slot_bytes() const noexcept {
-    return std::size_t{2} * page_tokens * head_dim * sizeof(uint16_t);
+    return simd::PageLayout{page_tokens, head_dim}.slot_bytes();
   }
   uint32_t n_query_heads() const noexcept { return n_kv_heads * group_size; }
 };
 
-// One token of a pool slot: K at pool + slot * slot_bytes + row * head_dim * 2 bytes.
+// One token of a pool slot: row `row` of slot `slot` (simd/page_layout.hpp).
 struct TokenAddress {
   uint32_t slot;
   uint32_t row;  // < page_tokens

@@ -233,16 +233,16 @@ struct Body {
   // never the run from DRAM.
   template <Dtype D, uint32_t d>
   static void attend_dtype(const AttendJob& job) noexcept {
-    const uint32_t B = job.page_tokens;
-    const std::size_t page_elems = std::size_t{B} * d;
+    const PageLayout layout = job.layout;
+    const uint32_t B = layout.page_tokens;
     auto page_of = [&job](uint32_t i) {
       return job.logical ? job.logical[job.first + i] : job.first + i;
     };
     for (uint32_t i = 0; i < job.count; ++i) {
       const uint32_t p = page_of(i);
       const std::size_t slot = job.table ? job.table[p] : p;
-      const auto* k = reinterpret_cast<const uint16_t*>(job.pool + slot * job.slot_bytes);
-      const uint16_t* v = k + page_elems;
+      const uint16_t* k = layout.key(layout.slot(job.pool, slot));
+      const uint16_t* v = layout.value(layout.slot(job.pool, slot));
       const uint64_t left = job.seq_tokens - uint64_t{p} * B;
       const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
       // A next page that is not the adjacent slot starts no hardware prefetch stream: it is
@@ -253,8 +253,9 @@ struct Body {
         const uint32_t next_page = page_of(i + 1);
         const std::size_t next = job.table ? job.table[next_page] : next_page;
         if (next != slot + 1) {
-          const std::byte* bytes = job.pool + next * job.slot_bytes;
-          for (std::size_t o = 0; o < job.slot_bytes; o += 64) __builtin_prefetch(bytes + o, 0, 2);
+          const std::byte* bytes = layout.slot(job.pool, next);
+          for (std::size_t o = 0; o < layout.slot_bytes(); o += 64)
+            __builtin_prefetch(bytes + o, 0, 2);
         }
       }
       for (uint32_t g0 = 0; g0 < job.group; g0 += kHeadBlock) {
@@ -274,7 +275,7 @@ struct Body {
 
   static void attend(const AttendJob& job) noexcept {
     static_assert(kHeadBlock == 4, "attend_dtype's switch covers blocks of up to 4 heads");
-    const std::size_t G = job.group, d = job.head_dim;
+    const std::size_t G = job.group, d = job.layout.head_dim;
     for (std::size_t g = 0; g < G; ++g) {
       job.m[g] = kNegInf;
       job.l[g] = 0.0f;
@@ -282,7 +283,7 @@ struct Body {
     for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
     // head_dim as a template parameter: the channel loops unroll fully, with no counters.
     const bool f16 = job.dtype == Dtype::f16;
-    switch (job.head_dim) {
+    switch (job.layout.head_dim) {
       case 64: f16 ? attend_dtype<Dtype::f16, 64>(job) : attend_dtype<Dtype::bf16, 64>(job); break;
       case 128:
         f16 ? attend_dtype<Dtype::f16, 128>(job) : attend_dtype<Dtype::bf16, 128>(job);

@@ -27,16 +27,15 @@ void decode(const uint16_t* src, float* dst, std::size_t n, Dtype dtype) noexcep
 }
 
 void attend(const AttendJob& job) noexcept {
-  const uint32_t G = job.group, d = job.head_dim, B = job.page_tokens;
+  const uint32_t G = job.group, d = job.layout.head_dim, B = job.layout.page_tokens;
   std::fill(job.m, job.m + G, -std::numeric_limits<float>::infinity());
   std::fill(job.l, job.l + G, 0.0f);
   std::fill(job.acc, job.acc + std::size_t{G} * d, 0.0f);
-  const std::size_t page_elems = std::size_t{B} * d;
   for (uint32_t i = 0; i < job.count; ++i) {
     const uint32_t page = job.logical ? job.logical[job.first + i] : job.first + i;
-    const std::size_t slot = job.table ? job.table[page] : page;
-    const auto* k = reinterpret_cast<const uint16_t*>(job.pool + slot * job.slot_bytes);
-    const uint16_t* v = k + page_elems;
+    const std::byte* slot = job.layout.slot(job.pool, job.table ? job.table[page] : page);
+    const uint16_t* k = job.layout.key(slot);
+    const uint16_t* v = job.layout.value(slot);
     const uint64_t page_start = uint64_t{page} * B;
     const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(B, job.seq_tokens - page_start));
     for (uint32_t g = 0; g < G; ++g) {

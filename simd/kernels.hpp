@@ -1,16 +1,14 @@
 // The kernel table: every hot loop of kvsift, one table per level (simd/isa.hpp), chosen once per
 // handle (lib/core/kernel_runtime.hpp).
 //
-// Page slot layout (owned by lib/cache, stated here because the kernels read it): a slot holds
-// one page of one (layer, KV head): K as [page_tokens, head_dim] then V as [page_tokens, head_dim],
-// both in the storage dtype, contiguous, so a slot is slot_bytes = 2 * page_tokens * head_dim * 2
-// bytes at pool + slot_id * slot_bytes (64-byte aligned).
+// The kernels address K and V inside a page's pool slot through simd/page_layout.hpp.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 
 #include "simd/isa.hpp"
+#include "simd/page_layout.hpp"
 
 namespace kvsift::simd {
 
@@ -22,11 +20,9 @@ enum class Dtype : uint8_t { f16 = 0, bf16 = 1 };
 struct AttendJob {
   const float* q;        // [group, head_dim], already multiplied by 1/sqrt(head_dim)
   uint32_t group;        // query heads sharing this KV head
-  uint32_t head_dim;     // 64, 128 or 256
-  uint32_t page_tokens;  // 16, 32 or 64
+  PageLayout layout;     // head_dim 64, 128 or 256; page_tokens 16, 32 or 64
   Dtype dtype;
-  const std::byte* pool;  // base of the slot array
-  std::size_t slot_bytes;
+  const std::byte* pool;  // base of the slot array (the pool, or a pair's packed row chunks)
   const uint32_t* table;    // slot id of each logical page; nullptr: the slot is the page index
   const uint32_t* logical;  // nullptr: logical pages first .. first+count-1; else logical[first..)
   uint32_t first;

@@ -70,11 +70,9 @@ struct Pages {
     simd::AttendJob job{};
     job.q = q_scaled.data();
     job.group = G;
-    job.head_dim = head_dim;
-    job.page_tokens = page_tokens;
+    job.layout = simd::PageLayout{page_tokens, head_dim};
     job.dtype = dtype;
     job.pool = reinterpret_cast<const std::byte*>(pool.data());
-    job.slot_bytes = 2 * std::size_t{page_tokens} * d * sizeof(uint16_t);
     job.table = table.data();
     job.logical = logical ? logical->data() : nullptr;
     job.first = 0;

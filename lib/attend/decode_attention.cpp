@@ -181,19 +181,15 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
     simd::AttendJob job{};
     job.q = q_scaled_.data() + std::size_t{task.pair} * head_elems;
     job.group = G;
-    job.head_dim = d;
-    job.page_tokens = B;
+    job.layout = geometry_.layout();
     job.dtype = geometry_.dtype;
     if (task.rows) {
-      job.pool = call.rows->chunks +
-                 std::size_t{call.rows->chunk_offsets[task.pair]} * geometry_.slot_bytes();
-      job.slot_bytes = geometry_.slot_bytes();
+      job.pool = job.layout.slot(call.rows->chunks, call.rows->chunk_offsets[task.pair]);
       job.table = nullptr;
       job.logical = nullptr;
       job.seq_tokens = call.rows->row_counts[task.pair];
     } else {
       job.pool = cache.pool().base();
-      job.slot_bytes = cache.pool().slot_bytes();
       job.table = cache.page_table(seq, call.layer, head);
       job.logical = call.pages ? call.pages->page_ids + call.pages->offsets[task.pair] : nullptr;
       job.seq_tokens = cache.length_unchecked(seq, call.layer);

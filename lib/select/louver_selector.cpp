@@ -174,8 +174,7 @@ void LouverSelector::run_device_filter(const SelectCall& call) noexcept {
 void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
   const CacheGeometry& g = cache_.geometry();
   const uint32_t H = g.n_kv_heads, G = g.group_size, d = g.head_dim, B = g.page_tokens;
-  const std::size_t row_bytes = std::size_t{d} * sizeof(uint16_t);
-  const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
+  const simd::PageLayout layout = g.layout();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   if (filter_) run_device_filter(call);
   out.begin_pairs(call.n_seqs * H);
@@ -203,16 +202,15 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
         out.index_bytes_read += found.bytes_read;
         // Gather the found tokens outside the mandatory pages, K and V rows in storage form.
         const uint32_t* table = cache_.page_table(seq, call.layer, h);
-        std::byte* chunks =
-            out.row_chunks.data() + std::size_t{out.chunk_offsets[pair]} * slot_bytes;
+        std::byte* chunks = layout.slot(out.row_chunks.data(), out.chunk_offsets[pair]);
         uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[pair]} * B;
         for (const uint32_t t : found.token_ids) {
           const uint64_t page = t / B;
           if (page < sink_end || page >= window_first) continue;
-          const std::byte* from = cache_.pool().slot(table[page]) + (t % B) * row_bytes;
-          std::byte* to = chunks + std::size_t{rows / B} * slot_bytes + (rows % B) * row_bytes;
-          std::memcpy(to, from, row_bytes);
-          std::memcpy(to + v_offset, from + v_offset, row_bytes);
+          const std::byte* from = cache_.pool().slot(table[page]);
+          std::byte* to = layout.slot(chunks, rows / B);
+          std::memcpy(layout.key(to, rows % B), layout.key(from, t % B), layout.row_bytes());
+          std::memcpy(layout.value(to, rows % B), layout.value(from, t % B), layout.row_bytes());
           tokens[rows++] = t;
         }
       }

@@ -224,7 +224,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
     uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[pair]} * B;
     for (uint32_t r = 0; r < rows; ++r) tokens[r] = static_cast<uint32_t>(st.first + chosen_[r]);
   }
-  const std::size_t slot_bytes = g.slot_bytes(), v_offset = g.page_elems() * sizeof(uint16_t);
+  const simd::PageLayout layout = g.layout();
   for (const bool keys : {true, false}) {
     const s4r::Basis& basis = keys ? unit.keys : unit.values;
     s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype, basis,
@@ -234,10 +234,11 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
       if (keys) cache_.rope().rotate(row, hpu, st.first + chosen_[r]);
       for (uint32_t h = 0; h < hpu; ++h) {
         const uint32_t pair = seq_index * H + h0 + h;
-        std::byte* chunk = out.row_chunks.data() +
-                           (std::size_t{out.chunk_offsets[pair]} + r / B) * slot_bytes +
-                           (keys ? 0 : v_offset) + std::size_t{r % B} * d * sizeof(uint16_t);
-        kernels.encode(row + std::size_t{h} * d, reinterpret_cast<uint16_t*>(chunk), d, g.dtype);
+        std::byte* chunk =
+            layout.slot(out.row_chunks.data(), std::size_t{out.chunk_offsets[pair]} + r / B);
+        const uint32_t t = r % B;
+        kernels.encode(row + std::size_t{h} * d, keys ? layout.key(chunk, t) : layout.value(chunk, t),
+                       d, g.dtype);
       }
     }
   }
