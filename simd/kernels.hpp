@@ -18,11 +18,11 @@ enum class Dtype : uint8_t { f16 = 0, bf16 = 1 };
 // (sequence, layer, KV head). The kernel starts a fresh online-softmax state and leaves the
 // unnormalised partial result (running max m, sum l, accumulator acc) for the split-K merge.
 struct AttendJob {
-  const float* q;        // [group, head_dim], already multiplied by 1/sqrt(head_dim)
-  uint32_t group;        // query heads sharing this KV head
-  PageLayout layout;     // head_dim 64, 128 or 256; page_tokens 16, 32 or 64
+  const float* q;     // [group, head_dim], already multiplied by 1/sqrt(head_dim)
+  uint32_t group;     // query heads sharing this KV head
+  PageLayout layout;  // head_dim 64, 128 or 256; page_tokens 16, 32 or 64
   Dtype dtype;
-  const std::byte* pool;  // base of the slot array (the pool, or a pair's packed row chunks)
+  const std::byte* pool;    // base of the slot array (the pool, or a pair's packed row chunks)
   const uint32_t* table;    // slot id of each logical page; nullptr: the slot is the page index
   const uint32_t* logical;  // nullptr: logical pages first .. first+count-1; else logical[first..)
   uint32_t first;

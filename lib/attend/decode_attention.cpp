@@ -69,8 +69,8 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
   const uint32_t pairs = call.n_seqs * g.n_kv_heads;
   if (call.pages == nullptr)
     for (uint32_t i = 0; i < call.n_seqs; ++i) {
-      require(cache.all_pages_readable(call.seq_ids[i], call.layer), "sequence ",
-              call.seq_ids[i], " layer ", call.layer,
+      require(cache.all_pages_readable(call.seq_ids[i], call.layer), "sequence ", call.seq_ids[i],
+              " layer ", call.layer,
               " has pages that cannot be read (released: a compressing selector holds their"
               " tokens): attend it through its selector's page lists");
     }

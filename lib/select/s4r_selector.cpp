@@ -237,8 +237,8 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
         std::byte* chunk =
             layout.slot(out.row_chunks.data(), std::size_t{out.chunk_offsets[pair]} + r / B);
         const uint32_t t = r % B;
-        kernels.encode(row + std::size_t{h} * d, keys ? layout.key(chunk, t) : layout.value(chunk, t),
-                       d, g.dtype);
+        kernels.encode(row + std::size_t{h} * d,
+                       keys ? layout.key(chunk, t) : layout.value(chunk, t), d, g.dtype);
       }
     }
   }
