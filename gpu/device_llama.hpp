@@ -1,5 +1,5 @@
 // The Llama-family forward pass on the GPU, layer by layer, without the decode attention: that
-// stays kvsift's host-KV path (the cache and the selectors live in host memory, DESIGN.md 5), so
+// stays kvsift's host-KV path (the cache and the selectors live in host memory), so
 // the host model runner (lib/model) drives each layer in pieces and does the attention between
 // them. Plain C++: lib/ includes this without CUDA headers; a build without CUDA defines every
 // function to return Result{unsupported}.

@@ -1,4 +1,4 @@
-// LOCKS page selection on a GPU (papers.md section 2; lib/select/page_selector.cpp is the CPU
+// LOCKS page selection on a GPU (docs/methods.md, LOCKS; lib/select/locks_selector.cpp is the CPU
 // original): the device holds a copy of every pool slot's LOCKS record (the bytes of
 // lib/select/locks_summary.hpp, layout in simd/locks_record.hpp; the KV itself stays in host
 // memory), and for a batch of (sequence, KV head) pairs scores every sealed page for the group's

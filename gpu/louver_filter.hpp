@@ -1,4 +1,4 @@
-// Louver's filter pass on a GPU (lib/select/louver_index.hpp, papers.md section 1): the device
+// Louver's filter pass on a GPU (lib/select/louver_index.hpp; docs/methods.md, Louver): the device
 // holds, per index (one per (sequence, layer, KV head)), a copy of the cluster centers, radii and
 // the indexed keys' assignments (not the keys), and for a batch of (index, query heads,
 // thresholds) computes every cluster's ball bound and then every indexed key's summed bound,

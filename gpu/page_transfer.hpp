@@ -61,7 +61,7 @@ struct PageCacheConfig {
   std::size_t mapped_below_bytes = SIZE_MAX;
   // staged: bytes per staging chunk (pages plus 4 bytes of slot id each), kStagingChunks of them
   // in pinned host memory and as many on the device. A few MiB reach the copy engine's plateau
-  // (shared/research/peers.md 1.1: 2 MiB 50 GB/s, 16 MiB 54 GB/s).
+  // (2 MiB 50 GB/s, 16 MiB 54 GB/s: docs/platform-notes.md, Transfers: host to device).
   std::size_t staging_chunk_bytes = std::size_t{4} << 20;
   static constexpr uint32_t kStagingChunks = 3;
   // staged: OpenMP threads of the gather; 0 takes OpenMP's default (OMP_NUM_THREADS, else every

@@ -15,8 +15,8 @@ namespace kvsift::gpu {
 namespace {
 
 // Below this many bytes one thread copies alone: a page copy runs at ~10 GB/s per core
-// (shared/research/peers.md 1.1: 9.3 GB/s single-thread streaming), so 128 KiB is ~13 us, past the
-// few microseconds an OpenMP fork and join costs.
+// (9.3 GB/s single-thread streaming: docs/platform-notes.md, CPU: read bandwidth), so 128 KiB is
+// ~13 us, past the few microseconds an OpenMP fork and join costs.
 constexpr std::size_t kParallelGatherBytes = std::size_t{128} << 10;
 // The largest slot kvsift makes is 64 KiB (64 tokens x 256 dims x K, V x 2 bytes); the bounds keep
 // a chunk's 16-byte vectors countable in 32 bits.

@@ -49,8 +49,8 @@ struct AttendStats {
   uint64_t bytes_read = 0;   // K + V bytes
 };
 
-// Where decode attention runs, one interface over the two places (DESIGN.md section 6, "one
-// interface across CPU-only and GPU-offload modes"): DecodeAttention below attends on the CPU;
+// Where decode attention runs, one interface over the two places (one interface across the
+// CPU-only and GPU-offload modes): DecodeAttention below attends on the CPU;
 // OffloadAttention (lib/offload/offload_attention.hpp) keeps the KV cache in host memory and
 // attends on a CUDA device over the pages it moved there. Both take the same AttendCall and write
 // the same output (to fp32 rounding), so the model runner and the C API hold an AttentionBackend

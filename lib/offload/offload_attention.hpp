@@ -1,5 +1,5 @@
 // Decode attention with the KV cache in host memory and only the selected pages on the GPU
-// (../shared/DESIGN.md section 5): the offload counterpart of lib/attend's DecodeAttention, same
+// (docs/architecture.md): the offload counterpart of lib/attend's DecodeAttention, same
 // calls, same output. Per call (one layer of one decode step): q goes to the device, the layer's
 // device page cache makes the listed pages resident (moving only the misses, from the cache's
 // mapped pinned pool), the lists are translated to device slots, the sparse paged kernel attends,

@@ -18,7 +18,8 @@ constexpr uint32_t kMaxHeadDim = 256;
 constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxRank = kMaxPageTokens - 1;
 static_assert(kMaxPageTokens <= kSymmetricEigenMaxOrder);
-constexpr double kMinEigenvalue = 1e-10;  // sigma floor, as the authors' build (papers.md 2(b) 4)
+// The sigma floor, as the authors' build (docs/methods.md, LOCKS: summary build).
+constexpr double kMinEigenvalue = 1e-10;
 
 simd::LocksRecordLayout layout_of(const LocksShape& shape) noexcept {
   return simd::locks_record_layout(shape.head_dim, shape.page_tokens, shape.rank);

@@ -1,9 +1,10 @@
-// LOCKS page summaries (papers.md section 2): per sealed (page, KV head), a rank-r factorisation
+// LOCKS page summaries (docs/methods.md, LOCKS): per sealed (page, KV head), a rank-r factorisation
 // of the page's centered keys, quantised into a fixed-size record, and the page score the
 // selector ranks pages by. The record layout is stated once, in simd/locks_record.hpp; the fast
 // scorer is Kernels::locks_score (simd/kernels.hpp).
 //
-// Build (papers.md 2(b) steps 1-6), for the page's keys k_1..k_B (B = page_tokens, d = head_dim):
+// Build (docs/methods.md, LOCKS: summary build), for the page's keys k_1..k_B (B = page_tokens, d =
+// head_dim):
 //   mu = mean_i k_i (float32); D = K - mu (B x d); M = D D^T (B x B, float64);
 //   M = U diag(lambda) U^T with lambda descending (symmetric_eigen); for j < r:
 //   sigma_j = sqrt(max(lambda_j, 1e-10)), C = U_r diag(sigma) (B x r, row i = c_i),
@@ -26,7 +27,7 @@
 
 namespace kvsift::select {
 
-inline constexpr uint32_t kLocksDefaultRank = 8;  // papers.md 2(b), LocksConfig r8_rank
+inline constexpr uint32_t kLocksDefaultRank = 8;  // docs/methods.md, LOCKS: parameters
 
 struct LocksShape {
   uint32_t head_dim = 128;            // 64, 128 or 256

@@ -82,8 +82,9 @@ struct TreeBuilder {
     const uint32_t axis = uint32_t(std::max_element(next.begin(), next.end()) - next.begin());
     std::fill(dir.begin(), dir.end(), 0.0f);
     dir[axis] = 1.0f;
-    // Power iteration from the highest-variance axis (papers.md 1(b): 6 iterations in the
-    // authors' reference tree), on the centered points directly: 2mw per step, no w x w Gram.
+    // Power iteration from the highest-variance axis (6 iterations in the authors' reference
+    // tree: docs/methods.md, Louver: the index), on the centered points directly: 2mw per step, no
+    // w x w Gram.
     for (uint32_t it = 0; split == LouverSplit::pca && it < iterations; ++it) {
       std::fill(next.begin(), next.end(), 0.0f);
       for (uint32_t i = lo; i < hi; i += stride) {
@@ -163,7 +164,7 @@ LouverIndex::LouverIndex(const LouverParams& params, const float* keys, uint64_t
     fail(Status::invalid_argument, "max_group=", params.max_group, " is not in 1..16");
   if (n > UINT32_MAX / 2) fail(Status::invalid_argument, "n=", n, " keys exceed the id range");
   kernels_ = &simd::louver_kernels_for(simd::resolve_level(params.isa));
-  // Contiguous near-equal subspaces, the wider first (papers.md 1(b) step 1).
+  // Contiguous near-equal subspaces, the wider first (docs/methods.md, Louver: the index).
   for (uint32_t s = 0; s < S_; ++s) offset_[s + 1] = offset_[s] + d_ / S_ + (s < d_ % S_);
   centers_.resize(S_);
   radius_.resize(S_);

@@ -1,7 +1,7 @@
-// Louver (papers.md section 1): an exact halfspace range-search index over the keys of one
+// Louver (docs/methods.md, Louver): an exact halfspace range-search index over the keys of one
 // (sequence, layer, KV head). For a query q and threshold tau it returns exactly the token ids
-// with q . k >= tau (the sound algorithm of papers.md 1(b); not the authors' centroid-ranked
-// top-256 GPU heuristic, which can miss keys).
+// with q . k >= tau (the sound algorithm: docs/methods.md, Louver: departures from the paper; not
+// the authors' centroid-ranked top-256 GPU heuristic, which can miss keys).
 //
 // Structure. The head_dim coordinates are split into S contiguous subspaces (widths differ by at
 // most one, the wider first). In each subspace a balanced binary tree splits the keys in half by
@@ -106,9 +106,9 @@ struct LouverParams {
   uint32_t buffer_keys = 256;  // decode keys held before a flush, a multiple of r
   uint32_t sample_keys = 512;  // oracle reservoir M
   LouverSplit split = LouverSplit::pca;
-  uint32_t power_iterations = 6;      // per tree node, PCA split only
-  uint32_t max_group = 8;             // most query heads per query (workspace sizing), <= 16
-  uint64_t seed = 0x6c6f75766572;     // reservoir sampling
+  uint32_t power_iterations = 6;        // per tree node, PCA split only
+  uint32_t max_group = 8;               // most query heads per query (workspace sizing), <= 16
+  uint64_t seed = 0x6c6f75766572;       // reservoir sampling
   simd::Level isa = simd::Level::best;  // simd::resolve_level: the CPU and the process cap
 };
 

@@ -1,6 +1,6 @@
-// Louver (papers.md section 1) as a token-level selector: per (sequence, layer, KV head) an exact
-// range-search index over the keys (louver_index.hpp) returns every token with q . k >= tau, and
-// attention runs over exactly those tokens plus the sink and window pages.
+// Louver (docs/methods.md, Louver) as a token-level selector: per (sequence, layer, KV head) an
+// exact range-search index over the keys (louver_index.hpp) returns every token with q . k >= tau,
+// and attention runs over exactly those tokens plus the sink and window pages.
 //
 // The index of a (sequence, layer, KV head) is built the first time the pair is selected for
 // (prepare(): after a prefill, over the whole prompt) and then takes every new key as it is

@@ -1,12 +1,13 @@
-// The numerical core of S4R (papers.md section 3): rank from the memory target, hybrid sampling,
+// The numerical core of S4R (docs/methods.md, S4R): rank from the memory target, hybrid sampling,
 // the low-rank basis, projection and reconstruction, and the per-step latent relevance with its
 // top-k. Plain arrays in and out; this file knows nothing of the cache, the model or the selector.
 //
 // Layouts (all row-major, floats unless stated):
 // - rows (keys, values or queries of one layer, all KV heads concatenated, pre-RoPE): [n_rows, dim]
-//   with row r at rows + r * row_stride (row_stride >= dim, in floats); dim is D' of papers.md.
-// - Basis::columns [rank, dim]: row j is the j-th right singular vector, column j of B (papers.md
-//   3(b)); the array is B^T.
+//   with row r at rows + r * row_stride (row_stride >= dim, in floats); dim is D' of
+//   docs/methods.md.
+// - Basis::columns [rank, dim]: row j is the j-th right singular vector, column j of B
+//   (docs/methods.md, S4R: prefill); the array is B^T.
 // - coefficients [n_tokens, rank] in a storage dtype (fp16 or bf16), token t at t * rank: C = S B.
 // - query coefficients [n_queries, groups, rank] float32: C_Q = Q~ B_K, oldest query first.
 //
@@ -30,7 +31,7 @@
 
 namespace kvsift::select::s4r {
 
-// ---- Memory model (papers.md 3(b)) ----------------------------------------------------------
+// ---- Memory model (docs/methods.md, S4R: memory model) ---------------------------------------
 
 // The real-valued rank at which the persistent S4R memory of one layer is the fraction
 // 1 / compression of the dense cache: r = D' (eta (s + L) - s) / (L + G W / 2 + D'), eta =
@@ -43,8 +44,9 @@ double rank_for_compression(uint32_t feature_dim, uint64_t tokens, uint32_t sink
 // rank_for_compression rounded down to a multiple of `multiple` (kernels want whole blocks), then
 // clamped to [multiple, feature_dim] (to feature_dim alone when feature_dim < multiple). The
 // memory ratio at the result is therefore at most 1 / compression unless the clamp raised it.
-// Example (papers.md 4.3 item 1): D' = 1024, G = 4, W = 32, s = 4, L = 120,000, compression 5:
-// 202.9 before rounding, 200 after. Throws on feature_dim 0, multiple 0, compression < 1.
+// Example (docs/methods.md, S4R: memory model): D' = 1024, G = 4, W = 32, s = 4, L = 120,000,
+// compression 5: 202.9 before rounding, 200 after. Throws on feature_dim 0, multiple 0,
+// compression < 1.
 uint32_t solve_rank(uint32_t feature_dim, uint64_t tokens, uint32_t sinks, uint32_t groups,
                     uint32_t window, double compression, uint32_t multiple = 8);
 
@@ -54,20 +56,20 @@ uint32_t solve_rank(uint32_t feature_dim, uint64_t tokens, uint32_t sinks, uint3
 double memory_ratio(uint32_t feature_dim, uint64_t tokens, uint32_t sinks, uint32_t groups,
                     uint32_t window, uint32_t rank);
 
-// ---- Sampling (papers.md 3(b) Prefill step 2, 3(e) item 4) -----------------------------------
+// ---- Sampling (docs/methods.md, S4R: prefill) ------------------------------------------------
 
 // `count` distinct positions of [first, end), ascending: the n_recent = ceil(recent_share * count)
 // most recent positions as one contiguous block [end - n_recent, end), and the other
 // count - n_recent evenly spaced over the earlier positions [first, end - n_recent) (the i-th of
 // u at first + floor((2i + 1) E / (2u)), E the number of earlier positions: centred, so neither
 // end is favoured). The ceil forgives 1e-9 so that 0.7 * 10 gives 7. Deterministic. count >=
-// end - first returns every position; count 0 returns none. The caller picks count (papers.md:
-// floor(eta T) non-sink tokens). Throws when first > end, end > 2^32 or recent_share is outside
+// end - first returns every position; count 0 returns none. The caller picks count
+// (docs/methods.md, S4R: prefill). Throws when first > end, end > 2^32 or recent_share is outside
 // [0, 1].
 std::vector<uint32_t> hybrid_sample(uint64_t first, uint64_t end, uint64_t count,
                                     double recent_share = 0.7);
 
-// ---- Basis (papers.md 3(b) Prefill steps 3-4) ------------------------------------------------
+// ---- Basis (docs/methods.md, S4R: prefill) ---------------------------------------------------
 
 struct Basis {
   uint32_t dim = 0;
@@ -99,7 +101,7 @@ struct Basis {
 Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
                 const uint32_t* sample, uint64_t n_sample, uint32_t rank);
 
-// ---- Projection and reconstruction (papers.md 3(b) Prefill step 5, Decode step 4) -------------
+// ---- Projection and reconstruction (docs/methods.md, S4R: prefill and S4R: decode) -----------
 
 // Prefill: coefficients C = S B of every row, unnormalised, rounded to the storage dtype.
 //   rows: [n_rows, basis.dim] with row_stride (floats). coeffs_out: [n_rows, basis.rank].
@@ -126,7 +128,7 @@ void reconstruct(const uint16_t* coeffs, simd::Dtype dtype, const Basis& basis,
                  const uint32_t* token_ids, uint32_t n, float* rows_out,
                  const simd::Kernels& kernels, Matmul& matmul, float* workspace);
 
-// ---- Latent relevance and selection (papers.md 3(b) Decode steps 2-3, 3(e) items 5-6) --------
+// ---- Latent relevance and selection (docs/methods.md, S4R: decode) ---------------------------
 
 enum class Pooling { max, avg };
 enum class GroupAggregation { mean, max };
@@ -142,7 +144,7 @@ uint64_t relevance_workspace_floats(uint32_t n_queries, uint32_t groups, uint64_
 //   relevance_out[t] = mean (or max) over g of pooled[g, t].
 //   query_coeffs: [n_queries, groups, rank] (pre-RoPE queries projected on B_K), oldest first.
 //   key_coeffs: [n_tokens, rank] in dtype.
-//   pool_kernel: odd, >= 1 (papers.md: 7, max pooling, group mean).
+//   pool_kernel: odd, >= 1 (the paper's 7, max pooling, group mean).
 //   workspace: [relevance_workspace_floats(n_queries, groups, n_tokens)].
 //   relevance_out: [n_tokens].
 //   pool: the threads its passes run on; nullptr: the calling thread.
@@ -150,8 +152,9 @@ uint64_t relevance_workspace_floats(uint32_t n_queries, uint32_t groups, uint64_
 //     false: every query sees every token, for queries that come after all the scored tokens
 //       (kvsift stores decode tokens exactly, so the compressed prompt precedes every window
 //       query).
-//     true: the queries are those of the last n_queries scored tokens (papers.md 3(b), where every
-//       token is compressed), and query q sees tokens t <= n_tokens - n_queries + q.
+//     true: the queries are those of the last n_queries scored tokens (the paper's setting, where
+//       every token is compressed: docs/methods.md, S4R: departures), and query q sees tokens t <=
+//       n_tokens - n_queries + q.
 // Cost: n_tokens * n_queries * groups * rank multiply-adds, in baseline x86-64 SSE code: 8-11.5
 // GMAC/s on one Zen 4 core with other builds running (L = 32K, W = 32, G = 4, r = 200: 73-104
 // ms). Throws on rank 0, groups 0, n_queries 0 or an even pool_kernel.

@@ -14,13 +14,13 @@ namespace kvsift::select {
 
 namespace {
 
-// Neighbouring tokens a relevance score is max-pooled over (papers.md 3(b): kappa = 7).
+// Neighbouring tokens a relevance score is max-pooled over (the paper's kappa = 7).
 constexpr uint32_t kPoolKernel = 7;
 // Sampled rows per row of the compressed span: the paper's T' = eta T, eta = 1 / compression.
 // A prompt whose compressible span is shorter than this many query windows stays exact: its
 // bases would come from too few rows to be worth the error.
 constexpr uint64_t kMinWindowsToCompress = 4;
-// The share of the sample taken as one block of the most recent tokens (papers.md: 7:3).
+// The share of the sample taken as one block of the most recent tokens (the paper's 7:3).
 constexpr double kRecentShare = 0.7;
 
 }  // namespace

@@ -1,4 +1,4 @@
-// S4R (papers.md section 3) as a selector: it changes what the cache stores.
+// S4R (docs/methods.md, S4R) as a selector: it changes what the cache stores.
 //
 // The first time a (sequence, layer) is selected for (prepare()), its prompt is compressed: the
 // tokens of the full pages between the sink pages and the last full page, [first, end), are read

@@ -1,12 +1,12 @@
-// Eigen-decomposition of the small symmetric matrices of LOCKS: the page Gram D D^T (papers.md
-// 2(b) step 3), 16 x 16 at the default page size and at most 64 x 64.
+// Eigen-decomposition of the small symmetric matrices of LOCKS: the page Gram D D^T
+// (docs/methods.md, LOCKS: summary build), 16 x 16 at the default page size and at most 64 x 64.
 //
 // Eigen's SelfAdjointEigenSolver (Householder tridiagonalisation, implicit symmetric QR) on
 // fixed-capacity matrices, so nothing is allocated. A hand-written cyclic Jacobi solver (float64,
 // Rutishauser's rotation, relative-threshold skipping) was measured against it on the Zen 5 dev
 // box: 38 / 254 / 1907 us at n = 16 / 32 / 64, against Eigen's 12 / 50 / 267 us and LAPACK
 // dsyev's 17 / 76 / 512 us; a Jacobi sweep does about twice the flops of tridiagonal QR and,
-// in baseline x86-64 code, no faster, so the library is used (STYLE.md). Tested against LAPACK's
+// in baseline x86-64 code, no faster, so the maintained library is used. Tested against LAPACK's
 // dsyev (tests/test_locks.cpp).
 #pragma once
 
