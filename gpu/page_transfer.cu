@@ -15,9 +15,9 @@
 // The mapped kernel sits near the ~35-40 GB/s that SM-driven reads of host memory reach
 // (docs/platform-notes.md, Transfers: gathering pages); 4 KiB pages read slower than 8 KiB ones,
 // and host memory madvised to 2 MiB pages and registered changed nothing (29.5 vs 30.1 GB/s at
-// 16 MiB). Staging was DRAM-bound: 16 threads gather alone at 67 GB/s (49 with streaming stores, which
-// keep the staging out of the cache), but gather and DMA together share the host's DRAM; one 32 MiB
-// chunk instead of 4 MiB ones changed little (21.9 vs 22.4 GB/s before streaming stores).
+// 16 MiB). Staging was DRAM-bound: 16 threads gather alone at 67 GB/s (49 with streaming stores,
+// which keep the staging out of the cache), but gather and DMA together share the host's DRAM; one
+// 32 MiB chunk instead of 4 MiB ones changed little (21.9 vs 22.4 GB/s before streaming stores).
 #include <cuda_runtime.h>
 
 #include <algorithm>
