@@ -14,7 +14,8 @@
 #                                what GPU_CHECK picks (default "tests demo"):
 #                                  tests    the gpu-labelled test binaries (attention, transfer,
 #                                           device Llama, Louver filter, LOCKS selection, offload
-#                                           step, the model and the C API in offload mode),
+#                                           step, the model and the C API in offload mode), the
+#                                           device model-runner tests of kvsift_tests,
 #                                           compute-sanitizer on small cases
 #                                  demo     kvsift-demo on the CPU and with --device cuda: dense
 #                                           greedy tokens compared over 64 tokens, LOCKS at 5%
@@ -39,7 +40,7 @@ mode=${1:-run}
 build=${GPU_CHECK_BUILD:-build-gpu}
 stage=$build/stage
 targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests
-  kvsift_offload_tests
+  kvsift_offload_tests kvsift_tests
   kvsift-demo kvsift-bench-gpu-attend kvsift-bench-gpu-transfer kvsift-bench-gpu-louver
   kvsift-bench-offload kvsift-bench-decode kvsift-eval)
 target_path() {
@@ -110,6 +111,11 @@ if [[ " $checks " == *" tests "* ]]; then
     echo "$t: $(grep -E '^\[  (PASSED|FAILED)' "$logs/$t.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED|Failure|error' "$logs/$t.log" | head -20 || true
   done
+  # The CPU suite's tests that compare the device model runner with the CPU one.
+  "$stage/kvsift_tests" --gtest_brief=1 --gtest_filter='ModelTest.*device*' \
+    >"$logs/kvsift_tests_device.log" 2>&1 || status=1
+  echo "kvsift_tests (ModelTest.*device*): $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' \
+    "$logs/kvsift_tests_device.log" | tr '\n' ' ')"
   if [[ -z ${GPU_CHECK_FILTER:-} ]] && command -v compute-sanitizer >/dev/null; then
     run_sanitizer() {  # tool binary filter
       compute-sanitizer --tool "$1" --error-exitcode 9 "$stage/$2" --gtest_filter="$3" \
