@@ -106,9 +106,7 @@ bool LocksDevice::select(const SelectCall& call, const std::byte* records,
     pair.tokens = cache_.length_unchecked(seq, call.layer);
     pair.budget_tokens = policy_.budget_tokens(pair.tokens);
     const uint64_t sealed = pair.tokens / B, open = pair.tokens % B;
-    pair.open_keys =
-        open == 0 ? nullptr
-                  : reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[sealed]));
+    pair.open_keys = open == 0 ? nullptr : g.layout().key(cache_.pool().slot(pair.table[sealed]));
     // What the CPU path reports: the summaries and the open page's keys of the scored pairs.
     if (!gpu::locks_pair_plan(scorer_.shape(), pair.tokens, pair.budget_tokens).whole)
       bytes += sealed * summary_bytes + open * d * sizeof(uint16_t);

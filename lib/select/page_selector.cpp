@@ -102,7 +102,7 @@ void PageSelector::build_summaries() noexcept {
   pool_.parallel_for(n_pending_, 16, [&](uint64_t begin, uint64_t end, int) noexcept {
     for (uint64_t i = begin; i < end; ++i) {
       const uint32_t slot = pending_[i];
-      summarise(slot, reinterpret_cast<const uint16_t*>(cache_.pool().slot(slot)));
+      summarise(slot, geometry().layout().key(cache_.pool().slot(slot)));
     }
   });
   summaries_built(pending_.data(), n_pending_);
@@ -116,7 +116,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   const uint32_t B = g.page_tokens, d = g.head_dim;
   const uint64_t left = pair.tokens - uint64_t{page} * B;
   const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
-  const auto* k = reinterpret_cast<const uint16_t*>(cache_.pool().slot(pair.table[page]));
+  const uint16_t* k = g.layout().key(cache_.pool().slot(pair.table[page]));
   kernels_.decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
   float key_norm = 0.0f;  // only a certified bound reads the slack
   if (certified())
