@@ -1,0 +1,25 @@
+# Every dynamic symbol a shipped shared object defines is part of the C API (kvsift_*): what
+# lib/package/kvsift.map promises for the libraries and gpu/CMakeLists.txt for the CUDA backend.
+#   cmake -DNM=<nm> -DLIBRARIES=<a.so;b.so> -P check_exports.cmake
+foreach(library ${LIBRARIES})
+  execute_process(COMMAND ${NM} -D --defined-only ${library} RESULT_VARIABLE rc
+                  OUTPUT_VARIABLE symbols ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${NM} -D ${library}: ${err}")
+  endif()
+  string(REGEX MATCHALL "[^\n]+" lines "${symbols}")
+  set(foreign)
+  set(api 0)
+  foreach(line ${lines})
+    string(REGEX REPLACE "^.* " "" name "${line}")
+    if(name MATCHES "^kvsift_")
+      math(EXPR api "${api} + 1")
+    else()
+      list(APPEND foreign ${name})
+    endif()
+  endforeach()
+  if(foreign OR api EQUAL 0)
+    message(FATAL_ERROR "${library} exports ${api} kvsift_ symbols and these others: ${foreign}")
+  endif()
+  message(STATUS "${library}: ${api} symbols, all kvsift_*")
+endforeach()
