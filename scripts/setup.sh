@@ -8,7 +8,7 @@ packages=(
   # oneDNN; its CMake config needs the OpenCL package (docs/platform-notes.md, Build)
   libdnnl-dev ocl-icd-opencl-dev
   libxsimd-dev libeigen3-dev
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libbenchmark-dev    # GoogleTest only: nothing uses gmock
   liblapack-dev                    # the tests' eigensolver reference (tests/test_locks.cpp)
   nlohmann-json3-dev libcli11-dev
   libicu-dev                       # Unicode categories for the tokenizer
