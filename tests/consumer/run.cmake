@@ -1,7 +1,7 @@
 # Installs a kvsift build into a temporary prefix and builds programs against it the ways a user
 # would: find_package (tests/consumer/CMakeLists.txt), pkg-config, and the C++ wrapper; each
 # program checks attention against its own reference; the cache-only program must not need
-# oneDNN, ICU or CUDA.
+# oneDNN, ICU or CUDA. Last, a host project that takes kvsift as a subdirectory is configured.
 #   cmake -DKVSIFT_BUILD_DIR=<build> -DWORK_DIR=<scratch> -DLIBDIR=<lib> -DGENERATOR=<gen>
 #         -DC_COMPILER=<cc> -P run.cmake
 foreach(var KVSIFT_BUILD_DIR WORK_DIR LIBDIR GENERATOR C_COMPILER)
@@ -57,4 +57,7 @@ foreach(program ${WORK_DIR}/cmake/attend_check_core ${WORK_DIR}/attend_check_pc_
     message(FATAL_ERROR "${program} loads ${CMAKE_MATCH_0}:\n${libraries}")
   endif()
 endforeach()
+# add_subdirectory: configured only (building it would compile the library a second time).
+run(${CMAKE_COMMAND} -S ${source_dir}/subproject -B ${WORK_DIR}/subproject -G ${GENERATOR}
+    -DKVSIFT_SOURCE_DIR=${source_dir}/../.. -DCMAKE_C_COMPILER=${C_COMPILER})
 message(STATUS "consumer programs built and checked against ${prefix}")
