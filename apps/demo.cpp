@@ -21,7 +21,7 @@
 namespace {
 
 // The built-in document: the start of Ambrose Bierce's The Devil's Dictionary (public domain,
-// Debian package dict-devil), with one invented fact planted halfway through.
+// apps/common/devils_dictionary.txt), with one invented fact planted halfway through.
 constexpr std::size_t kDocumentChars = 20000;  // about 4.5K SmolLM2 tokens
 constexpr const char* kPlantedFact =
     "Editor's note: the lighthouse keeper on Gull Island keeps a grey cat named Marmalade.";
@@ -52,7 +52,7 @@ std::string builtin_document() {
   try {
     text = kvsift::apps::read_devils_dictionary();
   } catch (const std::runtime_error& e) {
-    throw Failure{std::string(e.what()) + "; the built-in document, or pass --prompt-file"};
+    throw Failure{std::string(e.what()) + " (the built-in document; or pass --prompt-file)"};
   }
   std::string doc = text.substr(0, kDocumentChars);
   doc = doc.substr(0, doc.rfind("\n\n"));  // end at a paragraph

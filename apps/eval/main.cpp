@@ -243,8 +243,7 @@ int run(const Options& o, const std::string& command) {
     suite = std::to_string(o.tasks.size()) + " generated tasks (" + join(o.tasks) + ") x lengths " +
             join(o.lengths) + " x " + std::to_string(o.samples) +
             " samples = " + std::to_string(samples.size()) + " samples, seed " +
-            std::to_string(o.seed) + "; prose haystack: The Devil's Dictionary (" +
-            apps::kDevilsDictionaryPath + ", Debian package dict-devil)";
+            std::to_string(o.seed) + "; prose haystack: " + apps::kDevilsDictionarySource;
   }
 
   std::vector<std::vector<int32_t>> prompts;
