@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <utility>
 #include <cstdint>
 #include <cstdio>
 #include <string>
