@@ -443,19 +443,26 @@ int main(int argc, char** argv) {
   app.add_option("--suite", o.suite, "smoke, default (make eval) or full (make eval-full)")
       ->check(CLI::IsMember(kvsift::eval::kSuiteNames));
   app.add_option("--tasks", o.task_file, "a JSONL task file instead of the generated tasks");
-  app.add_option("--task-names", o.tasks, "generated tasks to run (default: the suite's)")
+  // Options a suite fills when they are not given (suite_named): their default is the suite's.
+  const std::string suites = "the --suite's";
+  app.add_option("--task-names", o.tasks, "generated tasks to run")
+      ->default_str(suites)
       ->delimiter(',')
       ->check(CLI::IsMember(kvsift::eval::TaskGenerator::task_names()));
-  app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K (default: the suite's)")
+  app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")
+      ->default_str(suites)
       ->delimiter(',')
       ->check(kvsift::eval::length_value());
-  app.add_option("--samples", o.samples, "samples per (task, length) (default: the suite's)")
+  app.add_option("--samples", o.samples, "samples per (task, length)")
+      ->default_str(suites)
       ->check(CLI::Range(1, 100000));
-  app.add_option("--selectors", o.selectors, "selectors to compare (default: the suite's)")
+  app.add_option("--selectors", o.selectors, "selectors to compare (dense always runs)")
+      ->default_str(suites)
       ->delimiter(',')
       ->check(CLI::IsMember(apps::selector_list()));
   app.add_option("--budgets", o.budgets,
-                 "budgets: fractions of the context (<= 1) or token counts (default: the suite's)")
+                 "budgets: fractions of the context (<= 1) or token counts")
+      ->default_str(suites)
       ->delimiter(',')
       ->check(apps::above_and_at_most(0.0, 1 << 20));
   app.add_option("--seed", o.seed, "task generator seed");
