@@ -31,7 +31,9 @@
 #include <thread>
 #include <vector>
 
+#include "common/command_line.hpp"
 #include "common/devils_dictionary.hpp"
+#include "common/exit_codes.hpp"
 #include "common/selector_names.hpp"
 #include "kvsift/kvsift.h"
 
@@ -41,7 +43,7 @@ void check(kvsift_status status, const char* what) {
   if (status == KVSIFT_STATUS_OK) return;
   std::fprintf(stderr, "kvsift-bench-decode: %s: %s: %s\n", what, kvsift_status_string(status),
                kvsift_last_error());
-  std::exit(1);
+  std::exit(kvsift::apps::kExitFailure);
 }
 
 // Starts a process of `threads` spinning threads; returns its id (0: none).
@@ -63,19 +65,13 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-int parse_device(const std::string& device) {
-  if (device == "cpu") return -1;
-  if (device == "cuda") return 0;
-  if (device.rfind("cuda:", 0) == 0) return std::stoi(device.substr(5));
-  std::fprintf(stderr, "kvsift-bench-decode: --device %s: expected cpu, cuda or cuda:N\n",
-               device.c_str());
-  std::exit(1);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvsift-bench-decode: decode tokens/s over contexts x batches x selectors"};
+  namespace apps = kvsift::apps;
+  CLI::App app{"kvsift-bench-decode: decode tokens/s over contexts x batches x selectors",
+               "kvsift-bench-decode"};
+  apps::set_up_command_line(app, "kvsift-bench-decode");
   std::string model_path, device = "cpu";
   std::vector<uint32_t> contexts{1024, 8192}, batches{1, 8};
   std::vector<std::string> selectors{"dense", "locks"};
@@ -83,19 +79,39 @@ int main(int argc, char** argv) {
   uint32_t steps = 32, warmup = 4;
   int threads = 0, busy = 0;
   app.add_option("--model", model_path, "GGUF file")->required();
-  app.add_option("--device", device, "cpu or cuda[:N]")->capture_default_str();
-  app.add_option("--contexts", contexts, "prompt tokens per sequence")->capture_default_str();
-  app.add_option("--batches", batches, "sequences decoded together")->capture_default_str();
-  app.add_option("--selectors", selectors, "selectors: " + kvsift::apps::selector_names())
-      ->capture_default_str();
-  app.add_option("--budget", budget, "budget of every selector but dense")->capture_default_str();
-  app.add_option("--steps", steps, "timed decode steps per row")->capture_default_str();
-  app.add_option("--warmup", warmup, "untimed decode steps first")->capture_default_str();
-  app.add_option("--threads", threads, "CPU threads (0: all)");
+  app.add_option("--device", device, "cpu or cuda[:N]")->check(apps::device_name());
+  app.add_option("--contexts", contexts, "tokens per sequence at the last step")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--batches", batches, "sequences decoded together")->check(CLI::Range(1, 256));
+  app.add_option("--selectors", selectors, "selectors to measure")
+      ->check(CLI::IsMember(apps::selector_list()));
+  app.add_option("--budget", budget,
+                 "budget of every selector but dense: a fraction of the context (<= 1) or a count")
+      ->check(apps::above_and_at_most(0.0, 1 << 20));
+  app.add_option("--steps", steps, "timed decode steps per row")->check(CLI::Range(1, 100000));
+  app.add_option("--warmup", warmup, "untimed decode steps first")->check(CLI::Range(0, 100000));
+  app.add_option("--threads", threads, "CPU threads (0: all)")->check(CLI::Range(0, 1024));
   app.add_option("--busy", busy,
                  "spinning threads in a competing process (-1: one per CPU of the affinity mask)")
-      ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
+      ->check(CLI::Range(-1, 1024));
+  // Each context holds its prompt, then the --warmup and --steps decode steps.
+  const auto validate = [&] {
+    for (const uint32_t context : contexts)
+      if (context <= warmup + steps)
+        throw apps::UsageError("--contexts " + std::to_string(context) +
+                               ": leaves no prompt before --warmup " + std::to_string(warmup) +
+                               " + --steps " + std::to_string(steps) + " decode steps");
+    if (device != "cpu") {
+      int n_devices = 0;
+      if (kvsift_gpu_device_count(&n_devices) != KVSIFT_STATUS_OK)
+        throw apps::UsageError("--device " + device + ": " + kvsift_last_error());
+      if (apps::device_index(device) >= n_devices)
+        throw apps::UsageError("--device " + device + ": " + std::to_string(n_devices) +
+                               " CUDA device(s) here");
+    }
+    apps::require_readable_file("--model", model_path);
+  };
+  if (const auto stop = apps::parse_command_line(app, argc, argv, validate)) return *stop;
   if (busy < 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -117,7 +133,7 @@ int main(int argc, char** argv) {
   params.n_ctx = max_context;
   params.max_seqs = max_batch;
   params.n_threads = threads;
-  params.device = parse_device(device);
+  params.device = apps::device_index(device);
   kvsift_model* model = nullptr;
   check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
   std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
@@ -130,7 +146,7 @@ int main(int argc, char** argv) {
   if (n_book < max_context) {
     std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n", n_book,
                  max_context);
-    return 1;
+    return apps::kExitUsage;  // --contexts asked for more than the book holds
   }
 
   std::fprintf(stderr, "%-6s %-6s %7s %5s %9s %9s %9s %9s %9s %9s %8s %6s\n", "device", "select",
@@ -146,10 +162,6 @@ int main(int argc, char** argv) {
         check(kvsift_model_set_selector(model, &policy), "selector");
         std::vector<int32_t> seqs(batch);
         check(kvsift_model_sequence_create(model, &seqs[0]), "sequence");
-        if (context <= warmup + steps) {
-          std::fprintf(stderr, "kvsift-bench-decode: context %u leaves no prompt\n", context);
-          return 1;
-        }
         check(kvsift_model_prefill(model, seqs[0], book.data(), context - warmup - steps, nullptr,
                                    nullptr, nullptr),
               "prefill");
@@ -215,5 +227,5 @@ int main(int argc, char** argv) {
                      median(attend_us), median(h2d) / 1e6);
       }
   }
-  return 0;
+  return apps::kExitOk;
 }

@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include "common/command_line.hpp"
+#include "common/exit_codes.hpp"
 #include "kvsift/kvsift.h"
 
 namespace {
@@ -21,13 +23,16 @@ namespace {
 void check(kvsift_status status, const char* what) {
   if (status == KVSIFT_STATUS_OK) return;
   std::fprintf(stderr, "kvsift-bench-model: %s: %s\n", what, kvsift_last_error());
-  std::exit(1);
+  std::exit(kvsift::apps::kExitFailure);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"kvsift-bench-model: timed prefill or decode, JSON on the last line"};
+  namespace apps = kvsift::apps;
+  CLI::App app{"kvsift-bench-model: timed prefill or decode, JSON on the last line",
+               "kvsift-bench-model"};
+  apps::set_up_command_line(app, "kvsift-bench-model");
   std::string model_path, mode = "decode", tokens_file;
   int threads = 0;
   uint32_t ctx = 8192, n_decode = 64;
@@ -35,14 +40,34 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_path, "GGUF file")->required();
   app.add_option("--mode", mode, "prefill or decode")->check(CLI::IsMember({"prefill", "decode"}));
   app.add_option("--tokens", tokens_file, "JSON list of prompt token ids")->required();
-  app.add_option("--threads", threads, "threads (0: all)");
-  app.add_option("--ctx", ctx, "context positions to allocate");
-  app.add_option("--n-decode", n_decode, "decode steps to time");
-  app.add_option("--weights-f32", weights_f32, "1: float32 weights instead of bf16");
-  CLI11_PARSE(app, argc, argv);
-
-  std::vector<int32_t> tokens =
-      nlohmann::json::parse(std::ifstream(tokens_file)).get<std::vector<int32_t>>();
+  app.add_option("--threads", threads, "threads (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--ctx", ctx, "context positions to allocate (at most the model's)")
+      ->check(CLI::Range(1u, 1u << 20));
+  app.add_option("--n-decode", n_decode, "decode steps to time")->check(CLI::Range(1, 1 << 20));
+  app.add_option("--weights-f32", weights_f32, "1: float32 weights instead of bf16")
+      ->check(CLI::IsMember({0, 1}));
+  // The token file is read here too: a malformed one, or one too long for --ctx, stops the run
+  // before the model loads.
+  std::vector<int32_t> tokens;
+  const auto validate = [&] {
+    apps::require_readable_file("--model", model_path);
+    apps::require_readable_file("--tokens", tokens_file);
+    try {
+      tokens = nlohmann::json::parse(std::ifstream(tokens_file)).get<std::vector<int32_t>>();
+    } catch (const nlohmann::json::exception& e) {
+      throw apps::UsageError("--tokens " + tokens_file + ": not a JSON list of token ids (" +
+                                 e.what() + ")",
+                             apps::kExitInputUnreadable);
+    }
+    if (tokens.empty()) throw apps::UsageError("--tokens " + tokens_file + ": no tokens");
+    const uint64_t needed = tokens.size() + (mode == "decode" ? n_decode : 0);
+    if (needed > ctx)
+      throw apps::UsageError("--ctx " + std::to_string(ctx) + ": the " +
+                             std::to_string(tokens.size()) + " tokens" +
+                             (mode == "decode" ? " and --n-decode steps" : "") + " need " +
+                             std::to_string(needed) + " positions");
+  };
+  if (const auto stop = apps::parse_command_line(app, argc, argv, validate)) return *stop;
   kvsift_model_params params;
   kvsift_model_params_init(&params);
   params.n_ctx = ctx;
@@ -80,5 +105,5 @@ int main(int argc, char** argv) {
                         {"weights", weights_f32 ? "f32" : "bf16"}};
   if (mode == "decode") out["attention_share"] = attention_share;
   std::printf("%s\n", out.dump().c_str());
-  return 0;
+  return apps::kExitOk;
 }

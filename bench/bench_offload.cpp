@@ -34,6 +34,8 @@
 #include <string>
 #include <vector>
 
+#include "common/command_line.hpp"
+#include "common/exit_codes.hpp"
 #include "gpu/host_memory.hpp"
 #include "gpu/offload_runtime.hpp"
 #include "gpu/page_transfer.hpp"
@@ -737,40 +739,58 @@ void run_row(const Config& cfg, const Synth& synth, Row& row, int threads) {
 int main(int argc, char** argv) {
   g_start = Clock::now();
   Config cfg;
+  namespace apps = kvsift::apps;
   CLI::App app{
       "kvsift-bench-offload: dense HBM, dense offload and LOCKS offload on one "
-      "Llama-3.1-8B layer (scripts/gpu_bench.sh prints the table)"};
-  app.add_option("--contexts", cfg.contexts, "tokens per sequence")->delimiter(',');
-  app.add_option("--batches", cfg.batches, "sequences per step")->delimiter(',');
-  app.add_option("--budget", cfg.budget, "LOCKS budget, a fraction of the context");
-  app.add_option("--drift-noise", cfg.drift_noise, "(c) the query's new noise per step");
-  app.add_option("--a-reps", cfg.a_reps, "(a) kernel repetitions")->check(CLI::PositiveNumber);
-  app.add_option("--b-steps", cfg.b_steps, "(b) cold dense steps")->check(CLI::PositiveNumber);
-  app.add_option("--c-warmup", cfg.c_warmup, "(c) untimed steps first (the cold fill)");
-  app.add_option("--c-steps", cfg.c_steps, "(c) timed steps")->check(CLI::PositiveNumber);
+      "Llama-3.1-8B layer (scripts/gpu_bench.sh prints the table)",
+      "kvsift-bench-offload"};
+  apps::set_up_command_line(app, "kvsift-bench-offload");
+  app.add_option("--contexts", cfg.contexts, "tokens per sequence")
+      ->delimiter(',')
+      ->check(CLI::Range(uint64_t{1}, uint64_t{1} << 24));
+  app.add_option("--batches", cfg.batches, "sequences per step")
+      ->delimiter(',')
+      ->check(CLI::Range(1, 256));
+  app.add_option("--budget", cfg.budget, "LOCKS budget, a fraction of the context")
+      ->check(apps::above_and_at_most(0.0, 1.0));
+  app.add_option("--drift-noise", cfg.drift_noise, "(c) the query's new noise per step")
+      ->check(CLI::Range(0.0, 100.0));
+  app.add_option("--a-reps", cfg.a_reps, "(a) kernel repetitions")->check(CLI::Range(1, 100000));
+  app.add_option("--b-steps", cfg.b_steps, "(b) cold dense steps")->check(CLI::Range(1, 100000));
+  app.add_option("--c-warmup", cfg.c_warmup, "(c) untimed steps first (the cold fill)")
+      ->check(CLI::Range(0, 100000));
+  app.add_option("--c-steps", cfg.c_steps, "(c) timed steps")->check(CLI::Range(1, 100000));
   app.add_option("--check-tokens", cfg.check_tokens,
                  "compare (b)'s output with the CPU kernel on rows of at most this many tokens");
-  app.add_option("--threads", cfg.threads, "CPU threads (0: OpenMP's default)");
+  app.add_option("--threads", cfg.threads, "CPU threads (0: OpenMP's default)")
+      ->check(CLI::Range(0, 1024));
   app.add_option("--csv", cfg.csv, "write one line per row here");
   app.add_option("--locks-device", cfg.locks_device,
-                 "(c) selects on this CUDA device (the LOCKS records resident there); -1: the CPU");
+                 "(c) selects on this CUDA device (the LOCKS records resident there); -1: the CPU")
+      ->check(CLI::Range(-1, 64));
   app.add_flag("--host-only", cfg.host_only,
                "no device: fill, summaries and (c)'s selections only, to check the workload");
-  CLI11_PARSE(app, argc, argv);
+  const auto validate = [&] {
+    if (!cfg.csv.empty()) apps::require_writable_file("--csv", cfg.csv);
+    if (cfg.host_only && cfg.locks_device >= 0)
+      throw apps::UsageError("--locks-device " + std::to_string(cfg.locks_device) +
+                             ": --host-only uses no device");
+  };
+  if (const auto stop = apps::parse_command_line(app, argc, argv, validate)) return *stop;
   const int threads = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
 
   if (!cfg.host_only && !gpu::built_with_cuda()) {
     std::printf(
         "kvsift-bench-offload: built without CUDA (KVSIFT_ENABLE_CUDA=OFF): nothing to "
         "measure\n");
-    return 0;
+    return apps::kExitOk;
   }
   int n_devices = 0;
   if (const gpu::Result r = gpu::device_count(&n_devices);
       !cfg.host_only && (!r.ok || n_devices == 0)) {
     std::printf("kvsift-bench-offload: no usable CUDA device (%s): nothing to measure\n",
                 r.ok ? "none found" : r.message.c_str());
-    return 0;
+    return apps::kExitOk;
   }
 
   // Smallest rows first, so that a run cut short loses the largest; the largest last.
@@ -791,7 +811,7 @@ int main(int argc, char** argv) {
     csv = std::fopen(cfg.csv.c_str(), "w");
     if (csv == nullptr) {
       std::printf("kvsift-bench-offload: cannot write %s\n", cfg.csv.c_str());
-      return 1;
+      return apps::kExitOutputUnwritable;
     }
     std::fprintf(csv, "%s\n", kCsvHeader);
     std::fflush(csv);
@@ -808,5 +828,5 @@ int main(int argc, char** argv) {
   }
   if (csv != nullptr) std::fclose(csv);
   say("done: %zu rows, %d with a failure", rows.size(), failed);
-  return failed == 0 ? 0 : 2;
+  return failed == 0 ? apps::kExitOk : apps::kExitCheckFailed;
 }

@@ -3,10 +3,10 @@
 # benchmarks, in as few device calls as the carry limit allows.
 #
 #   scripts/gpu_check.sh stage   Here, where the project's dependencies are installed: build the GPU
-#                                targets in build-gpu (CUDA on, -j2) and pack them, the shared
-#                                libraries the GPU machine lacks and the demo's document into
-#                                build-gpu/stage.tar.xz; split the model file ($KVSIFT_MODEL) into
-#                                build-gpu/model.part.* of 30 MiB each.
+#                                targets in build-gpu (CUDA on, -j2) and pack them and the shared
+#                                libraries the GPU machine lacks into build-gpu/stage.tar.xz (the
+#                                demo's document is compiled into the binaries); split the model
+#                                file ($KVSIFT_MODEL) into build-gpu/model.part.* of 30 MiB each.
 #   scripts/gpu_check.sh run     On the GPU machine. Carry build-gpu/stage.tar.xz and the model
 #                                parts over several calls (each call carries at most 64 MiB;
 #                                ignored files stay on a warm machine between calls; a call may run
@@ -51,7 +51,6 @@ target_path() {
     *) echo "$build/tests/$1" ;;
   esac
 }
-dictionary=/usr/share/dictd/devil.dict.dz
 
 if [[ $mode == stage ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
@@ -63,7 +62,6 @@ if [[ $mode == stage ]]; then
     awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
     grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
     while read -r path; do cp -L "$path" "$stage/"; done
-  cp "$dictionary" "$stage/"
   tar -cJf "$build/stage.tar.xz" -C "$build" stage
   rm -f "$build"/model.part.*
   if [[ -n ${KVSIFT_MODEL:-} && -f $KVSIFT_MODEL ]]; then
@@ -95,7 +93,6 @@ if compgen -G "$build/model.part.*" >/dev/null; then
   cat "$build"/model.part.* >"$build/model.gguf"
   export KVSIFT_MODEL=$PWD/$build/model.gguf
 fi
-mkdir -p "$(dirname "$dictionary")" && cp -n "$stage/devil.dict.dz" "$dictionary" 2>/dev/null || true
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 nproc | sed 's/^/cpu cores: /'
 echo "model: ${KVSIFT_MODEL:-absent} $(stat -c %s "${KVSIFT_MODEL:-/dev/null}" 2>/dev/null)"

@@ -10,10 +10,11 @@
 #                                       in build-py312/venv; or GPU_PY_VENV names a venv of 3.12
 #                                       with nanobind already) in build-py312 (CUDA off:
 #                                       kvsift runs on the host's CPU), and pack it, the shared
-#                                       libraries it needs that the GPU image lacks, the gguf
-#                                       wheel (transformers reads GGUF with it) and the demo's
-#                                       document into .pystage/stage.tar.xz; split the model file
-#                                       ($KVSIFT_MODEL) into .pystage/model.part.* of 30 MiB.
+#                                       libraries it needs that the GPU image lacks and the gguf
+#                                       wheel (transformers reads GGUF with it) into
+#                                       .pystage/stage.tar.xz (the tests read the demo's document
+#                                       from apps/common/ in the carried tree); split the model
+#                                       file ($KVSIFT_MODEL) into .pystage/model.part.* of 30 MiB.
 #   scripts/gpu_python_check.sh run     On the GPU machine, whose image has torch, transformers and
 #                                       accelerate: carry .pystage/stage.tar.xz and the model parts
 #                                       over several calls (at most 64 MiB each), back to back while
@@ -34,7 +35,6 @@ cd "$(dirname "$0")/.."
 mode=${1:-run}
 build=${GPU_PY_BUILD:-build-py312}
 stage=${GPU_PY_STAGE:-.pystage}  # run: where the carried files were gathered
-devil=/usr/share/dictd/devil.dict.dz
 
 if [[ $mode == stage ]]; then
   venv=${GPU_PY_VENV:-$PWD/$build/venv}
@@ -51,7 +51,6 @@ if [[ $mode == stage ]]; then
     grep -vE '/(libc|libm|libdl|libpthread|librt|libstdc\+\+|libgcc_s|ld-linux[^/]*)\.so' |
     while read -r path; do cp -L "$path" "$stage/pkg/lib/"; done
   "$venv/bin/pip" download -q --no-deps -d "$stage/pkg/whl" gguf==0.19.0
-  cp "$devil" "$stage/pkg/"
   tar -cJf "$stage/stage.tar.xz" -C "$stage" pkg && rm -rf "$stage/pkg"
   split -b 30M -d "${KVSIFT_MODEL:?KVSIFT_MODEL: the model file (scripts/fetch_model.sh)}" \
     "$stage/model.part."
@@ -65,7 +64,6 @@ tar -xJf "$stage/stage.tar.xz" -C "$root"
 cat "$stage"/model.part.* >"$root/model.gguf"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$root/site" \
   "$root"/pkg/whl/*.whl
-mkdir -p "$(dirname "$devil")" && cp "$root/pkg/devil.dict.dz" "$devil"
 export PYTHONPATH=$root/pkg/python:$root/site
 export LD_LIBRARY_PATH=$root/pkg/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export KVSIFT_MODEL=$root/model.gguf PYTHONUNBUFFERED=1

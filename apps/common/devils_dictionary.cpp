@@ -1,27 +1,41 @@
 #include "devils_dictionary.hpp"
 
-#include <zlib.h>
-
+#include <cstddef>
 #include <stdexcept>
+#include <string_view>
 
 namespace kvsift::apps {
 
+// Defined in the source apps/common/embed_text.cmake generates from devils_dictionary.txt.
+extern const char kDevilsDictionaryText[];
+extern const std::size_t kDevilsDictionaryText_size;
+
+namespace {
+
+// What the file must hold for the slice below to be the book: its provenance header first, the
+// preface within the first few KB, and most of the book after it (the full text is 383 KB).
+constexpr std::string_view kHeader = "The Devil's Dictionary by Ambrose Bierce";
+constexpr std::string_view kPreface = "PREFACE";
+constexpr std::size_t kPrefaceWithin = 4096;
+constexpr std::size_t kMinimumBookBytes = 350000;
+constexpr std::string_view kLastEntry = "ZOOLOGY, n.";
+
+}  // namespace
+
 std::string read_devils_dictionary() {
-  gzFile gz = gzopen(kDevilsDictionaryPath, "rb");
-  if (gz == nullptr)
-    throw std::runtime_error(std::string("cannot open ") + kDevilsDictionaryPath +
-                             " (install the Debian package dict-devil)");
-  std::string text;
-  char buffer[65536];
-  int n;
-  while ((n = gzread(gz, buffer, sizeof buffer)) > 0) text.append(buffer, n);
-  const bool failed = n < 0;
-  gzclose(gz);
-  const std::size_t begin = text.find("PREFACE");
-  if (failed || begin == std::string::npos || text.size() - begin < 100000)
-    throw std::runtime_error(std::string(kDevilsDictionaryPath) +
-                             " does not hold The Devil's Dictionary (reinstall dict-devil)");
-  return text.substr(begin);
+  const std::string_view text(kDevilsDictionaryText, kDevilsDictionaryText_size);
+  const auto damaged = [](const std::string& why) {
+    return std::runtime_error("the embedded apps/common/devils_dictionary.txt " + why +
+                              "; restore the file from git and rebuild");
+  };
+  if (text.substr(0, kHeader.size()) != kHeader) throw damaged("lacks its provenance header");
+  const std::size_t begin = text.substr(0, kPrefaceWithin).find(kPreface);
+  if (begin == std::string_view::npos)
+    throw damaged("has no PREFACE in its first " + std::to_string(kPrefaceWithin) + " bytes");
+  const std::string_view book = text.substr(begin);
+  if (book.size() < kMinimumBookBytes || book.rfind(kLastEntry) == std::string_view::npos)
+    throw damaged("is truncated (" + std::to_string(book.size()) + " bytes from the preface)");
+  return std::string(book);
 }
 
 }  // namespace kvsift::apps

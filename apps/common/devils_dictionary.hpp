@@ -1,17 +1,21 @@
-// The Devil's Dictionary (Ambrose Bierce, public domain) as installed by the Debian package
-// dict-devil: the long public-domain English text the demo and the evaluation read.
+// The Devil's Dictionary (Ambrose Bierce, 1911, public domain): the long public-domain English
+// text the demo, the evaluation and the decode benchmark read. The text is
+// apps/common/devils_dictionary.txt (its first lines say where it came from), compiled into each
+// binary by apps/common/embed_text.cmake, so that a binary copied elsewhere (scripts/gpu_check.sh)
+// needs no file beside it.
 #pragma once
 
 #include <string>
 
 namespace kvsift::apps {
 
-// Where dict-devil installs the text: a dictzip file, which zlib reads as gzip.
-inline constexpr const char* kDevilsDictionaryPath = "/usr/share/dictd/devil.dict.dz";
+// Where the text comes from, for reports that name their inputs.
+inline constexpr const char* kDevilsDictionarySource =
+    "apps/common/devils_dictionary.txt (The Devil's Dictionary, Ambrose Bierce, 1911)";
 
-// The book from its PREFACE to the end (about 380 KB of UTF-8 with the file's line breaks; the
-// dictd header before the preface is dropped). Throws std::runtime_error naming the file and the
-// package when the file is missing or does not hold the book.
+// The book from its PREFACE to the end (about 380 KB of ASCII with the file's line breaks; the
+// provenance header and the title page before the preface are dropped). Throws std::runtime_error
+// when the embedded text does not hold the book (a damaged or truncated file at build time).
 std::string read_devils_dictionary();
 
 }  // namespace kvsift::apps

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "kvsift/kvsift.h"
 
@@ -18,6 +19,14 @@ inline std::string selector_names(const char* separator = ", ",
       names += i + 1 == KVSIFT_SELECTOR_COUNT && last_separator ? last_separator : separator;
     names += kvsift_selector_name(static_cast<kvsift_selector>(i));
   }
+  return names;
+}
+
+// The names as a list: CLI11's IsMember choices, which --help prints.
+inline std::vector<std::string> selector_list() {
+  std::vector<std::string> names;
+  for (int i = 0; i < KVSIFT_SELECTOR_COUNT; ++i)
+    names.push_back(kvsift_selector_name(static_cast<kvsift_selector>(i)));
   return names;
 }
 

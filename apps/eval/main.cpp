@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
@@ -17,14 +18,19 @@
 #include <thread>
 #include <vector>
 
+#include "common/command_line.hpp"
 #include "common/devils_dictionary.hpp"
+#include "common/exit_codes.hpp"
 #include "common/model_path.hpp"
 #include "common/selector_names.hpp"
+#include "common/sha256.hpp"
 #include "kvsift/kvsift.h"
 #include "lib/model/gguf_file.hpp"
 #include "lib/model/llama_model.hpp"
 #include "report.hpp"
 #include "runner.hpp"
+#include "simd/isa.hpp"
+#include "source_version.hpp"
 #include "task_file.hpp"
 #include "tasks.hpp"
 
@@ -42,6 +48,8 @@ struct Suite {
   std::vector<std::string> selectors;
   std::vector<double> budgets;
 };
+
+const std::vector<std::string> kSuiteNames = {"smoke", "default", "full"};
 
 Suite suite_named(const std::string& name) {
   const std::vector<std::string>& all = TaskGenerator::task_names();
@@ -150,15 +158,20 @@ std::string read_first_line_with(const std::string& path, const std::string& pre
   return {};
 }
 
-std::string machine_description() {
+std::string cpu_model_name() {
   std::string cpu = read_first_line_with("/proc/cpuinfo", "model name");
   cpu = cpu.substr(std::min(cpu.size(), cpu.find_first_not_of(" \t:")));
+  return cpu.empty() ? "unknown CPU" : cpu;
+}
+
+std::string machine_description() {
+  const std::string cpu = cpu_model_name();
   std::string mem = read_first_line_with("/proc/meminfo", "MemTotal:");
   const double gib = std::strtod(mem.c_str(), nullptr) / (1024.0 * 1024.0);
   std::string os = read_first_line_with("/etc/os-release", "PRETTY_NAME=");
   if (os.size() >= 2 && os.front() == '"') os = os.substr(1, os.size() - 2);
   std::ostringstream s;
-  s << (cpu.empty() ? "unknown CPU" : cpu) << ", " << std::thread::hardware_concurrency()
+  s << cpu << ", " << std::thread::hardware_concurrency()
     << " logical CPUs, " << omp_get_max_threads() << " OpenMP threads, ";
   s.precision(1);
   s << std::fixed << gib << " GiB memory, " << (os.empty() ? "unknown OS" : os);
@@ -166,10 +179,10 @@ std::string machine_description() {
   return s.str();
 }
 
-std::string utc_now() {
+std::string utc_now(const char* format = "%Y-%m-%d %H:%M UTC") {
   const std::time_t t = std::time(nullptr);
   char buf[64];
-  std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M UTC", std::gmtime(&t));
+  std::strftime(buf, sizeof buf, format, std::gmtime(&t));
   return buf;
 }
 
@@ -223,6 +236,11 @@ void print_sample(std::size_t done, std::size_t total, const Sample& s, uint64_t
 
 int run(const Options& o, const std::string& command) {
   const auto start = Clock::now();
+  RunInfo info;
+  info.command = command;
+  info.date_iso = utc_now("%Y-%m-%dT%H:%M:%SZ");
+  info.model = o.model;
+  info.model_sha256 = apps::sha256_file_hex(o.model);  // the file as the run found it
   // The tokenizer alone first: the samples size the model's context and sequences.
   const model::Tokenizer tokenizer = model::Tokenizer::from_gguf(model::GgufFile::open(o.model));
   const uint64_t positions = model::GgufFile::open(o.model).get_uint("llama.context_length");
@@ -243,8 +261,7 @@ int run(const Options& o, const std::string& command) {
     suite = std::to_string(o.tasks.size()) + " generated tasks (" + join(o.tasks) + ") x lengths " +
             join(o.lengths) + " x " + std::to_string(o.samples) +
             " samples = " + std::to_string(samples.size()) + " samples, seed " +
-            std::to_string(o.seed) + "; prose haystack: The Devil's Dictionary (" +
-            apps::kDevilsDictionaryPath + ", Debian package dict-devil)";
+            std::to_string(o.seed) + "; prose haystack: " + apps::kDevilsDictionarySource;
   }
 
   std::vector<std::vector<int32_t>> prompts;
@@ -266,7 +283,7 @@ int run(const Options& o, const std::string& command) {
     write_task_file(o.dump_tasks, samples);
     std::fprintf(stderr, "kvsift-eval: wrote %zu samples to %s\n", samples.size(),
                  o.dump_tasks.c_str());
-    return 0;
+    return apps::kExitOk;
   }
 
   // Groups: the samples of one (task, length), in order of first appearance.
@@ -300,7 +317,6 @@ int run(const Options& o, const std::string& command) {
 
   Runner runner(*model, configs, max_new);
   Report report(configs, o.min_dense);
-  RunInfo info;
   std::size_t done = 0;
   for (const auto& group : groups) {
     for (std::size_t first = 0; first < group.size(); first += kept) {
@@ -336,99 +352,166 @@ int run(const Options& o, const std::string& command) {
     }
   }
 
-  info.command = command;
   info.date = utc_now();
   info.machine = machine_description();
-  info.model = o.model;
-  info.source = o.source.empty() ? "not given" : o.source;
+  info.cpu = cpu_model_name();
+  info.logical_cpus = std::thread::hardware_concurrency();
+  info.isa = simd::level_name(simd::resolve_level(simd::Level::best));
+  info.kvsift_version = kvsift_version_string();
+  info.source = o.source.empty() ? source_version() : o.source;
   info.suite = suite;
   info.wall_seconds = std::chrono::duration<double>(Clock::now() - start).count();
   std::printf("%s", report.markdown().c_str());
   std::fflush(stdout);
-  if (!o.json.empty()) report.write_json(o.json);
+  if (!o.json.empty()) report.write_json(o.json, info);
   if (!o.plots.empty()) report.write_plots(o.plots);
   if (!o.results.empty()) report.write_results(o.results, info, o.plots);
   std::fprintf(stderr, "kvsift-eval: %zu samples in %.1f min\n", samples.size(),
                info.wall_seconds / 60.0);
-  return 0;
+  return apps::kExitOk;
+}
+
+// A --lengths entry: the same parse the run uses, as a CLI11 check.
+CLI::Validator length_value() {
+  return CLI::Validator(
+      [](std::string& input) -> std::string {
+        try {
+          parse_length(input);
+        } catch (const std::invalid_argument& e) {
+          return std::string(e.what()).substr(std::string("--lengths: ").size());
+        }
+        return {};
+      },
+      "LENGTH like 1K or 4096, at most 1024K");
+}
+
+// The rules across options and the paths the run reads and writes: checked right after parsing,
+// before the model loads, so that a typo does not cost a run. Fills in the suite's values for
+// the options not given.
+void validate(Options& o, const CLI::App& app) {
+  using apps::UsageError;
+  const Suite suite = suite_named(o.suite);
+  if (app.count("--task-names") == 0) o.tasks = suite.tasks;
+  if (app.count("--lengths") == 0) o.lengths = suite.lengths;
+  if (app.count("--samples") == 0) o.samples = suite.samples;
+  if (app.count("--selectors") == 0) o.selectors = suite.selectors;
+  if (app.count("--budgets") == 0) o.budgets = suite.budgets;
+  if (!o.task_file.empty() && app.count("--task-names") + app.count("--lengths") +
+                                      app.count("--samples") > 0)
+    throw UsageError("--tasks reads its samples from the file: --task-names, --lengths and "
+                     "--samples shape generated tasks only");
+  if (!o.dump_tasks.empty() && (!o.json.empty() || !o.plots.empty() || !o.results.empty()))
+    throw UsageError("--dump-tasks writes the samples and stops: --json, --plots and --results "
+                     "would stay unwritten");
+  apps::require_readable_file("--model", o.model);
+  if (!o.task_file.empty()) apps::require_readable_file("--tasks", o.task_file);
+  std::vector<std::pair<std::string, std::string>> outputs;  // (option, path)
+  for (const auto& [option, path] : {std::pair<std::string, const std::string*>{"--json", &o.json},
+                                     {"--results", &o.results},
+                                     {"--dump-tasks", &o.dump_tasks}})
+    if (!path->empty()) {
+      apps::require_writable_file(option, *path);
+      outputs.emplace_back(option, *path);
+    }
+  if (!o.plots.empty()) {
+    apps::require_writable_folder("--plots", o.plots);
+    outputs.emplace_back("--plots", o.plots);
+  }
+  for (std::size_t i = 0; i < outputs.size(); ++i)
+    for (std::size_t j = i + 1; j < outputs.size(); ++j)
+      if (std::filesystem::weakly_canonical(outputs[i].second) ==
+          std::filesystem::weakly_canonical(outputs[j].second))
+        throw UsageError(outputs[i].first + " and " + outputs[j].first + " name the same path " +
+                             outputs[i].second,
+                         apps::kExitOutputUnwritable);
 }
 
 }  // namespace
 }  // namespace kvsift::eval
 
+
 int main(int argc, char** argv) {
+  namespace apps = kvsift::apps;
   using kvsift::eval::Options;
   CLI::App app{
       "kvsift-eval: long-context tasks through every selector, against dense and exact "
-      "attention"};
+      "attention",
+      "kvsift-eval"};
+  apps::set_up_command_line(app, "kvsift-eval");
   Options o;
-  app.add_option("--model", o.model, "a Llama-family GGUF file")->capture_default_str();
+  app.add_option("--model", o.model, "a Llama-family GGUF file (KVSIFT_MODEL sets the default)");
   app.add_option("--suite", o.suite, "smoke, default (make eval) or full (make eval-full)")
-      ->capture_default_str();
+      ->check(CLI::IsMember(kvsift::eval::kSuiteNames));
   app.add_option("--tasks", o.task_file, "a JSONL task file instead of the generated tasks");
-  auto* tasks = app.add_option("--task-names", o.tasks, "generated tasks to run")->delimiter(',');
-  auto* lengths =
-      app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")->delimiter(',');
-  auto* samples = app.add_option("--samples", o.samples, "samples per (task, length)")
-                      ->check(CLI::Range(1, 100000));
-  auto* selectors =
-      app.add_option("--selectors", o.selectors, kvsift::apps::selector_names(","))->delimiter(',');
-  auto* budgets = app.add_option("--budgets", o.budgets,
-                                 "budgets: fractions of the context (<= 1) or token counts")
-                      ->delimiter(',');
-  app.add_option("--seed", o.seed, "task generator seed")->capture_default_str();
-  app.add_option("--json", o.json, "write one JSON record per configuration here");
+  // Options a suite fills when they are not given (suite_named): their default is the suite's.
+  const std::string suites = "the --suite's";
+  app.add_option("--task-names", o.tasks, "generated tasks to run")
+      ->default_str(suites)
+      ->delimiter(',')
+      ->check(CLI::IsMember(kvsift::eval::TaskGenerator::task_names()));
+  app.add_option("--lengths", o.lengths, "context lengths, e.g. 1K,2K,4K")
+      ->default_str(suites)
+      ->delimiter(',')
+      ->check(kvsift::eval::length_value());
+  app.add_option("--samples", o.samples, "samples per (task, length)")
+      ->default_str(suites)
+      ->check(CLI::Range(1, 100000));
+  app.add_option("--selectors", o.selectors, "selectors to compare (dense always runs)")
+      ->default_str(suites)
+      ->delimiter(',')
+      ->check(CLI::IsMember(apps::selector_list()));
+  app.add_option("--budgets", o.budgets,
+                 "budgets: fractions of the context (<= 1) or token counts")
+      ->default_str(suites)
+      ->delimiter(',')
+      ->check(apps::above_and_at_most(0.0, 1 << 20));
+  app.add_option("--seed", o.seed, "task generator seed");
+  app.add_option("--json", o.json,
+                 "write the provenance and one JSON record per configuration to this file");
   app.add_option("--plots", o.plots, "draw the PNG plots (gnuplot) into this folder");
   app.add_option("--results", o.results, "write the run's Markdown report here (docs/RESULTS.md)");
   app.add_option("--source", o.source,
-                 "the source version the report records (make eval passes git describe)");
+                 "the source version the report records (default: git describe at configure, " +
+                     std::string(kvsift::eval::source_version()) + ")");
   app.add_option("--dump-tasks", o.dump_tasks, "write the samples as a JSONL task file and stop");
   app.add_option("--min-dense", o.min_dense,
                  "dense accuracy a (task, length) needs to enter the selector comparison")
-      ->capture_default_str()
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
-  app.add_option("--page-tokens", o.page_tokens, "tokens per KV page (16, 32 or 64)")
-      ->capture_default_str();
+  app.add_option("--page-tokens", o.page_tokens, "tokens per KV page")
+      ->check(CLI::IsMember({16u, 32u, 64u}));
   app.add_option("--sink-pages", o.sink_pages, "first pages every selection keeps")
-      ->capture_default_str();
+      ->check(CLI::Range(0, 1024));
   app.add_option("--window-pages", o.window_pages, "last pages every selection keeps")
-      ->capture_default_str();
+      ->check(CLI::Range(1, 1024));
   app.add_option("--epsilon", o.epsilon, "locks_certified: bound on the dropped mass")
-      ->capture_default_str();
+      ->check(apps::above_and_at_most(0.0, 0.5));
   app.add_option("--compressions", o.compressions,
                  "s4r: target compressions of the prompt's K/V, each a configuration")
       ->delimiter(',')
-      ->capture_default_str();
+      ->check(CLI::Range(1.0, 1000.0));
   app.add_option("--s4r-bases", o.s4r_bases,
                  "s4r: one basis per layer over all KV heads (the paper's) or one per KV head")
-      ->check(CLI::IsMember({"layer", "head"}))
-      ->capture_default_str();
+      ->check(CLI::IsMember({"layer", "head"}));
   app.add_option("--combine", o.combine,
                  "how a group's query heads share one page ranking: nrm (the LOCKS authors' code, "
                  "which the paper's numbers came from), share_avg (the LOCKS paper's text) or max")
-      ->check(CLI::IsMember({"share_avg", "nrm", "max"}))
-      ->capture_default_str();
+      ->check(CLI::IsMember({"share_avg", "nrm", "max"}));
   app.add_option("--locks-query", o.locks_query,
                  "locks: score with each query head rounded to int8 (the reference) or in float")
-      ->check(CLI::IsMember({"int8", "float"}))
-      ->capture_default_str();
+      ->check(CLI::IsMember({"int8", "float"}));
   app.add_flag("--verbose", o.verbose, "print every output");
   // A single-valued option given twice takes the last: make eval's EVAL_ARGS can override it.
   for (CLI::Option* option : app.get_options())
     if (option->get_items_expected_max() == 1)
       option->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
-  CLI11_PARSE(app, argc, argv);
+  if (const auto stop =
+          apps::parse_command_line(app, argc, argv, [&] { kvsift::eval::validate(o, app); }))
+    return *stop;
   try {
-    const kvsift::eval::Suite suite = kvsift::eval::suite_named(o.suite);
-    if (tasks->count() == 0) o.tasks = suite.tasks;
-    if (lengths->count() == 0) o.lengths = suite.lengths;
-    if (samples->count() == 0) o.samples = suite.samples;
-    if (selectors->count() == 0) o.selectors = suite.selectors;
-    if (budgets->count() == 0) o.budgets = suite.budgets;
     return kvsift::eval::run(o, kvsift::eval::command_line(argc, argv));
   } catch (const std::exception& e) {
     std::fprintf(stderr, "kvsift-eval: %s\n", e.what());
-    return 1;
+    return apps::kExitFailure;
   }
 }

@@ -248,7 +248,7 @@ std::string Report::markdown() const {
   return md.str();
 }
 
-void Report::write_json(const std::string& path) const {
+void Report::write_json(const std::string& path, const RunInfo& info) const {
   const auto number = [](double x) {
     return std::isnan(x) ? nlohmann::ordered_json() : nlohmann::ordered_json(x);
   };
@@ -283,7 +283,21 @@ void Report::write_json(const std::string& path) const {
     o["probe_failures"] = r.probe_failures;
     out.push_back(std::move(o));
   }
-  write_file(path, out.dump(1) + "\n");
+  nlohmann::ordered_json provenance = nlohmann::ordered_json::object();
+  provenance["kvsift_version"] = info.kvsift_version;
+  provenance["source"] = info.source;
+  provenance["model"] = info.model;
+  provenance["model_sha256"] = info.model_sha256;
+  provenance["command"] = info.command;
+  provenance["cpu"] = info.cpu;
+  provenance["logical_cpus"] = info.logical_cpus;
+  provenance["isa"] = info.isa;
+  provenance["machine"] = info.machine;
+  provenance["date"] = info.date_iso;
+  nlohmann::ordered_json document = nlohmann::ordered_json::object();
+  document["provenance"] = std::move(provenance);
+  document["records"] = std::move(out);
+  write_file(path, document.dump(1) + "\n");
 }
 
 void Report::write_plots(const std::string& dir) const {

@@ -49,12 +49,18 @@ struct Record {
   uint32_t probe_failures = 0;
 };
 
-// What RESULTS.md says about the run besides its numbers.
+// What RESULTS.md says about the run besides its numbers, and the JSON's provenance.
 struct RunInfo {
   std::string command;
-  std::string date;
+  std::string date;  // "2026-01-31 12:00 UTC"
+  std::string date_iso;  // "2026-01-31T12:00:05Z"
   std::string machine;
+  std::string cpu;  // /proc/cpuinfo's model name
+  unsigned logical_cpus = 0;
+  std::string isa;  // the kernels' instruction-set level (simd/isa.hpp), under KVSIFT_MAX_ISA
+  std::string kvsift_version;
   std::string model;
+  std::string model_sha256;
   std::string source;  // the source version (git describe), as the caller gives it
   std::string suite;
   double wall_seconds = 0.0;
@@ -74,8 +80,9 @@ class Report {
   // Ordered by length, then task (in order of first appearance), then configuration.
   std::vector<Record> records() const;
   std::string markdown() const;
-  // Throws std::runtime_error when the file cannot be written.
-  void write_json(const std::string& path) const;
+  // {"provenance": {...}, "records": [one per configuration]}. Throws std::runtime_error when the
+  // file cannot be written.
+  void write_json(const std::string& path, const RunInfo& info) const;
   // accuracy.png, mass_recall.png, kv_bytes.png and the gnuplot script plots.gp that draws them
   // into dir (created). Throws std::runtime_error when gnuplot fails or is missing.
   void write_plots(const std::string& dir) const;

@@ -1,7 +1,7 @@
 # The evaluation's smoke test (CTest eval.smoke): a tiny suite through kvsift-eval with the real
 # model, generated and then read back as a task file. Asserts that dense attention finds the
 # single needle in noise at 1K in every sample (SmolLM2-135M does, at every depth), that the
-# JSON has every field of every record, and that the plots were drawn.
+# JSON has its provenance and every field of every record, and that the plots were drawn.
 # Inputs: -DEVAL=<kvsift-eval> -DOUT=<scratch folder>. Skips without KVSIFT_MODEL.
 if(NOT DEFINED ENV{KVSIFT_MODEL})
   message("kvsift-eval smoke test skipped: KVSIFT_MODEL is not set")
@@ -22,8 +22,35 @@ endfunction()
 set(fields task length selector budget samples accuracy accuracy_vs_dense samples_below_dense
            samples_above_dense agreement mass_recall out_rel_err kv_bytes_per_step decode_tok_s)
 
+# The provenance every JSON file opens with (apps/eval/report.hpp, RunInfo).
+set(provenance_fields kvsift_version source model model_sha256 command cpu logical_cpus isa machine
+                      date)
+
 function(check_json file expected_configs)
-  file(READ "${file}" json)
+  file(READ "${file}" document)
+  foreach(f IN LISTS provenance_fields)
+    string(JSON value ERROR_VARIABLE missing GET "${document}" provenance ${f})
+    if(missing OR value STREQUAL "")
+      message(FATAL_ERROR "${file}: the provenance has no ${f}")
+    endif()
+  endforeach()
+  string(JSON sha GET "${document}" provenance model_sha256)
+  file(SHA256 "$ENV{KVSIFT_MODEL}" expected_sha)
+  if(NOT sha STREQUAL expected_sha)
+    message(FATAL_ERROR "${file}: model_sha256 ${sha}, CMake's file(SHA256) ${expected_sha}")
+  endif()
+  string(JSON version GET "${document}" provenance kvsift_version)
+  string(JSON isa GET "${document}" provenance isa)
+  string(JSON date GET "${document}" provenance date)
+  string(JSON command GET "${document}" provenance command)
+  if(NOT version MATCHES "^[0-9]+\\.[0-9]+\\.[0-9]+"
+     OR NOT isa MATCHES "^(scalar|avx2|avx512|avx512_vnni)$"
+     OR NOT date MATCHES "^20[0-9][0-9]-[01][0-9]-[0-3][0-9]T[0-9:]+Z$"
+     OR NOT command MATCHES "kvsift-eval")
+    message(FATAL_ERROR "${file}: provenance version '${version}', isa '${isa}', date '${date}', "
+                        "command '${command}'")
+  endif()
+  string(JSON json GET "${document}" records)
   string(JSON n LENGTH "${json}")
   if(NOT n EQUAL expected_configs)
     message(FATAL_ERROR "${file}: ${n} records, expected ${expected_configs}")

@@ -19,7 +19,6 @@ dot products are unchanged); its recall counts the tokens it chose, not its reco
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -38,9 +37,13 @@ QUESTION = ("According to the editor's note in the text above, what is the name 
             "keeper's cat?")
 
 
-def demo_document(path: str = "/usr/share/dictd/devil.dict.dz") -> str:
+DICTIONARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, os.pardir, "apps",
+                          "common", "devils_dictionary.txt")
+
+
+def demo_document(path: str = DICTIONARY) -> str:
     """kvsift-demo's built-in document (apps/demo.cpp): The Devil's Dictionary, a fact planted."""
-    with gzip.open(path, "rb") as f:
+    with open(path, "rb") as f:
         text = f.read()
     doc = text[text.index(b"PREFACE"):][:20000]
     doc = doc[:doc.rindex(b"\n\n")]

@@ -22,7 +22,7 @@ EXAMPLE = os.path.join(ROOT, "python", "examples", "compare_selectors.py")
 
 def test_compare_selectors_reports_sane_recalls(model_path, tmp_path):
     if not os.path.exists(DEVIL):
-        pytest.skip("dict-devil is not installed")
+        pytest.skip(f"no {DEVIL} (the demo's document)")
     out = tmp_path / "recall.json"
     run = subprocess.run([sys.executable, EXAMPLE, "--model", model_path, "--prompt-tokens", "1500",
                           "--steps", "2", "--layers", "0,9,29", "--json", str(out)],

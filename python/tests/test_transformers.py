@@ -124,7 +124,7 @@ def greedy(model, tokens, cache, max_new=48):
 
 def test_smollm_greedy_tokens_dense_equal_sdpa_and_locks_answers(smollm, model):
     if not os.path.exists(DEVIL):
-        pytest.skip("dict-devil is not installed")
+        pytest.skip(f"no {DEVIL} (the demo's document)")
     user = builtin_document().decode("utf-8") + "\n\n" + QUESTION
     tokens = model.prompt_tokens([{"role": "user", "content": user}]).tolist()
 
