@@ -17,6 +17,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -149,16 +150,12 @@ std::vector<uint16_t> to_fp16(const float* x, std::size_t n) {
 constexpr uint32_t kSmolSteps = 3;
 constexpr uint32_t kSmolLayers[] = {0, 1, 7, 15, 22, 29};
 
-// The kvsift-demo document (apps/demo.cpp builtin_document) and question, read with gzip (the
-// test binary does not link zlib); empty when the Debian package dict-devil is missing.
+// The kvsift-demo document (apps/demo.cpp builtin_document) and question, from the text the apps
+// embed (apps/common/devils_dictionary.txt); empty when the file cannot be read.
 std::string demo_user_message() {
-  FILE* pipe = popen("gzip -dc /usr/share/dictd/devil.dict.dz 2>/dev/null", "r");
-  if (pipe == nullptr) return {};
-  std::string text;
-  char buffer[65536];
-  std::size_t n;
-  while ((n = std::fread(buffer, 1, sizeof buffer, pipe)) > 0) text.append(buffer, n);
-  pclose(pipe);
+  std::ifstream in(std::string(KVSIFT_TEST_DATA) + "/../../apps/common/devils_dictionary.txt",
+                   std::ios::binary);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
   const std::size_t begin = text.find("PREFACE");
   if (begin == std::string::npos || text.size() - begin < 100000) return {};
   std::string doc = text.substr(begin, 20000);
@@ -659,7 +656,7 @@ TEST(LocksPeer, matches_the_authors_code_on_real_smollm2_keys) {
   ASSERT_NE(ds, nullptr);
   const std::vector<uint32_t> layers = (*ds)["layers"];
   const SmolRun& run = smollm2_for_fixture(layers);
-  if (run.tokens.empty()) GTEST_SKIP() << "no /usr/share/dictd/devil.dict.dz (dict-devil)";
+  if (run.tokens.empty()) GTEST_SKIP() << "apps/common/devils_dictionary.txt unreadable";
   const CacheGeometry& g = run.geometry;
   const uint64_t n = run.tokens.back();
   FieldStats fields;
@@ -806,7 +803,7 @@ TEST(QuestPeer, matches_the_numpy_reference_on_real_smollm2_keys) {
   std::size_t li = 0;
   const std::vector<uint32_t> layers = (*find_dataset(locks, "smollm2", li))["layers"];
   const SmolRun& run = smollm2_for_fixture(layers);
-  if (run.tokens.empty()) GTEST_SKIP() << "no /usr/share/dictd/devil.dict.dz (dict-devil)";
+  if (run.tokens.empty()) GTEST_SKIP() << "apps/common/devils_dictionary.txt unreadable";
   const std::string stale = stale_keys(run, *find_dataset(locks, "smollm2", li));
   if (!stale.empty()) GTEST_SKIP() << stale;
   const PeerFixture f = load_fixture("locks_peer_quest.bin");
@@ -841,7 +838,7 @@ TEST(LocksPeer, DISABLED_dump_smollm2_keys_and_queries) {
     for (uint32_t l = 0; l < 30; ++l) layers.push_back(l);
   }
   const SmolRun run = run_smollm2(layers, all);
-  ASSERT_FALSE(run.tokens.empty()) << "needs KVSIFT_MODEL and dict-devil";
+  ASSERT_FALSE(run.tokens.empty()) << "needs KVSIFT_MODEL and apps/common/devils_dictionary.txt";
   const CacheGeometry& g = run.geometry;
   ASSERT_EQ(g.n_layers, 30u);
   const uint64_t n = run.tokens.back();
