@@ -37,13 +37,15 @@
 // an enum class would add is already there.
 //
 // Ownership and threads: each handle class (cache, model_runner, sampler) owns one C handle,
-// frees it in its destructor, is move-only, and is empty (get() == nullptr) after being moved
-// from. get() lends the C handle for calls the wrapper does not cover; never free it. The C API's
-// one thread rule holds unchanged: a handle is used by one thread at a time, distinct handles may
-// be used concurrently, and the wrapper adds no locking. In particular its const methods are
-// const because the C function takes a const handle, not because they may run concurrently with
-// other calls on the same handle (the usual C++ library meaning of const). The process-wide
-// settings (set_log_callback, set_max_isa) are meant for start-up, before handles exist.
+// frees it in its destructor, is move-only, and is empty (get() == nullptr) when default
+// constructed or moved from; a call on an empty object reaches the C function with NULL, which
+// refuses it (INVALID_ARGUMENT, thrown as any failure). get() lends the C handle for calls the
+// wrapper does not cover; never free it. The C API's one thread rule holds unchanged: a handle is
+// used by one thread at a time, distinct handles may be used concurrently, and the wrapper adds no
+// locking. In particular its const methods are const because the C function takes a const handle,
+// not because they may run concurrently with other calls on the same handle (the usual C++ library
+// meaning of const). The process-wide settings (set_log_callback, set_max_isa) are meant for
+// start-up, before handles exist.
 #pragma once
 
 #include <cstddef>
@@ -149,9 +151,13 @@ Container fill_sized(std::size_t guess, const Call& call) {
 // minor * 100 + patch) and the version of the library actually linked; a host that loads kvsift
 // as a shared library compares the two at start-up.
 inline constexpr int compiled_version = KVSIFT_VERSION;
-inline int linked_version() noexcept { return kvsift_version(); }
+inline int linked_version() noexcept {
+  return kvsift_version();
+}
 // "major.minor.patch" of the linked library.
-inline std::string_view linked_version_string() noexcept { return kvsift_version_string(); }
+inline std::string_view linked_version_string() noexcept {
+  return kvsift_version_string();
+}
 
 // "invalid argument", ...: static storage.
 inline std::string_view status_string(kvsift_status status) noexcept {
@@ -165,10 +171,16 @@ inline void set_log_callback(kvsift_log_fn fn, void* user, kvsift_log_level min_
   kvsift_set_log_callback(fn, user, min_level);
 }
 
-inline kvsift_isa isa_supported() noexcept { return kvsift_isa_supported(); }
+inline kvsift_isa isa_supported() noexcept {
+  return kvsift_isa_supported();
+}
 // Process-wide, as set_log_callback; caps the level of handles created afterwards.
-inline void set_max_isa(kvsift_isa max_isa) { detail::check(kvsift_set_max_isa(max_isa)); }
-inline std::string_view isa_name(kvsift_isa isa) noexcept { return kvsift_isa_name(isa); }
+inline void set_max_isa(kvsift_isa max_isa) {
+  detail::check(kvsift_set_max_isa(max_isa));
+}
+inline std::string_view isa_name(kvsift_isa isa) noexcept {
+  return kvsift_isa_name(isa);
+}
 
 // The number of usable CUDA devices; throws UNSUPPORTED without CUDA in the build or a device.
 inline int gpu_device_count() {
@@ -222,6 +234,7 @@ class cache {
     return params;
   }
 
+  cache() noexcept = default;  // empty, to be assigned a cache later
   // kvsift_cache_create. The wrapper keeps a copy of params: the C API has no call that returns
   // a cache's geometry, and the buffer checks need it.
   explicit cache(const kvsift_cache_params& params) : params_(params) {
@@ -266,9 +279,9 @@ class cache {
   void append(int32_t seq_id, uint32_t layer, std::span<const float> k, std::span<const float> v) {
     const std::size_t per_token = token_size(1);
     if (per_token == 0 || k.size() % per_token != 0)
-      detail::refuse("k has " + std::to_string(k.size()) +
-                     " elements, not a multiple of n_kv_heads * head_dim = " +
-                     std::to_string(per_token));
+      detail::refuse(
+          "k has " + std::to_string(k.size()) +
+          " elements, not a multiple of n_kv_heads * head_dim = " + std::to_string(per_token));
     detail::require_size(v.size(), k.size(), "v");
     const uint32_t n_tokens = detail::count_of(k.size() / per_token, "k's tokens");
     detail::check(kvsift_append(get(), seq_id, layer, n_tokens, k.data(), v.data()));
@@ -291,8 +304,8 @@ class cache {
   void attend(uint32_t layer, std::span<const int32_t> seq_ids, std::span<const float> q,
               std::span<float> out) {
     const uint32_t n_seqs = check_batch(seq_ids, q, out);
-    detail::check(kvsift_attend(get(), layer, n_seqs, seq_ids.data(), q.data(), out.data(),
-                                nullptr));
+    detail::check(
+        kvsift_attend(get(), layer, n_seqs, seq_ids.data(), q.data(), out.data(), nullptr));
   }
 
   // kvsift_attend over the listed pages (kvsift_page_list): page_offsets has
@@ -308,8 +321,8 @@ class cache {
         detail::refuse("page_offsets holds " + std::to_string(offset) + ", beyond page_ids' " +
                        std::to_string(page_ids.size()) + " elements");
     const kvsift_page_list pages{page_offsets.data(), page_ids.data()};
-    detail::check(kvsift_attend(get(), layer, n_seqs, seq_ids.data(), q.data(), out.data(),
-                                &pages));
+    detail::check(
+        kvsift_attend(get(), layer, n_seqs, seq_ids.data(), q.data(), out.data(), &pages));
   }
 
   // kvsift_cache_set_selector: the policy of attend_selected and select from now on.
@@ -340,8 +353,13 @@ class cache {
     s.token_offsets.resize(pairs + 1);
     s.kept_estimate.resize(pairs);
     s.dropped_bound.resize(pairs);
-    kvsift_selection buffers{s.page_offsets.data(),  nullptr, 0, s.token_offsets.data(), nullptr,
-                             0,                      s.kept_estimate.data(),
+    kvsift_selection buffers{s.page_offsets.data(),
+                             nullptr,
+                             0,
+                             s.token_offsets.data(),
+                             nullptr,
+                             0,
+                             s.kept_estimate.data(),
                              s.dropped_bound.data()};
     std::size_t n_pages = 0, n_tokens = 0;
     kvsift_status status = kvsift_select(get(), layer, n_seqs, seq_ids.data(), q.data(), &buffers,
@@ -354,7 +372,7 @@ class cache {
       buffers.token_positions = s.token_positions.data();
       buffers.token_capacity = s.token_positions.size();
       status = kvsift_select(get(), layer, n_seqs, seq_ids.data(), q.data(), &buffers, &n_pages,
-                            &n_tokens, &s.stats);
+                             &n_tokens, &s.stats);
     }
     detail::check(status);
     s.page_ids.resize(n_pages);
@@ -380,7 +398,7 @@ class cache {
     return n_seqs;
   }
 
-  kvsift_cache_params params_;
+  kvsift_cache_params params_{};
   detail::unique_handle<kvsift_cache, kvsift_cache_free> handle_;
 };
 
@@ -399,6 +417,7 @@ class model_runner {
     return params;
   }
 
+  model_runner() noexcept = default;  // empty, to be assigned a model later
   // kvsift_model_load of a GGUF file.
   explicit model_runner(const std::string& path,
                         const kvsift_model_params& params = default_params()) {
@@ -519,7 +538,8 @@ class sampler {
     return params;
   }
 
-  explicit sampler(const kvsift_sampler_params& params = default_params()) {
+  sampler() noexcept = default;  // empty, to be assigned a sampler later
+  explicit sampler(const kvsift_sampler_params& params) {
     kvsift_sampler* raw = nullptr;
     detail::check(kvsift_sampler_create(&params, &raw));
     handle_ = detail::unique_handle<kvsift_sampler, kvsift_sampler_free>(raw);
