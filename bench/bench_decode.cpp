@@ -1,7 +1,8 @@
 // kvsift-bench-decode: decode throughput of the model runner over a matrix of contexts, batch
 // sizes and selectors, on the CPU or in offload mode (--device cuda[:N]), through the public C
-// API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and
-// prints the table with the offload/CPU ratios.
+// API (through its C++ wrapper, include/kvsift/kvsift.hpp). GPU_CHECK=throughput
+// scripts/gpu_check.sh runs it once per mode on the same machine and prints the table with the
+// offload/CPU ratios.
 //
 // Per row: one sequence is prefilled with context - warmup - steps tokens of The Devil's
 // Dictionary (not timed), forked to `batch` sequences, and decoded greedily for --warmup untimed
@@ -26,23 +27,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
-#include <memory>
+#include <span>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "common/devils_dictionary.hpp"
 #include "common/selector_names.hpp"
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
-
-void check(kvsift_status status, const char* what) {
-  if (status == KVSIFT_STATUS_OK) return;
-  std::fprintf(stderr, "kvsift-bench-decode: %s: %s: %s\n", what, kvsift_status_string(status),
-               kvsift_last_error());
-  std::exit(1);
-}
 
 // Starts a process of `threads` spinning threads; returns its id (0: none).
 pid_t start_busy_process(int threads) {
@@ -74,7 +68,8 @@ int parse_device(const std::string& device) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+// A kvsift call that fails ends the run in the handler after the body, with its status and message.
+int main(int argc, char** argv) try {
   CLI::App app{"kvsift-bench-decode: decode tokens/s over contexts x batches x selectors"};
   std::string model_path, device = "cpu";
   std::vector<uint32_t> contexts{1024, 8192}, batches{1, 8};
@@ -112,24 +107,18 @@ int main(int argc, char** argv) {
 
   const uint32_t max_context = *std::max_element(contexts.begin(), contexts.end());
   const uint32_t max_batch = *std::max_element(batches.begin(), batches.end());
-  kvsift_model_params params;
-  kvsift_model_params_init(&params);
+  kvsift_model_params params = kvsift::model_runner::default_params();
   params.n_ctx = max_context;
   params.max_seqs = max_batch;
   params.n_threads = threads;
   params.device = parse_device(device);
-  kvsift_model* model = nullptr;
-  check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
-  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+  kvsift::model_runner model(model_path, params);
 
-  std::string text = kvsift::apps::read_devils_dictionary();
-  std::vector<int32_t> book(text.size());
-  std::size_t n_book = 0;
-  check(kvsift_tokenize(model, text.data(), text.size(), 0, book.data(), book.size(), &n_book),
-        "tokenize");
-  if (n_book < max_context) {
-    std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n", n_book,
-                 max_context);
+  const std::vector<int32_t> book =
+      model.tokenize(kvsift::apps::read_devils_dictionary(), /*parse_special=*/false);
+  if (book.size() < max_context) {
+    std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n",
+                 book.size(), max_context);
     return 1;
   }
 
@@ -137,41 +126,35 @@ int main(int argc, char** argv) {
                "context", "batch", "tok/s", "step_ms", "min_ms", "max_ms", "select_us", "xfer_us",
                "attend_us", "MB/step");
   for (const std::string& name : selectors) {
-    kvsift_selector_policy policy;
-    kvsift_selector_policy_init(&policy);
-    check(kvsift_selector_from_name(name.c_str(), &policy.selector), "--selectors");
+    kvsift_selector_policy policy = kvsift::default_selector_policy();
+    policy.selector = kvsift::selector_from_name(name);
     policy.budget = policy.selector == KVSIFT_SELECTOR_DENSE ? 0.0 : budget;
     for (const uint32_t context : contexts)
       for (const uint32_t batch : batches) {
-        check(kvsift_model_set_selector(model, &policy), "selector");
+        model.set_selector(policy);
         std::vector<int32_t> seqs(batch);
-        check(kvsift_model_sequence_create(model, &seqs[0]), "sequence");
+        seqs[0] = model.create_sequence();
         if (context <= warmup + steps) {
           std::fprintf(stderr, "kvsift-bench-decode: context %u leaves no prompt\n", context);
           return 1;
         }
-        check(kvsift_model_prefill(model, seqs[0], book.data(), context - warmup - steps, nullptr,
-                                   nullptr, nullptr),
-              "prefill");
-        for (uint32_t b = 1; b < batch; ++b)
-          check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
+        model.prefill(seqs[0], std::span(book).first(context - warmup - steps));
+        for (uint32_t b = 1; b < batch; ++b) seqs[b] = model.fork_sequence(seqs[0]);
         std::vector<int32_t> next(batch);
         std::vector<double> step_s, select_us, transfer_us, attend_us, h2d, hit;
         uint64_t h2d_total = 0, hits_total = 0, lookups_total = 0;
         for (uint32_t i = 0; i < warmup + steps; ++i) {
           for (uint32_t b = 0; b < batch; ++b) {
-            const float* logits = nullptr;
-            std::size_t n = 0;
-            check(kvsift_model_logits(model, seqs[b], &logits, &n), "logits");
-            next[b] = static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
+            const std::span<const float> logits = model.logits(seqs[b]);
+            next[b] = static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                           logits.begin());
           }
           const auto t0 = std::chrono::steady_clock::now();
-          check(kvsift_model_decode(model, batch, seqs.data(), next.data()), "decode");
+          model.decode(seqs, next);
           const double s =
               std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
           if (i < warmup) continue;
-          kvsift_model_stats stats;
-          check(kvsift_model_get_stats(model, &stats), "stats");
+          const kvsift_model_stats stats = model.stats();
           step_s.push_back(s);
           select_us.push_back(stats.last_step_select_us);
           transfer_us.push_back(stats.last_step_transfer_us);
@@ -184,7 +167,7 @@ int main(int argc, char** argv) {
           hit.push_back(lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups
                                     : 1.0);
         }
-        for (int32_t id : seqs) check(kvsift_model_sequence_free(model, id), "free");
+        for (int32_t id : seqs) model.free_sequence(id);
         const double step = median(step_s);
         const auto [lo, hi] = std::minmax_element(step_s.begin(), step_s.end());
         nlohmann::json row = {
@@ -216,4 +199,8 @@ int main(int argc, char** argv) {
       }
   }
   return 0;
+} catch (const kvsift::error& e) {
+  std::fprintf(stderr, "kvsift-bench-decode: %s: %s\n",
+               std::string(kvsift::status_string(e.status())).c_str(), e.what());
+  return 1;
 }

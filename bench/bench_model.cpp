@@ -10,18 +10,47 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
-#include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
 
-void check(kvsift_status status, const char* what) {
-  if (status == KVSIFT_STATUS_OK) return;
-  std::fprintf(stderr, "kvsift-bench-model: %s: %s\n", what, kvsift_last_error());
-  std::exit(1);
+int run(const std::string& model_path, const std::string& mode, const std::vector<int32_t>& tokens,
+        int threads, uint32_t ctx, uint32_t n_decode, int weights_f32) {
+  kvsift_model_params params = kvsift::model_runner::default_params();
+  params.n_ctx = ctx;
+  params.n_threads = threads;
+  params.weights_f32 = weights_f32;
+  kvsift::model_runner model(model_path, params);
+  const int32_t seq = model.create_sequence();
+
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  model.prefill(seq, tokens);
+  const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  double tok_s = tokens.size() / prefill_s;
+  double attention_share = 0.0;
+  if (mode == "decode") {
+    const auto t1 = Clock::now();
+    for (uint32_t i = 0; i < n_decode; ++i) {
+      const std::span<const float> logits = model.logits(seq);
+      const int32_t next =
+          static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      model.decode(std::span(&seq, 1), std::span(&next, 1));
+    }
+    tok_s = n_decode / std::chrono::duration<double>(Clock::now() - t1).count();
+    const kvsift_model_stats stats = model.stats();
+    attention_share = stats.decode_attention_seconds / stats.decode_seconds;
+  }
+  nlohmann::json out = {{"tok_s", tok_s},
+                        {"version", "kvsift " + std::string(kvsift::linked_version_string())},
+                        {"weights", weights_f32 ? "f32" : "bf16"}};
+  if (mode == "decode") out["attention_share"] = attention_share;
+  std::printf("%s\n", out.dump().c_str());
+  return 0;
 }
 
 }  // namespace
@@ -41,44 +70,13 @@ int main(int argc, char** argv) {
   app.add_option("--weights-f32", weights_f32, "1: float32 weights instead of bf16");
   CLI11_PARSE(app, argc, argv);
 
-  std::vector<int32_t> tokens =
+  const std::vector<int32_t> tokens =
       nlohmann::json::parse(std::ifstream(tokens_file)).get<std::vector<int32_t>>();
-  kvsift_model_params params;
-  kvsift_model_params_init(&params);
-  params.n_ctx = ctx;
-  params.n_threads = threads;
-  params.weights_f32 = weights_f32;
-  kvsift_model* model = nullptr;
-  check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
-  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
-  int32_t seq = -1;
-  check(kvsift_model_sequence_create(model, &seq), "sequence");
-
-  using Clock = std::chrono::steady_clock;
-  const auto t0 = Clock::now();
-  check(kvsift_model_prefill(model, seq, tokens.data(), tokens.size(), nullptr, nullptr, nullptr),
-        "prefill");
-  const double prefill_s = std::chrono::duration<double>(Clock::now() - t0).count();
-  double tok_s = tokens.size() / prefill_s;
-  double attention_share = 0.0;
-  if (mode == "decode") {
-    const auto t1 = Clock::now();
-    for (uint32_t i = 0; i < n_decode; ++i) {
-      const float* logits = nullptr;
-      std::size_t n = 0;
-      check(kvsift_model_logits(model, seq, &logits, &n), "logits");
-      const int32_t next = static_cast<int32_t>(std::max_element(logits, logits + n) - logits);
-      check(kvsift_model_decode(model, 1, &seq, &next), "decode");
-    }
-    tok_s = n_decode / std::chrono::duration<double>(Clock::now() - t1).count();
-    kvsift_model_stats stats;
-    check(kvsift_model_get_stats(model, &stats), "stats");
-    attention_share = stats.decode_attention_seconds / stats.decode_seconds;
+  try {
+    return run(model_path, mode, tokens, threads, ctx, n_decode, weights_f32);
+  } catch (const kvsift::error& e) {
+    std::fprintf(stderr, "kvsift-bench-model: %s: %s\n",
+                 std::string(kvsift::status_string(e.status())).c_str(), e.what());
+    return 1;
   }
-  nlohmann::json out = {{"tok_s", tok_s},
-                        {"version", std::string("kvsift ") + kvsift_version_string()},
-                        {"weights", weights_f32 ? "f32" : "bf16"}};
-  if (mode == "decode") out["attention_share"] = attention_share;
-  std::printf("%s\n", out.dump().c_str());
-  return 0;
 }
