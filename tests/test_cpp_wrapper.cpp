@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <ostream>
 #include <set>
 #include <span>
 #include <string>
@@ -141,10 +142,17 @@ struct Geometry {
   uint32_t page_tokens;
 };
 
+std::string geometry_text(const Geometry& g) {
+  return std::string("dtype_") + (g.dtype == KVSIFT_DTYPE_F16 ? "f16" : "bf16") + "_group_" +
+         std::to_string(g.group_size) + "_page_" + std::to_string(g.page_tokens);
+}
+
+// The test names, and gtest's print of the parameter (which ctest shows beside them).
 std::string geometry_name(const testing::TestParamInfo<Geometry>& info) {
-  return std::string("dtype_") + (info.param.dtype == KVSIFT_DTYPE_F16 ? "f16" : "bf16") +
-         "_group_" + std::to_string(info.param.group_size) + "_page_" +
-         std::to_string(info.param.page_tokens);
+  return geometry_text(info.param);
+}
+void PrintTo(const Geometry& g, std::ostream* os) {
+  *os << geometry_text(g);
 }
 
 constexpr uint32_t kLayers = 2, kKvHeads = 2, kHeadDim = 64;
