@@ -21,7 +21,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <map>
-#include <memory>
 #include <string>
 #include <vector>
 
@@ -149,7 +148,7 @@ struct CaseKey {
 // only one at a time, keeps a filtered run short and the process within memory.
 struct Filled {
   CaseKey key{};
-  CachePtr cache;
+  kvsift::cache cache;
   std::vector<int32_t> seq_ids;
   std::vector<float> q, out;
 };
@@ -167,9 +166,8 @@ std::string fill_case(const CaseKey& key) {
   const Shape& shape = *key.shape;
   const uint32_t H = shape.n_kv_heads, d = shape.head_dim;
   const kvsift_cache_params params = cache_params(shape, key.context, key.batch, key.threads);
-  kvsift_cache* raw = nullptr;
-  if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
-  CachePtr cache(raw);
+  kvsift::cache cache;
+  if (std::string error = create_cache(params, cache); !error.empty()) return error;
 
   Random random(kSeed);
   std::vector<float> k(std::size_t{key.append_tokens} * H * d), v(k.size());

@@ -35,7 +35,7 @@
 #include "common/devils_dictionary.hpp"
 #include "common/exit_codes.hpp"
 #include "common/selector_names.hpp"
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
 
@@ -136,7 +136,7 @@ int main(int argc, char** argv) {
   params.device = apps::device_index(device);
   kvsift_model* model = nullptr;
   check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
-  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+  const kvsift::model_runner owner(model);  // frees the model on every way out
 
   std::string text = kvsift::apps::read_devils_dictionary();
   std::vector<int32_t> book(text.size());

@@ -16,7 +16,7 @@
 
 #include "common/command_line.hpp"
 #include "common/exit_codes.hpp"
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
 
@@ -75,7 +75,7 @@ int main(int argc, char** argv) {
   params.weights_f32 = weights_f32;
   kvsift_model* model = nullptr;
   check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
-  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+  const kvsift::model_runner owner(model);  // frees the model on every way out
   int32_t seq = -1;
   check(kvsift_model_sequence_create(model, &seq), "sequence");
 

@@ -48,7 +48,7 @@ double median(std::vector<double> values) {
 
 // Two caches with the same `context` tokens, one sequence each, and queries.
 struct Pair {
-  CachePtr dense, s4r;
+  kvsift::cache dense, s4r;
   int32_t dense_seq = -1, s4r_seq = -1;
   std::vector<float> q, out;
 };
@@ -59,11 +59,8 @@ std::string fill(uint64_t context, Pair& p) {
   kvsift_cache_params params = cache_params(shape, context + kPageTokens, 1, kThreads);
   params.key_form = KVSIFT_KEYS_PRE_ROPE;
   params.rope_theta = kRopeTheta;
-  for (CachePtr* cache : {&p.dense, &p.s4r}) {
-    kvsift_cache* raw = nullptr;
-    if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
-    cache->reset(raw);
-  }
+  for (kvsift::cache* cache : {&p.dense, &p.s4r})
+    if (std::string error = create_cache(params, *cache); !error.empty()) return error;
   if (kvsift_sequence_create(p.dense.get(), &p.dense_seq) != KVSIFT_STATUS_OK ||
       kvsift_sequence_create(p.s4r.get(), &p.s4r_seq) != KVSIFT_STATUS_OK)
     return kvsift_last_error();

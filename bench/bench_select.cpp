@@ -56,7 +56,7 @@ struct Case {
 struct Filled {
   uint64_t context = 0;
   uint32_t batch = 0;
-  CachePtr cache;
+  kvsift::cache cache;
   std::vector<int32_t> seq_ids;
   std::vector<float> q, out;
   kvsift_selector selector = KVSIFT_SELECTOR_DENSE;  // the one whose summaries the cache holds
@@ -74,9 +74,8 @@ std::string fill(uint64_t context, uint32_t batch) {
   const Shape& shape = kLlama8b;
   const uint32_t H = shape.n_kv_heads, G = shape.group_size, d = shape.head_dim;
   const kvsift_cache_params params = cache_params(shape, context, batch, kThreads);
-  kvsift_cache* raw = nullptr;
-  if (kvsift_cache_create(&params, &raw) != KVSIFT_STATUS_OK) return kvsift_last_error();
-  CachePtr cache(raw);
+  kvsift::cache cache;
+  if (std::string error = create_cache(params, cache); !error.empty()) return error;
   f.q.assign(std::size_t{batch} * H * G * d, 0.0f);
   Random random(kSeed + 1);
   std::vector<float> k, v;

@@ -2,10 +2,10 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
+#include <string>
 #include <vector>
 
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace kvsift::bench {
 
@@ -47,10 +47,17 @@ class Random {
   uint64_t state_;
 };
 
-struct CacheDeleter {
-  void operator()(kvsift_cache* cache) const { kvsift_cache_free(cache); }
-};
-using CachePtr = std::unique_ptr<kvsift_cache, CacheDeleter>;
+// Creates a cache into `out`: "" on success, else the C API's message. The benchmarks skip a case
+// whose cache cannot be made (SkipWithError) and run the others; their timed loops call the C
+// functions on out.get().
+inline std::string create_cache(const kvsift_cache_params& params, kvsift::cache& out) {
+  try {
+    out = kvsift::cache(params);
+    return "";
+  } catch (const kvsift::error& e) {
+    return e.what();
+  }
+}
 
 // Cache parameters for `batch` sequences of `context` tokens in one layer of the shape.
 inline kvsift_cache_params cache_params(const Shape& shape, uint64_t context, uint32_t batch,

@@ -3,9 +3,8 @@
 #pragma once
 
 #include <cstdlib>
-#include <memory>
 
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace kvsift::test {
 
@@ -13,9 +12,8 @@ inline const char* model_path() {
   return std::getenv("KVSIFT_MODEL");
 }
 
-struct ModelFree {
-  void operator()(kvsift_model* m) const { kvsift_model_free(m); }
-};
-using Model = std::unique_ptr<kvsift_model, ModelFree>;
+// Tests of the C API load through kvsift_model_load and hand the handle to this owner
+// (Model(raw)); they reach it again with get().
+using Model = kvsift::model_runner;
 
 }  // namespace kvsift::test

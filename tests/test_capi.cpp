@@ -11,7 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
-#include <memory>
 #include <ostream>
 #include <random>
 #include <set>
@@ -21,6 +20,7 @@
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 extern "C" int kvsift_c_smoke(void);
 
@@ -31,10 +31,9 @@ static void PrintTo(kvsift_status status, std::ostream* os) {
 
 namespace {
 
-struct CacheFree {
-  void operator()(kvsift_cache* cache) const noexcept { kvsift_cache_free(cache); }
-};
-using Cache = std::unique_ptr<kvsift_cache, CacheFree>;
+// The owner of the caches the tests call the C functions on (through get()); the tests of
+// kvsift_cache_create itself call it directly (expect_create_fails).
+using Cache = kvsift::cache;
 
 // Small geometry: 2 layers, 2 KV heads, GQA group 2, d = 64, 16-token pages (4 KiB each).
 constexpr uint32_t kLayers = 2;
@@ -59,10 +58,7 @@ kvsift_cache_params small_params() {
 }
 
 Cache make_cache(const kvsift_cache_params& params = small_params()) {
-  kvsift_cache* cache = nullptr;
-  const kvsift_status status = kvsift_cache_create(&params, &cache);
-  EXPECT_EQ(status, KVSIFT_STATUS_OK) << kvsift_last_error();
-  return Cache(cache);
+  return Cache(params);
 }
 
 int32_t make_sequence(kvsift_cache* cache) {

@@ -20,12 +20,12 @@
 #include <cstring>
 #include <limits>
 #include <map>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 static void PrintTo(kvsift_status status, std::ostream* os) {
   *os << kvsift_status_string(status) << " (" << static_cast<int>(status) << ")";
@@ -38,10 +38,8 @@ constexpr uint32_t kMaxBatch = 3;
 constexpr std::size_t kRow = std::size_t{kHeads} * kDim;                // one token of K or V
 constexpr std::size_t kQueryRow = std::size_t{kHeads} * kGroup * kDim;  // one sequence's q
 
-struct CacheFree {
-  void operator()(kvsift_cache* c) const noexcept { kvsift_cache_free(c); }
-};
-using Cache = std::unique_ptr<kvsift_cache, CacheFree>;
+// The owner of the caches the adversary calls the C functions on, through get().
+using Cache = kvsift::cache;
 
 // What a live sequence holds, per layer, as appended.
 struct Record {
@@ -60,8 +58,7 @@ struct State {
 class Adversary {
  public:
   Adversary(uint32_t seed, kvsift_key_form key_form, uint64_t max_pages)
-      : rng_(seed), key_form_(key_form), max_pages_(max_pages) {
-    cache_ = create();
+      : rng_(seed), key_form_(key_form), max_pages_(max_pages), cache_(create()) {
     kvsift_selector_policy_init(&policy_);
   }
 
@@ -141,12 +138,7 @@ class Adversary {
     p.key_form = key_form_;
     return p;
   }
-  Cache create() const {
-    const kvsift_cache_params p = params();
-    kvsift_cache* c = nullptr;
-    EXPECT_EQ(kvsift_cache_create(&p, &c), KVSIFT_STATUS_OK) << kvsift_last_error();
-    return Cache(c);
-  }
+  Cache create() const { return Cache(params()); }
 
   State state() const {
     State s;
@@ -391,7 +383,7 @@ class Adversary {
   std::mt19937_64 rng_;
   kvsift_key_form key_form_;
   uint64_t max_pages_;
-  Cache cache_;
+  Cache cache_;  // after key_form_ and max_pages_, which create() reads
   kvsift_selector_policy policy_{};
   std::map<int32_t, Record> records_;
   int32_t freed_id_ = 12345;
@@ -418,10 +410,9 @@ TEST(CApiAdversary, random_hostile_calls_on_a_pre_rope_cache_with_s4r_keep_the_c
 
 namespace {
 
-struct ModelFree {
-  void operator()(kvsift_model* m) const noexcept { kvsift_model_free(m); }
-};
-using Model = std::unique_ptr<kvsift_model, ModelFree>;
+// The owner of the models the adversary calls the C functions on, through get(); load_model
+// loads through kvsift_model_load, the call under test.
+using Model = kvsift::model_runner;
 
 constexpr uint32_t kModelSeqs = 2, kModelContext = 96;
 

@@ -12,12 +12,12 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
-#include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 #include "tests/model_handle.hpp"
 
 static void PrintTo(kvsift_status status, std::ostream* os) {
@@ -29,14 +29,9 @@ namespace {
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr float kInf = std::numeric_limits<float>::infinity();
 
-struct CacheFree {
-  void operator()(kvsift_cache* c) const noexcept { kvsift_cache_free(c); }
-};
-using Cache = std::unique_ptr<kvsift_cache, CacheFree>;
-struct SamplerFree {
-  void operator()(kvsift_sampler* s) const noexcept { kvsift_sampler_free(s); }
-};
-using Sampler = std::unique_ptr<kvsift_sampler, SamplerFree>;
+// Owners of the handles the tests call the C functions on, through get().
+using Cache = kvsift::cache;
+using Sampler = kvsift::sampler;
 
 kvsift_cache_params params(uint64_t max_pages = 64) {
   kvsift_cache_params p;
@@ -53,9 +48,7 @@ kvsift_cache_params params(uint64_t max_pages = 64) {
 }
 
 Cache make_cache(const kvsift_cache_params& p) {
-  kvsift_cache* c = nullptr;
-  EXPECT_EQ(kvsift_cache_create(&p, &c), KVSIFT_STATUS_OK) << kvsift_last_error();
-  return Cache(c);
+  return Cache(p);
 }
 
 std::vector<float> random_floats(std::size_t n, uint32_t seed) {
@@ -117,19 +110,14 @@ TEST(CApiFailures, sampler_refuses_nan_and_plus_inf_and_all_minus_inf_without_ad
   kvsift_sampler_params_init(&sp);
   sp.temperature = 0.8f;
   sp.seed = 7;
-  kvsift_sampler* raw = nullptr;
-  ASSERT_EQ(kvsift_sampler_create(&sp, &raw), KVSIFT_STATUS_OK);
-  Sampler hit(raw);
-  ASSERT_EQ(kvsift_sampler_create(&sp, &raw), KVSIFT_STATUS_OK);
-  Sampler fresh(raw);
+  Sampler hit(sp), fresh(sp);
   const std::vector<std::vector<float>> hostile = {
       {1.0f, kNaN, 2.0f}, {kInf, 0.0f}, {-kInf, -kInf, -kInf}, {kNaN}, {-kInf}};
   for (const auto& logits : hostile) {
     for (float temperature : {0.0f, 0.8f}) {
       kvsift_sampler_params tp = sp;
       tp.temperature = temperature;
-      ASSERT_EQ(kvsift_sampler_create(&tp, &raw), KVSIFT_STATUS_OK);
-      Sampler s(raw);
+      Sampler s(tp);
       int32_t token = -1;
       EXPECT_EQ(kvsift_sampler_sample(s.get(), logits.data(), logits.size(), &token),
                 KVSIFT_STATUS_INVALID_ARGUMENT);
@@ -154,9 +142,7 @@ TEST(CApiFailures, sampler_never_chooses_a_masked_token) {
   kvsift_sampler_params sp;
   kvsift_sampler_params_init(&sp);
   sp.temperature = 5.0f;
-  kvsift_sampler* raw = nullptr;
-  ASSERT_EQ(kvsift_sampler_create(&sp, &raw), KVSIFT_STATUS_OK);
-  Sampler s(raw);
+  Sampler s(sp);
   std::vector<float> logits(50, -kInf);
   logits[17] = -3.0f;
   logits[31] = -2.5f;

@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <memory>
 #include <vector>
 
 #include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 #include "lib/capi/cache_handle.hpp"
 #include "tests/test_util.hpp"
 
@@ -16,10 +16,8 @@ namespace {
 
 using kvsift::test::random_floats;
 
-struct CacheFree {
-  void operator()(kvsift_cache* cache) const noexcept { kvsift_cache_free(cache); }
-};
-using Cache = std::unique_ptr<kvsift_cache, CacheFree>;
+// The owner of the caches the tests call kvsift_select and the others on, through get().
+using Cache = kvsift::cache;
 
 constexpr uint32_t kLayers = 2, kKvHeads = 2, kGroup = 2, kHeadDim = 64, kPageTokens = 16;
 constexpr uint32_t kPairs = 2 * kKvHeads;  // two sequences per call
@@ -37,9 +35,7 @@ Cache make_cache() {
   params.max_pages = 1024;
   params.max_batch = 4;
   params.n_threads = 2;
-  kvsift_cache* cache = nullptr;
-  EXPECT_EQ(kvsift_cache_create(&params, &cache), KVSIFT_STATUS_OK) << kvsift_last_error();
-  return Cache(cache);
+  return Cache(params);
 }
 
 // The same tokens into every cache: keys with a few loud tokens so that selections differ from
@@ -170,7 +166,7 @@ void check_selector(kvsift_selector kind, double budget) {
       EXPECT_TRUE(c.stats.dropped_bound == stats.dropped_bound ||
                   (std::isnan(c.stats.dropped_bound) && std::isnan(stats.dropped_bound)));
       // What kvsift_attend_selected used, from its handle.
-      const kvsift::select::Selection& used = selected->engine.selection();
+      const kvsift::select::Selection& used = selected.get()->engine.selection();
       ASSERT_EQ(c.page_offsets.back(), c.page_ids.size());
       for (uint32_t pair = 0; pair <= kPairs; ++pair)
         EXPECT_EQ(c.page_offsets[pair], used.offsets[pair]);

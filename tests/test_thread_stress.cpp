@@ -11,7 +11,6 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <memory>
 #include <random>
 #include <string>
 #include <thread>
@@ -20,6 +19,7 @@
 #include <unistd.h>
 
 #include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
 
@@ -64,10 +64,6 @@ std::vector<float> normals(std::mt19937& rng, std::size_t n, float scale) {
 constexpr uint32_t kCacheSteps = 1000;
 constexpr uint32_t kLayers = 2, kKvHeads = 2, kGroup = 2, kHeadDim = 64;
 
-struct CacheFree {
-  void operator()(kvsift_cache* cache) const noexcept { kvsift_cache_free(cache); }
-};
-
 // One cache with a two-thread pool (so that its pool's hand-offs run too) and LOCKS as its
 // selector: each step appends a token to every layer, then attends it densely (kvsift_attend) and
 // through the selector (kvsift_attend_selected). Returns every output of every step.
@@ -81,9 +77,8 @@ void cache_work(int t, std::vector<float>& outputs) {
   params.page_tokens = 16;
   params.max_pages = 2 * kLayers * kKvHeads * (kCacheSteps / 16 + 1);
   params.n_threads = 2;
-  kvsift_cache* raw = nullptr;
-  KVSIFT_OK(kvsift_cache_create(&params, &raw));
-  const std::unique_ptr<kvsift_cache, CacheFree> cache(raw);
+  // A failed creation throws kvsift::error; on a worker thread that ends the run with its message.
+  const kvsift::cache cache(params);
   kvsift_selector_policy policy;
   kvsift_selector_policy_init(&policy);
   policy.selector = KVSIFT_SELECTOR_LOCKS;
@@ -270,10 +265,6 @@ std::string write_tiny_model() {
   return file ? path : std::string();
 }
 
-struct ModelFree {
-  void operator()(kvsift_model* model) const noexcept { kvsift_model_free(model); }
-};
-
 constexpr uint32_t kPromptTokens = 40;
 // Decode steps per model, as many as the caches take: 200 took 12 s under ThreadSanitizer for the
 // 8 parallel and 8 serial runs together (the cache test beside it, 1,000 steps, about 100 s).
@@ -289,9 +280,7 @@ void model_work(const std::string& path, int t, std::vector<float>& outputs) {
   params.n_ctx = kPromptTokens + kDecodeSteps + 1;
   params.n_threads = 2;
   params.weights_f32 = t % 2;
-  kvsift_model* raw = nullptr;
-  KVSIFT_OK(kvsift_model_load(path.c_str(), &params, &raw));
-  const std::unique_ptr<kvsift_model, ModelFree> model(raw);
+  const kvsift::model_runner model(path, params);  // a failed load throws, as for the cache
   if (t % 4 >= 2) {
     kvsift_selector_policy policy;
     kvsift_selector_policy_init(&policy);
