@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
-#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -19,7 +18,7 @@
 #include "common/model_path.hpp"
 #include "common/progress.hpp"
 #include "common/selector_names.hpp"
-#include "kvsift/kvsift.h"
+#include "kvsift/kvsift.hpp"
 
 namespace {
 
@@ -131,7 +130,7 @@ int run(const Options& o) {
                   : loaded == KVSIFT_STATUS_IO_ERROR || loaded == KVSIFT_STATUS_INVALID_FILE
                       ? kvsift::apps::kExitInputUnreadable
                       : kvsift::apps::kExitFailure};
-  std::unique_ptr<kvsift_model, decltype(&kvsift_model_free)> owner(model, kvsift_model_free);
+  const kvsift::model_runner owner(model);  // frees the model on every way out
   const double load_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t_load).count();
   kvsift_model_info info;
@@ -182,8 +181,7 @@ int run(const Options& o) {
   sp.seed = o.seed;
   kvsift_sampler* sampler = nullptr;
   check(kvsift_sampler_create(&sp, &sampler), "sampler");
-  std::unique_ptr<kvsift_sampler, decltype(&kvsift_sampler_free)> sampler_owner(
-      sampler, kvsift_sampler_free);
+  const kvsift::sampler sampler_owner(sampler);
 
   std::printf("\nQ: %s\nA: ", o.question.c_str());
   std::fflush(stdout);

@@ -528,7 +528,10 @@ TEST(CppWrapperSampler, draws_what_the_c_sampler_draws_from_the_same_seed) {
   p.temperature = 0.9f;
   p.top_p = 0.95f;
   p.seed = 1234;
-  kvsift::sampler wrapped(p), twin(p);
+  kvsift::sampler wrapped(p);
+  kvsift_sampler* raw_twin = nullptr;
+  ASSERT_EQ(kvsift_sampler_create(&p, &raw_twin), KVSIFT_STATUS_OK);
+  const kvsift::sampler twin(raw_twin);  // adopted: drawn from by C calls, freed by the wrapper
   std::vector<int32_t> drawn, twin_drawn;
   for (int i = 0; i < 40; ++i) {
     drawn.push_back(wrapped.sample(logits));

@@ -544,6 +544,8 @@ class sampler {
     detail::check(kvsift_sampler_create(&params, &raw));
     handle_ = detail::unique_handle<kvsift_sampler, kvsift_sampler_free>(raw);
   }
+  // Takes ownership of a sampler created through the C API (NULL gives an empty object).
+  explicit sampler(kvsift_sampler* adopted) noexcept : handle_(adopted) {}
 
   kvsift_sampler* get() const noexcept { return handle_.get(); }
   explicit operator bool() const noexcept { return get() != nullptr; }
