@@ -8,7 +8,9 @@
 #include <stdlib.h>
 
 /* A name a host program may well use for itself: the library must not define it globally. */
-int set_selector(int selector) { return selector; }
+int set_selector(int selector) {
+  return selector;
+}
 
 enum { kKvHeads = 2, kGroup = 2, kDim = 64, kTokens = 173 };
 enum { kRow = kKvHeads * kDim, kQueryHeads = kKvHeads * kGroup };
@@ -47,14 +49,16 @@ int main(void) {
     double logits[kTokens], max_logit = -INFINITY, sum = 0.0;
     for (int t = 0; t < kTokens; ++t) {
       double dot = 0.0;
-      for (int d = 0; d < kDim; ++d) dot += (double)q[h * kDim + d] * k[t * kRow + kv_head * kDim + d];
+      for (int d = 0; d < kDim; ++d)
+        dot += (double)q[h * kDim + d] * k[t * kRow + kv_head * kDim + d];
       logits[t] = dot / sqrt((double)kDim);
       if (logits[t] > max_logit) max_logit = logits[t];
     }
     for (int t = 0; t < kTokens; ++t) sum += logits[t] = exp(logits[t] - max_logit);
     for (int d = 0; d < kDim; ++d) {
       double expected = 0.0;
-      for (int t = 0; t < kTokens; ++t) expected += logits[t] / sum * v[t * kRow + kv_head * kDim + d];
+      for (int t = 0; t < kTokens; ++t)
+        expected += logits[t] / sum * v[t * kRow + kv_head * kDim + d];
       const double error = fabs(expected - out[h * kDim + d]);
       if (error > worst) worst = error;
     }

@@ -29,6 +29,7 @@ run(${CMAKE_COMMAND} -S ${source_dir} -B ${WORK_DIR}/cmake -G ${GENERATOR}
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/cmake)
 run(${WORK_DIR}/cmake/attend_check_kvsift)
 run(${WORK_DIR}/cmake/attend_check_core)
+run(${WORK_DIR}/cmake/attend_check_cpp)
 
 # pkg-config, as a Makefile would use it; the program finds the library through LD_LIBRARY_PATH.
 find_program(PKG_CONFIG pkg-config REQUIRED)
