@@ -185,10 +185,9 @@ void BM_s4r_project(benchmark::State& state, double compression) {
   std::vector<uint16_t> coeffs(kRows * c.rank);
   kvsift::ThreadPool pool(kThreads);
   const kvsift::KernelRuntime runtime;
-  kvsift::Matmul matmul(&pool);
   for (auto _ : state)
     s4r::project(rows.data(), kRows, c.dim, c.basis, coeffs.data(), kvsift::simd::Dtype::bf16,
-                 matmul, runtime.kernels());
+                 runtime.kernels(), &pool);
   state.counters["rank"] = c.rank;
   state.counters["GFLOPS"] = benchmark::Counter(2.0 * kRows * c.dim * c.rank * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
@@ -209,10 +208,9 @@ void BM_s4r_reconstruct(benchmark::State& state, double compression) {
   std::vector<float> out(std::size_t{kChosen} * c.dim), workspace(
                                                            s4r::reconstruct_workspace_floats(c.basis));
   kvsift::ThreadPool pool(kThreads);
-  kvsift::Matmul matmul(&pool);
   for (auto _ : state)
     s4r::reconstruct(coeffs.data(), kvsift::simd::Dtype::bf16, c.basis, ids.data(), kChosen,
-                     out.data(), runtime.kernels(), matmul, workspace.data());
+                     out.data(), runtime.kernels(), workspace.data(), &pool);
   state.counters["rank"] = c.rank;
   state.counters["GFLOPS"] = benchmark::Counter(2.0 * kChosen * c.dim * c.rank * 1e-9,
                                                 benchmark::Counter::kIsIterationInvariantRate);
