@@ -14,5 +14,7 @@ const Kernels& avx512_kernels() noexcept;  // attend_avx512.cpp
 // mu . q~ exact in integers, the rest in float32 (locks_avx512_vnni.cpp).
 void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
 const LouverKernels& louver_avx512_kernels() noexcept;  // louver_avx512.cpp
+void gemm_f32_avx2(const GemmJob& job) noexcept;           // gemm_avx2.cpp
+void gemm_f32_avx512(const GemmJob& job) noexcept;         // gemm_avx512.cpp
 
 }  // namespace kvsift::simd
