@@ -25,6 +25,7 @@ import os
 import subprocess
 import sys
 import time
+import functools
 import zlib
 from pathlib import Path
 from dataclasses import dataclass
@@ -118,23 +119,27 @@ def stored_bytes(dims: tuple, qtype: "QType") -> np.ndarray:
 
 
 def make_tensor(name: str, dims: tuple, qtype: "QType", seed: int) -> np.ndarray:
-    """The tensor's stored bytes. Norm weights are 1. A matrix [out, in] is normal with standard
-    deviation 1/sqrt(in): with RMSNorm before every projection, each layer's output stays of order
-    one, the residual stream grows like the square root of the layer count, and the logits are of
-    order one. The generator is seeded by (seed, name), so a tensor's values do not depend on the
-    others (a model cut by --layers has the full model's first layers)."""
+    """The tensor's stored bytes. Norm weights are 1. A matrix [out, in] has standard deviation
+    1/sqrt(in): with RMSNorm before every projection, each layer's output stays of order one, the
+    residual stream grows like the square root of the layer count, and the logits are of order one.
+    The values are uniform on [-sqrt(3/in), sqrt(3/in)] (that standard deviation) rather than
+    normal: numpy draws uniform floats several times faster, which matters at 8B values, and the
+    distribution changes nothing the runner's timings depend on. The generator is seeded by
+    (seed, name), so a tensor's values do not depend on the others (a model cut by --layers has the
+    full model's first layers)."""
     out = stored_bytes(dims, qtype)
     if len(dims) == 1:
         out[:] = np.ones(dims, dtype=np.float32).view(np.uint8)
         return out
     rows, cols = dims
     rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    std = np.float32(1.0 / np.sqrt(cols))
+    half_width = np.float32(np.sqrt(3.0 / cols))
     step = max(1, CHUNK_VALUES // cols)
     for first in range(0, rows, step):
         last = min(rows, first + step)
-        values = rng.standard_normal((last - first, cols), dtype=np.float32)
-        values *= std
+        values = rng.random((last - first, cols), dtype=np.float32)
+        values *= 2 * half_width
+        values -= half_width
         # gguf.quants (in the pinned version, tools/synthetic_model/requirements.txt) writes the
         # BF16, Q8_0 and Q4_0 block layouts as ggml does.
         out[first:last] = gguf.quants.quantize(values, qtype)
@@ -155,9 +160,10 @@ def default_tokenizer_source() -> str:
     return run.stdout.strip()
 
 
-def read_tokenizer(path: str, n_vocab: int) -> list[tuple[str, object, "GGUFValueType", object]]:
-    """The tokenizer.* key-values of the GGUF file at path, as (key, value, type, sub_type), with the
-    token list and its types padded to n_vocab entries."""
+@functools.lru_cache(maxsize=4)  # tests write several models in one process; reading takes seconds
+def read_tokenizer(path: str, n_vocab: int) -> tuple[tuple[str, object, object, object], ...]:
+    """The tokenizer.* key-values of the GGUF file at path, as (key, value, type, sub_type), with
+    the token list and its types padded to n_vocab entries."""
     try:
         reader = gguf.GGUFReader(path)
     except (OSError, ValueError) as e:
@@ -171,7 +177,7 @@ def read_tokenizer(path: str, n_vocab: int) -> list[tuple[str, object, "GGUFValu
     if fields["tokenizer.ggml.model"].contents() != "gpt2":
         raise UsageError(f"{path}: tokenizer.ggml.model is "
                          f"'{fields['tokenizer.ggml.model'].contents()}', not 'gpt2'")
-    out = []
+    out = []  # a tuple below: the cached value is shared by the calls
     for key, field in fields.items():
         value = field.contents()
         vtype = field.types[0]
@@ -184,7 +190,7 @@ def read_tokenizer(path: str, n_vocab: int) -> list[tuple[str, object, "GGUFValu
         elif key == "tokenizer.ggml.token_type":
             value = value + [PAD_TOKEN_TYPE] * (n_vocab - len(value))
         out.append((key, value, vtype, sub_type))
-    return out
+    return tuple(out)
 
 
 def write_model(args: argparse.Namespace) -> None:
