@@ -56,7 +56,9 @@ def write(make_model, model_path, tmp_path_factory):
             written[key] = out
         return written[key]
 
-    return run
+    yield run
+    for path in written.values():  # up to 0.65 GB each: not left for pytest's kept temp folders
+        os.remove(path)
 
 
 @pytest.mark.parametrize("qtype", TYPES)
