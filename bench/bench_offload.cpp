@@ -759,12 +759,6 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   const int threads = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
 
-  if (!cfg.host_only && !gpu::built_with_cuda()) {
-    std::printf(
-        "kvsift-bench-offload: built without CUDA (KVSIFT_ENABLE_CUDA=OFF): nothing to "
-        "measure\n");
-    return 0;
-  }
   int n_devices = 0;
   if (const gpu::Result r = gpu::device_count(&n_devices);
       !cfg.host_only && (!r.ok || n_devices == 0)) {
