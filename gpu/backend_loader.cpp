@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "gpu/host_memory.hpp"
 
@@ -25,7 +26,7 @@ struct Loaded {
 };
 
 bool file_exists(const std::string& path) {
-  struct stat st{};
+  struct stat st {};
   return stat(path.c_str(), &st) == 0;
 }
 
@@ -45,15 +46,16 @@ std::string loader_directory() {
 }
 
 std::string not_found(const std::string& where) {
-  std::string why = std::string("kvsift's CUDA backend ") + backend::kModuleName +
-                    " was not found " + where;
-  if (!KVSIFT_CUDA_MODULE_BUILT) why += "; this kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF)";
+  std::string why =
+      std::string("kvsift's CUDA backend ") + backend::kModuleName + " was not found " + where;
+  if (!KVSIFT_CUDA_MODULE_BUILT)
+    why += "; this kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF)";
   return why;
 }
 
 std::string unloadable(const std::string& module, const char* dl_error) {
-  return "kvsift's CUDA backend " + module + " was found but could not be loaded: " +
-         (dl_error ? dl_error : "unknown error") +
+  return "kvsift's CUDA backend " + module +
+         " was found but could not be loaded: " + (dl_error ? dl_error : "unknown error") +
          " (the CUDA runtime is not installed or not on the library path)";
 }
 
@@ -66,12 +68,13 @@ Loaded open_module(const std::string& module) {
     // dlopen says which file it could not open first: the module itself (its name leads the
     // message) is not found; anything else is a library the module needs.
     const std::string bare = backend::kModuleName;
-    if (module == bare && error != nullptr && std::string(error).rfind(bare + ":", 0) == 0)
-      loaded.why = not_found("beside " + (loader_directory().empty() ? std::string("kvsift")
-                                                                      : loader_directory()) +
+    if (module == bare && error != nullptr && std::string_view(error).starts_with(bare + ":")) {
+      const std::string dir = loader_directory();
+      loaded.why = not_found("beside " + (dir.empty() ? std::string("kvsift") : dir) +
                              " or on the library path");
-    else
+    } else {
       loaded.why = unloadable(module, error);
+    }
     return loaded;
   }
   auto entry = reinterpret_cast<backend::EntryPoint>(dlsym(handle, backend::kEntryPoint));
@@ -129,7 +132,8 @@ backend::Backend* loaded_backend(Result* why) {
 
 Result not_initialised(const char* what) {
   Result why;
-  if (loaded_backend(&why) == nullptr) return Result::absent(std::string(what) + ": " + why.message);
+  if (loaded_backend(&why) == nullptr)
+    return Result::absent(std::string(what) + ": " + why.message);
   return Result::invalid(std::string(what) + ": init() has not succeeded");
 }
 

@@ -13,8 +13,8 @@
 #include <string>
 #include <utility>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/device_llama.hpp"
 

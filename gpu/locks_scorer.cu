@@ -31,8 +31,8 @@
 #include <utility>
 #include <vector>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/locks_scorer.hpp"
 #include "simd/locks_record.hpp"
@@ -544,8 +544,7 @@ __global__ void KVSIFT_SELECT_CLUSTER_DIMS __launch_bounds__(kSelectThreads)
     cluster.sync();
     if (tid < nh) {
       double s = 0.0;
-      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r)
-        s += cluster.map(part_sum, r)[h0 + tid];
+      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r) s += cluster.map(part_sum, r)[h0 + tid];
       mass[h0 + tid] = s;
       // nrm takes each head's masses relative to its best page sinks included, as the CPU's
       // combine() and the authors' kernel do (docs/methods.md).

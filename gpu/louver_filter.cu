@@ -19,8 +19,8 @@
 #include <utility>
 #include <vector>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/louver_filter.hpp"
 

@@ -5,8 +5,8 @@
 #include <memory>
 #include <utility>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/offload_runtime.hpp"
 

@@ -26,8 +26,8 @@
 #include <string>
 #include <utility>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/page_transfer.hpp"
 
@@ -146,8 +146,7 @@ Result PagePool::init(const PageCacheConfig& config) {
 
   const std::size_t pool_bytes =
       (std::size_t{config.capacity} + config.reserved_slots) * config.slot_bytes;
-  if (Result r = from_cuda(pool_.allocate(pool_bytes), "device pool (cudaMalloc)"); !r.ok)
-    return r;
+  if (Result r = from_cuda(pool_.allocate(pool_bytes), "device pool (cudaMalloc)"); !r.ok) return r;
   chunk_pages_ = config.staging_chunk_bytes / (config.slot_bytes + sizeof(uint32_t));
   const std::size_t chunk_bytes = chunk_pages_ * (config.slot_bytes + sizeof(uint32_t));
   for (uint32_t c = 0; c < PageCacheConfig::kStagingChunks; ++c) {
@@ -163,7 +162,7 @@ Result PagePool::init(const PageCacheConfig& config) {
       return r;
   }
   if (Result r = from_cuda(moves_host_.allocate(std::size_t{config.capacity} * sizeof(PageMove),
-                                                  cudaHostAllocMapped),
+                                                cudaHostAllocMapped),
                            "move list (cudaHostAlloc)");
       !r.ok)
     return r;
@@ -173,8 +172,7 @@ Result PagePool::init(const PageCacheConfig& config) {
       !r.ok)
     return r;
   moves_device_ = moves_device;
-  if (Result r = from_cuda(moves_free_.create(cudaEventDisableTiming), "event"); !r.ok)
-    return r;
+  if (Result r = from_cuda(moves_free_.create(cudaEventDisableTiming), "event"); !r.ok) return r;
   config_ = config;
   return Result{};
 }
@@ -198,11 +196,10 @@ Result PagePool::move_staged(const PageMove* moves, std::size_t n, void* stream_
         !r.ok)
       return r;
     const uint32_t vecs = static_cast<uint32_t>(k) << vec_shift_;
-    const uint32_t grid =
-        std::min((vecs + kThreads - 1) / kThreads, multiprocessors_ * kCtasPerSm);
+    const uint32_t grid = std::min((vecs + kThreads - 1) / kThreads, multiprocessors_ * kCtasPerSm);
     scatter_kernel<<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(staging_device_[c].get()),
-        static_cast<uint4*>(pool_.get()), static_cast<uint32_t>(k), vec_shift_);
+        reinterpret_cast<const uint4*>(staging_device_[c].get()), static_cast<uint4*>(pool_.get()),
+        static_cast<uint32_t>(k), vec_shift_);
     if (Result r = from_cuda.launched("scatter launch"); !r.ok) return r;
     if (Result r = from_cuda(cudaEventRecord(chunk_free_[c].get(), stream), "event"); !r.ok)
       return r;

@@ -3,8 +3,9 @@
 // transfers. Plain C++ (no CUDA types): the class keeps the residency bookkeeping and the
 // statistics on the host and leaves the device pool and the moves to the CUDA backend
 // (gpu/backend.hpp's PagePool, gpu/page_transfer.cu); where the backend is absent init() returns
-// Result{unsupported} saying why. One DevicePageCache per layer: the model's step asks each layer's cache for
-// that layer's pages, then hands device_pool() and the returned slots to SparseDecodeAttention.
+// Result{unsupported} saying why. One DevicePageCache per layer: the model's step asks each layer's
+// cache for that layer's pages, then hands device_pool() and the returned slots to
+// SparseDecodeAttention.
 //
 // Data layout: host and device slots are alike, slot_bytes each (K [page_tokens, head_dim] then V,
 // lib/cache/geometry.hpp), so a page moves as one unit. The host pool is one contiguous region of

@@ -93,9 +93,8 @@ Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32
   const StepCounts& counts = residency_.last_counts();
   const uint64_t bytes = counts.misses * config_.slot_bytes;
   if (path == TransferPath::automatic)
-    path = bytes < config_.mapped_below_bytes && device_->host_pool_mapped()
-               ? TransferPath::mapped
-               : TransferPath::staged;
+    path = bytes < config_.mapped_below_bytes && device_->host_pool_mapped() ? TransferPath::mapped
+                                                                             : TransferPath::staged;
   if (counts.misses > 0) {
     const std::vector<PageMove>& moves = residency_.moves();
     Result r = path == TransferPath::mapped

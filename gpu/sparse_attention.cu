@@ -25,8 +25,8 @@
 #include <sstream>
 #include <utility>
 
-#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_backend.cuh"
+#include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/sparse_attention.hpp"
 
