@@ -21,7 +21,7 @@ string(REGEX MATCHALL "[^\n]+" needed "${undefined}")
 # the rest are the toolchain's weak hooks.
 list(FILTER needed EXCLUDE REGEX "@(GLIBC|GLIBCXX|CXXABI|GCC|GOMP|OMP)_")
 list(FILTER needed EXCLUDE REGEX " (__)?(cuda|cublas)[A-Za-z0-9_]*@lib(cudart|cublas)\\.so")
-list(FILTER needed EXCLUDE REGEX " (_ITM_deregisterTMCloneTable|_ITM_registerTMCloneTable|__gmon_start__)$")
+list(FILTER needed EXCLUDE REGEX " (_ITM_(de)?registerTMCloneTable|__gmon_start__)$")
 if(needed)
   message(FATAL_ERROR "${MODULE} needs symbols outside the runtimes:\n${needed}")
 endif()

@@ -21,8 +21,8 @@ std::string named_module() {
   return path ? path : "";
 }
 
-#define KVSIFT_NEEDS_NAMED_MODULE()                                                 \
-  if (named_module().empty())                                                       \
+#define KVSIFT_NEEDS_NAMED_MODULE() \
+  if (named_module().empty())       \
   GTEST_SKIP() << "run by CTest with KVSIFT_CUDA_BACKEND naming the module to load"
 
 // A device query through the C API: UNSUPPORTED, with a message holding every needle.
@@ -50,8 +50,7 @@ TEST(BackendLoader, a_module_whose_dependency_is_missing_quotes_the_loader) {
   KVSIFT_NEEDS_NAMED_MODULE();
   // dlerror() names the library it could not find (tests/CMakeLists.txt builds it where no
   // search looks).
-  expect_unsupported({named_module(), "could not be loaded",
-                      "libkvsift_test_missing_dependency.so",
+  expect_unsupported({named_module(), "could not be loaded", "libkvsift_test_missing_dependency.so",
                       "the CUDA runtime is not installed or not on the library path"});
 }
 
