@@ -27,8 +27,8 @@ build: deps $(VENV)/.installed
 	  -DPython_EXECUTABLE=$(CURDIR)/$(VENV)/bin/python $(CMAKE_ARGS)
 	cmake --build $(BUILD) -j $(JOBS)
 
-# The sanitizer build leaves CUDA out, so it also covers the build-without-CUDA entry points;
-# the release build covers "CUDA built, no device".
+# The sanitizer build leaves CUDA out, so it also covers every device entry point without the CUDA
+# backend module; the release build covers "module built, no driver or device".
 build-asan: deps
 	cmake -S . -B $(ASAN_BUILD) -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DKVSIFT_SANITIZE=ON \
 	  -DKVSIFT_ENABLE_CUDA=OFF -DKVSIFT_BUILD_BENCH=OFF -DKVSIFT_BUILD_APPS=OFF $(CMAKE_ARGS)

@@ -779,12 +779,6 @@ int main(int argc, char** argv) {
   if (const auto stop = apps::parse_command_line(app, argc, argv, validate)) return *stop;
   const int threads = cfg.threads > 0 ? cfg.threads : omp_get_max_threads();
 
-  if (!cfg.host_only && !gpu::built_with_cuda()) {
-    std::printf(
-        "kvsift-bench-offload: built without CUDA (KVSIFT_ENABLE_CUDA=OFF): nothing to "
-        "measure\n");
-    return apps::kExitOk;
-  }
   int n_devices = 0;
   if (const gpu::Result r = gpu::device_count(&n_devices);
       !cfg.host_only && (!r.ok || n_devices == 0)) {

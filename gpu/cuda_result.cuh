@@ -32,19 +32,50 @@ inline Fault cuda_fault(cudaError_t err) noexcept {
   }
 }
 
-// "scope: what: CUDA's message", or "what: ..." without a scope. The message is built only on
+// What is missing, for the errors cuda_fault() reads as Fault::unsupported. CUDA's own strings
+// mislead here: with no driver installed at all (a machine without a GPU) cudaGetDeviceCount
+// fails with "CUDA driver version is insufficient for CUDA runtime version".
+inline std::string absent_reason(cudaError_t err) {
+  const auto version = [](int v) {
+    return std::to_string(v / 1000) + "." + std::to_string(v % 1000 / 10);
+  };
+  switch (err) {
+    case cudaErrorNoDevice: return "no CUDA device";
+    case cudaErrorInsufficientDriver: {
+      int driver = 0;
+      if (cudaDriverGetVersion(&driver) != cudaSuccess || driver == 0) {
+        cudaGetLastError();
+        return "no NVIDIA driver (libcuda.so.1) was found";
+      }
+      return "the NVIDIA driver supports CUDA " + version(driver) + ", older than the CUDA " +
+             version(CUDART_VERSION) + " runtime kvsift's CUDA backend was built with";
+    }
+    case cudaErrorStubLibrary:
+      return "the libcuda.so.1 found is the CUDA toolkit's stub, not an NVIDIA driver";
+    case cudaErrorSystemDriverMismatch:
+      return "the NVIDIA driver's library and kernel module differ in version";
+    case cudaErrorCompatNotSupportedOnDevice:
+      return "the CUDA forward-compatibility driver does not support this device";
+    default: return "the NVIDIA driver failed to initialise";
+  }
+}
+
+// "scope: what: CUDA's message", or "what: ..." without a scope; where the driver or the device
+// is missing, "scope: what: what is missing (CUDA's message)". The message is built only on
 // failure: the run() paths of gpu/ check every call on the decode path.
 inline Result cuda_result(cudaError_t err, std::string_view scope, std::string_view what) {
   if (err == cudaSuccess) return Result{};
   cudaGetLastError();
   std::string message;
   if (!scope.empty()) message.append(scope).append(": ");
-  message.append(what).append(": ").append(cudaGetErrorString(err));
+  message.append(what).append(": ");
   switch (cuda_fault(err)) {
     case Fault::unsupported:
-      return Result::absent(message + " (the CUDA driver or device is missing)");
-    case Fault::out_of_memory: return Result::out_of_memory(std::move(message));
-    default: return Result::failed(std::move(message));
+      return Result::absent(message + absent_reason(err) + " (CUDA: " + cudaGetErrorString(err) +
+                            ")");
+    case Fault::out_of_memory:
+      return Result::out_of_memory(message.append(cudaGetErrorString(err)));
+    default: return Result::failed(message.append(cudaGetErrorString(err)));
   }
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/device_llama.hpp"
@@ -275,6 +276,57 @@ void launch_prefill_attention(dim3 grid, cudaStream_t stream, const float* qkv, 
 enum Staging : uint32_t { kTokens, kPositions, kRowIndex, kEmbeddings, kPrefix, kStagings };
 
 }  // namespace
+
+namespace cuda {
+
+// The backend's DeviceLlama (gpu/backend.hpp): the CUDA resources and the order of the calls.
+class DeviceLlama final : public backend::DeviceLlama {
+ public:
+  Result init(const LlamaShape& shape, const LlamaWeights& host_weights, int device) override;
+  Result embed(const int32_t* tokens, uint32_t rows) override;
+  Result load_embeddings(const float* x, uint32_t rows) override;
+  Result attention_inputs(uint32_t layer, const uint64_t* positions, uint32_t rows) override;
+  const float* q_host() const noexcept override;
+  const float* k_host() const noexcept override;
+  const float* v_host() const noexcept override;
+  float* attn_host() noexcept override;
+  Result prefill_attention(uint32_t layer, uint64_t pos0, uint32_t rows) override;
+  Result load_prefix(uint32_t layer, uint64_t first, const float* k_post_rope, const float* v,
+                     uint64_t n) override;
+  void reset_prefill() noexcept override;
+  uint64_t prefill_held(uint32_t layer) const noexcept override;
+  Result finish_layer(uint32_t layer, bool attn_from_host) override;
+  Result logits(const uint32_t* rows_idx, uint32_t n, float* host_out) override;
+  Result read_hidden(float* host_out) override;
+  Result read_attention(float* host_out) override;
+  const LlamaShape& shape() const noexcept override { return shape_; }
+  uint32_t rows() const noexcept override { return rows_; }
+  void* stream() const noexcept override;
+  std::size_t device_bytes() const noexcept override;
+  const DecodeGraphStats& graph_stats() const noexcept override { return graph_stats_; }
+
+ private:
+  enum class Stage : uint8_t { idle, need_inputs, have_inputs, have_attention };
+  struct Device;  // the CUDA resources
+
+  Result check_layer_call(const char* what, uint32_t layer, Stage expected) const;
+  void abandon() noexcept;
+
+  LlamaShape shape_{};
+  std::unique_ptr<Device> device_;
+  uint32_t rows_ = 0;
+  uint32_t next_layer_ = 0;
+  Stage stage_ = Stage::idle;
+  std::vector<uint64_t> held_;       // per layer: scratch positions held
+  std::vector<uint32_t> positions_;  // the layer in flight's positions (host copy)
+  // A decode graph has enqueued layer next_layer_'s attention inputs at positions_.
+  bool inputs_ahead_ = false;
+  DecodeGraphStats graph_stats_;
+};
+
+std::unique_ptr<backend::DeviceLlama> make_device_llama() {
+  return std::make_unique<DeviceLlama>();
+}
 
 struct DeviceLlama::Device {
   int ordinal = 0;
@@ -660,29 +712,6 @@ Result check_weights(const LlamaShape& s, const LlamaWeights& w) {
 
 }  // namespace
 
-DeviceLlama::DeviceLlama() = default;
-
-DeviceLlama::~DeviceLlama() = default;
-
-DeviceLlama::DeviceLlama(DeviceLlama&& other) noexcept {
-  *this = std::move(other);
-}
-
-DeviceLlama& DeviceLlama::operator=(DeviceLlama&& other) noexcept {
-  if (this != &other) {
-    device_ = std::move(other.device_);
-    shape_ = other.shape_;
-    rows_ = std::exchange(other.rows_, 0);
-    next_layer_ = std::exchange(other.next_layer_, 0);
-    stage_ = std::exchange(other.stage_, Stage::idle);
-    held_ = std::move(other.held_);
-    positions_ = std::move(other.positions_);
-    inputs_ahead_ = std::exchange(other.inputs_ahead_, false);
-    graph_stats_ = std::exchange(other.graph_stats_, DecodeGraphStats{});
-  }
-  return *this;
-}
-
 Result DeviceLlama::init(const LlamaShape& shape, const LlamaWeights& w, int device) {
   Result r = check_shape(shape);
   if (r.ok) r = check_weights(shape, w);
@@ -1019,4 +1048,5 @@ std::size_t DeviceLlama::device_bytes() const noexcept {
   return device_ ? device_->device_bytes : 0;
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

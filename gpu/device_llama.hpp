@@ -1,8 +1,9 @@
 // The Llama-family forward pass on the GPU, layer by layer, without the decode attention: that
 // stays kvsift's host-KV path (the cache and the selectors live in host memory), so
 // the host model runner (lib/model) drives each layer in pieces and does the attention between
-// them. Plain C++: lib/ includes this without CUDA headers; a build without CUDA defines every
-// function to return Result{unsupported}.
+// them. Plain C++: lib/ includes this without CUDA headers. The class is the host's facade over the
+// CUDA backend's implementation (gpu/backend.hpp, gpu/device_llama.cu); where the backend is absent
+// every call returns Result{unsupported} saying why.
 //
 // One forward pass over `rows` tokens (a prefill chunk of one sequence, or one token of each of a
 // batch of sequences):
@@ -63,6 +64,10 @@
 #include "simd/kernels.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class DeviceLlama;
+}
 
 struct LlamaShape {
   uint32_t n_layers = 0;    // 1..4096
@@ -209,29 +214,15 @@ class DeviceLlama {
   Result read_hidden(float* host_out);
   Result read_attention(float* host_out);
 
-  const LlamaShape& shape() const noexcept { return shape_; }
-  uint32_t rows() const noexcept { return rows_; }  // the pass's rows; 0: no pass in flight
-  void* stream() const noexcept;                    // the cudaStream_t all work is issued on
-  std::size_t device_bytes() const noexcept;        // device memory held (weights included)
-  const DecodeGraphStats& graph_stats() const noexcept { return graph_stats_; }
+  const LlamaShape& shape() const noexcept;
+  uint32_t rows() const noexcept;             // the pass's rows; 0: no pass in flight
+  void* stream() const noexcept;              // the cudaStream_t all work is issued on
+  std::size_t device_bytes() const noexcept;  // device memory held (weights included)
+  const DecodeGraphStats& graph_stats() const noexcept;
 
  private:
-  enum class Stage : uint8_t { idle, need_inputs, have_inputs, have_attention };
-  struct Device;  // the CUDA resources (gpu/device_llama.cu)
-
-  Result check_layer_call(const char* what, uint32_t layer, Stage expected) const;
-  void abandon() noexcept;
-
-  LlamaShape shape_{};
-  std::unique_ptr<Device> device_;
-  uint32_t rows_ = 0;
-  uint32_t next_layer_ = 0;
-  Stage stage_ = Stage::idle;
-  std::vector<uint64_t> held_;       // per layer: scratch positions held
-  std::vector<uint32_t> positions_;  // the layer in flight's positions (host copy)
-  // A decode graph has enqueued layer next_layer_'s attention inputs at positions_.
-  bool inputs_ahead_ = false;
-  DecodeGraphStats graph_stats_;
+  // The backend's implementation (gpu/backend.hpp, gpu/device_llama.cu), made by the first init().
+  std::unique_ptr<backend::DeviceLlama> impl_;
 };
 
 }  // namespace kvsift::gpu

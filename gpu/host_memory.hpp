@@ -1,5 +1,7 @@
-// The CUDA runtime calls lib/ needs, behind plain C++ (lib/ never includes CUDA headers).
-// Built from runtime.cu with CUDA, or from no_cuda.cpp without it; both define every function.
+// The CUDA runtime calls lib/ needs, behind plain C++ (lib/ never includes CUDA headers). Defined
+// on the host (gpu/backend_loader.cpp), which forwards them to the CUDA backend module
+// (gpu/backend.hpp) and loads it on the first of them; without the module each answers
+// Result::absent saying why.
 #pragma once
 
 #include <cstddef>
@@ -8,8 +10,14 @@
 
 namespace kvsift::gpu {
 
-// Whether this build has the CUDA offload path compiled in.
+// Whether this build made the CUDA backend module (KVSIFT_ENABLE_CUDA). Whether it loads is
+// backend_status()'s to say.
 bool built_with_cuda() noexcept;
+
+// Loads the CUDA backend module once (the first caller of any device call does): ok when it is
+// loaded, else Result::absent saying what is missing (the module, or the CUDA runtime it needs).
+// A loaded module does not mean a usable device: device_count() says that.
+Result backend_status();
 
 // Number of usable CUDA devices.
 Result device_count(int* n_devices);

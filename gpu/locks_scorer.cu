@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/locks_scorer.hpp"
@@ -388,11 +389,41 @@ __device__ uint32_t block_exclusive_sum(uint32_t x, uint32_t* warp_at) {
   return at;
 }
 
-// One cluster of kSelectCluster CTAs per pair (blockIdx.y); CTA `rank` takes the pair's pages
-// [rank * chunk, (rank + 1) * chunk) and the cluster combines the CTAs' maxima, sums,
+// select_kernel's CTAs of one pair. From sm_90 on, a thread block cluster of kSelectCluster CTAs
+// that read each other's shared memory. Before sm_90 there are no clusters: one CTA takes all of
+// the pair's pages and the same code runs with one rank (its pages' scores then stay in global
+// memory where they outgrow the CTA's shared memory; the sums are taken in another order, so
+// results may differ from the sm_90 code's in the last bits). The host launches as many CTAs a
+// pair as the kernel the device runs was compiled for (its PTX version: LocksScorer::init).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVSIFT_SELECT_CLUSTER_DIMS
+struct SelectCluster {
+  static constexpr uint32_t kRanks = 1;
+  __device__ uint32_t block_rank() const { return 0; }
+  __device__ void sync() const { __syncthreads(); }
+  template <class T>
+  __device__ T* map(T* p, uint32_t) const {
+    return p;
+  }
+};
+#else
+#define KVSIFT_SELECT_CLUSTER_DIMS __cluster_dims__(kSelectCluster, 1, 1)
+struct SelectCluster {
+  static constexpr uint32_t kRanks = kSelectCluster;
+  __device__ uint32_t block_rank() const { return cooperative_groups::this_cluster().block_rank(); }
+  __device__ void sync() const { cooperative_groups::this_cluster().sync(); }
+  template <class T>
+  __device__ T* map(T* p, uint32_t rank) const {
+    return cooperative_groups::this_cluster().map_shared_rank(p, rank);
+  }
+};
+#endif
+
+// One cluster of SelectCluster::kRanks CTAs per pair (blockIdx.y); CTA `rank` takes the pair's
+// pages [rank * chunk, (rank + 1) * chunk) and the cluster combines the CTAs' maxima, sums,
 // histograms and counts through distributed shared memory, each CTA summing the ranks in order
 // (the results are the same in every CTA and on every run).
-__global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelectThreads)
+__global__ void KVSIFT_SELECT_CLUSTER_DIMS __launch_bounds__(kSelectThreads)
     select_kernel(RunView v) {
   // v.stage_floats: first the open page's query and keys, then the CTA's head scores [G][m] and
   // combined scores [m].
@@ -415,14 +446,13 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
   __shared__ uint32_t hist[2][256];
   __shared__ uint32_t part_count;
   __shared__ double part_kept[2][kMaxGroup];  // per head: chosen and mandatory mass
-  namespace cg = cooperative_groups;
-  const cg::cluster_group cluster = cg::this_cluster();
+  const SelectCluster cluster;
   const uint32_t rank = cluster.block_rank();
   const PairParams& p = v.params[blockIdx.y];
   const uint32_t G = v.group, d = v.head_dim, B = v.page_tokens, n = p.n_pages;
   const uint32_t first = p.sink, last = p.sel_last, tid = threadIdx.x;
   const uint32_t lane = tid % 32, warp = tid / 32;
-  const uint32_t chunk = (n + kSelectCluster - 1) / kSelectCluster;
+  const uint32_t chunk = (n + SelectCluster::kRanks - 1) / SelectCluster::kRanks;
   const uint32_t lo = min(n, rank * chunk), hi = min(n, lo + chunk), m = hi - lo;
   const uint32_t sel_lo = max(lo, first), sel_hi = max(sel_lo, min(hi, last));
   float* head = v.head + p.head_at;
@@ -495,9 +525,9 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
     cluster.sync();
     if (tid < nh) {
       float b = -INFINITY, a = -INFINITY;
-      for (uint32_t r = 0; r < kSelectCluster; ++r) {
-        b = fmaxf(b, cluster.map_shared_rank(part_best, r)[h0 + tid]);
-        a = fmaxf(a, cluster.map_shared_rank(part_best_all, r)[h0 + tid]);
+      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r) {
+        b = fmaxf(b, cluster.map(part_best, r)[h0 + tid]);
+        a = fmaxf(a, cluster.map(part_best_all, r)[h0 + tid]);
       }
       top[h0 + tid] = b;
       top_all[h0 + tid] = a;
@@ -514,8 +544,7 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
     cluster.sync();
     if (tid < nh) {
       double s = 0.0;
-      for (uint32_t r = 0; r < kSelectCluster; ++r)
-        s += cluster.map_shared_rank(part_sum, r)[h0 + tid];
+      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r) s += cluster.map(part_sum, r)[h0 + tid];
       mass[h0 + tid] = s;
       // nrm takes each head's masses relative to its best page sinks included, as the CPU's
       // combine() and the authors' kernel do (docs/methods.md).
@@ -580,7 +609,7 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
     cluster.sync();
     for (uint32_t i = tid; i < 256; i += blockDim.x) {
       uint32_t t = 0;
-      for (uint32_t r = 0; r < kSelectCluster; ++r) t += cluster.map_shared_rank(counts, r)[i];
+      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r) t += cluster.map(counts, r)[i];
       total_hist[i] = t;
     }
     __syncthreads();
@@ -628,7 +657,7 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
   cluster.sync();
   if (tid == 0) {
     uint32_t offset = 0;
-    for (uint32_t r = 0; r < rank; ++r) offset += *cluster.map_shared_rank(&part_count, r);
+    for (uint32_t r = 0; r < rank; ++r) offset += *cluster.map(&part_count, r);
     s_offset = offset;
   }
   __syncthreads();
@@ -665,8 +694,8 @@ __global__ void __cluster_dims__(kSelectCluster, 1, 1) __launch_bounds__(kSelect
     double kept_sum = 0.0;
     for (uint32_t h = 0; h < G; ++h) {
       double chosen_mass = 0.0, mandatory = 0.0;
-      for (uint32_t r = 0; r < kSelectCluster; ++r) {
-        const double(*part)[kMaxGroup] = cluster.map_shared_rank(part_kept, r);
+      for (uint32_t r = 0; r < SelectCluster::kRanks; ++r) {
+        const double(*part)[kMaxGroup] = cluster.map(part_kept, r);
         chosen_mass += part[0][h];
         mandatory += part[1][h];
       }
@@ -688,6 +717,34 @@ __global__ void scatter_kernel(const uint4* __restrict__ staged, const uint32_t*
 
 }  // namespace
 
+namespace cuda {
+
+// The backend's LocksScorer (gpu/backend.hpp).
+class LocksScorer final : public backend::LocksScorer {
+ public:
+  Result init(int device, const LocksScorerShape& shape) override;
+  Result upload(const std::byte* records, const uint32_t* slots, std::size_t n) noexcept override;
+  Result validate(const LocksPair* pairs, uint32_t n_pairs) const override;
+  Result run(const LocksPair* pairs, uint32_t n_pairs) noexcept override;
+  const uint32_t* offsets() const noexcept override;
+  const uint32_t* page_ids() const noexcept override;
+  const float* scores() const noexcept override;
+  const float* kept_estimate() const noexcept override;
+  Result head_scores(uint32_t pair, float* out) const override;
+  const LocksScorerShape& shape() const noexcept override { return shape_; }
+  uint64_t device_bytes() const noexcept override;
+  float last_run_ms() const noexcept override;
+
+ private:
+  struct Device;
+  std::unique_ptr<Device> device_;
+  LocksScorerShape shape_{};
+};
+
+std::unique_ptr<backend::LocksScorer> make_locks_scorer() {
+  return std::make_unique<LocksScorer>();
+}
+
 struct LocksScorer::Device {
   int device = 0;
   // Declared first so that they go last, after the memory.
@@ -703,6 +760,7 @@ struct LocksScorer::Device {
   DeviceBuffer<unsigned char> staging_device;
   std::size_t staging_bytes = 0;
   uint32_t stage_cap_floats = 0;  // select_kernel's dynamic shared memory at most, in floats
+  uint32_t select_ctas = 1;       // select_kernel's CTAs a pair: its cluster width (1 before sm_90)
   DeviceBuffer<float> head;       // [group * max_pages]
   DeviceBuffer<float> combined;   // [max_pages]
   // The device copies of named tables (LocksPair::table_id), [table_copies][max_pair_pages], and
@@ -767,11 +825,6 @@ struct LocksScorer::Device {
     for (TableCopy& t : copy) t = TableCopy{};
   }
 };
-
-LocksScorer::LocksScorer() = default;
-LocksScorer::~LocksScorer() = default;
-LocksScorer::LocksScorer(LocksScorer&& other) noexcept = default;
-LocksScorer& LocksScorer::operator=(LocksScorer&& other) noexcept = default;
 
 namespace {
 
@@ -855,6 +908,9 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
     const std::size_t stage_bytes =
         std::size_t(optin) > attributes.sharedSizeBytes ? optin - attributes.sharedSizeBytes : 0;
     d->stage_cap_floats = static_cast<uint32_t>(stage_bytes / 4);
+    // The kernel the device runs has clusters where it was compiled for compute_90 or later
+    // (SelectCluster tests __CUDA_ARCH__, the PTX version of the code the device runs).
+    d->select_ctas = attributes.ptxVersion >= 90 ? kSelectCluster : 1;
     if (d->stage_cap_floats < (shape.group + shape.page_tokens) * shape.head_dim)
       r = invalid("the device's shared memory per block (" + std::to_string(optin) +
                   " bytes) is too small for an open page's query and keys");
@@ -1040,7 +1096,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
     view.combine = static_cast<uint32_t>(shape_.combine);
     view.bf16 = shape_.dtype == simd::Dtype::bf16;
     view.scale = shape_.scale;
-    const uint64_t max_chunk = (max_n + kSelectCluster - 1) / kSelectCluster;
+    const uint64_t max_chunk = (max_n + dev.select_ctas - 1) / dev.select_ctas;
     view.stage_floats = static_cast<uint32_t>(std::min<uint64_t>(
         dev.stage_cap_floats, std::max<uint64_t>(uint64_t{G + 1} * max_chunk, (G + B) * d)));
     if (r.ok) r = from_cuda(cudaEventRecord(dev.start.get(), dev.stream.get()), "event");
@@ -1060,7 +1116,7 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
       r = from_cuda.launched("score launch");
     }
     if (r.ok) {
-      const dim3 grid(kSelectCluster, n_dev);  // one cluster a pair (select_kernel's dims)
+      const dim3 grid(dev.select_ctas, n_dev);  // one cluster a pair (select_kernel's dims)
       select_kernel<<<grid, kSelectThreads, std::size_t{view.stage_floats} * 4, dev.stream.get()>>>(
           view);
       r = from_cuda.launched("select launch");
@@ -1135,4 +1191,5 @@ float LocksScorer::last_run_ms() const noexcept {
   return ms;
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

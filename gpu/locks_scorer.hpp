@@ -4,8 +4,9 @@
 // memory), and for a batch of (sequence, KV head) pairs scores every sealed page for the group's
 // query heads, combines the heads into one ranking, keeps the top pages within the budget and
 // returns, per pair, the ascending chosen page ids with their scores and the kept-mass estimate,
-// as PageSelector::select_pair does. Plain C++: lib/ includes this without CUDA headers; a build
-// without CUDA defines every function to return Result{unsupported}.
+// as PageSelector::select_pair does. Plain C++: lib/ includes this without CUDA headers. The class
+// is the host's facade over the CUDA backend's implementation (gpu/backend.hpp,
+// gpu/locks_scorer.cu); where the backend is absent every call returns Result{unsupported}.
 //
 // Arithmetic, and how close it comes to the CPU's:
 // - Page scores (int8 queries, the policy default; the only mode offered): q is rounded per head
@@ -42,6 +43,10 @@
 #include "simd/kernels.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class LocksScorer;
+}
 
 // How the G query heads' page scores combine into one ranking (select::GqaCombine, same order).
 enum class LocksCombine : uint8_t { share_avg = 0, nrm = 1, max = 2 };
@@ -96,7 +101,7 @@ inline constexpr uint32_t kLocksUploadChunk = 4096;
 // host thread at a time. Movable, not copyable.
 class LocksScorer {
  public:
-  LocksScorer();  // out of line, where Device is complete
+  LocksScorer();  // out of line, where the backend's class is complete
   ~LocksScorer();
   LocksScorer(LocksScorer&& other) noexcept;
   LocksScorer& operator=(LocksScorer&& other) noexcept;
@@ -105,9 +110,8 @@ class LocksScorer {
 
   // Checks the shape (invalid argument), then makes `device` current for the calling thread and
   // allocates the records, workspaces and staging (about slots * record_bytes + (4 * group + 12)
-  // * max_pages + 4 * table_copies * max_pair_pages bytes of device memory). A build without CUDA
-  // answers Result{unsupported} before any check; so does a CUDA build without a driver or the
-  // device.
+  // * max_pages + 4 * table_copies * max_pair_pages bytes of device memory). Without the CUDA
+  // backend: Result{unsupported} before any check; without a driver or the device: after them.
   Result init(int device, const LocksScorerShape& shape);
 
   // Copies the records of n slots to the device: slot slots[i]'s record is read at records +
@@ -134,16 +138,14 @@ class LocksScorer {
   // argument for a pair the host filled whole (no scores were computed).
   Result head_scores(uint32_t pair, float* out) const;
 
-  const LocksScorerShape& shape() const noexcept { return shape_; }
+  const LocksScorerShape& shape() const noexcept;
   // Device bytes of the records copy.
   uint64_t device_bytes() const noexcept;
   // Milliseconds the last run() took on the device (batch upload to the result's arrival).
   float last_run_ms() const noexcept;
 
  private:
-  struct Device;  // the CUDA resources (gpu/locks_scorer.cu)
-  std::unique_ptr<Device> device_;
-  LocksScorerShape shape_{};
+  std::unique_ptr<backend::LocksScorer> impl_;  // made by the first init()
 };
 
 }  // namespace kvsift::gpu

@@ -19,6 +19,7 @@
 #include <utility>
 #include <vector>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/louver_filter.hpp"
@@ -173,6 +174,32 @@ struct Slot {
 
 }  // namespace
 
+namespace cuda {
+
+// The backend's LouverFilter (gpu/backend.hpp).
+class LouverFilter final : public backend::LouverFilter {
+ public:
+  Result init(int device, const LouverFilterShape& shape) override;
+  Result sync(uint32_t slot, const LouverIndexView& view) override;
+  void release(uint32_t slot) noexcept override;
+  Result validate(const LouverFilterItem* items, uint32_t n_items) const override;
+  Result run(const LouverFilterItem* items, uint32_t n_items) noexcept override;
+  const uint32_t* mask(uint32_t item) const noexcept override;
+  uint32_t mask_keys(uint32_t item) const noexcept override;
+  const LouverFilterShape& shape() const noexcept override { return shape_; }
+  uint64_t device_bytes() const noexcept override;
+  float last_run_ms() const noexcept override;
+
+ private:
+  struct Device;
+  std::unique_ptr<Device> device_;
+  LouverFilterShape shape_{};
+};
+
+std::unique_ptr<backend::LouverFilter> make_louver_filter() {
+  return std::make_unique<LouverFilter>();
+}
+
 // Members go in reverse: the slots' and the workspace's memory, then the events and the stream.
 struct LouverFilter::Device {
   int device = 0;
@@ -192,11 +219,6 @@ struct LouverFilter::Device {
   std::vector<uint64_t> stamp;       // per slot: the validate() call that last saw it
   uint64_t validations = 0;
 };
-
-LouverFilter::LouverFilter() = default;
-LouverFilter::~LouverFilter() = default;
-LouverFilter::LouverFilter(LouverFilter&& other) noexcept = default;
-LouverFilter& LouverFilter::operator=(LouverFilter&& other) noexcept = default;
 
 Result LouverFilter::init(int device, const LouverFilterShape& shape) {
   if (shape.head_dim == 0 || shape.head_dim % 16 != 0 || shape.head_dim > kMaxHeadDim)
@@ -483,4 +505,5 @@ float LouverFilter::last_run_ms() const noexcept {
   return ms;
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

@@ -4,8 +4,9 @@
 // thresholds) computes every cluster's ball bound and then every indexed key's summed bound,
 // returning a bitmask of the keys that reach the threshold for some head. The host then scores
 // those candidates (and the index's buffered keys) exactly, as LouverIndex::finish_query does.
-// Plain C++: lib/ includes this without CUDA headers; a build without CUDA defines every function
-// to return Result{unsupported}.
+// Plain C++: lib/ includes this without CUDA headers. The class is the host's facade over the CUDA
+// backend's implementation (gpu/backend.hpp, gpu/louver_filter.cu); where the backend is absent
+// every call returns Result{unsupported} saying why.
 //
 // Arithmetic. For one head, subspace s and cluster C the device computes
 // UB_s(C) = q_s . c + |q_s| rho in float32 in the order of the CPU table the index uses
@@ -40,6 +41,10 @@
 #include "simd/louver_kernels.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class LouverFilter;
+}
 
 // One index's arrays in host memory, as LouverIndex keeps them (its *_data accessors).
 struct LouverIndexView {
@@ -79,7 +84,7 @@ struct LouverFilterItem {
 // Use from one host thread at a time. Movable, not copyable.
 class LouverFilter {
  public:
-  LouverFilter();  // out of line, where Device is complete
+  LouverFilter();  // out of line, where the backend's class is complete
   ~LouverFilter();
   LouverFilter(LouverFilter&& other) noexcept;
   LouverFilter& operator=(LouverFilter&& other) noexcept;
@@ -88,7 +93,7 @@ class LouverFilter {
 
   // Checks the shape (an invalid one is reported as such, unsupported or not), then makes
   // `device` current for the calling thread, creates the stream and the pinned staging for
-  // max_items items. Without CUDA, a driver or the device: Result{unsupported}.
+  // max_items items. Without the CUDA backend, a driver or the device: Result{unsupported}.
   Result init(int device, const LouverFilterShape& shape);
 
   // Brings slot `slot` up to date with `view`: the first call (or the first after release())
@@ -116,16 +121,14 @@ class LouverFilter {
   // Keys item's mask covers, as of the last run().
   uint32_t mask_keys(uint32_t item) const noexcept;
 
-  const LouverFilterShape& shape() const noexcept { return shape_; }
+  const LouverFilterShape& shape() const noexcept;
   // Device bytes the slots hold (centers, radii, assignments; not the workspace).
   uint64_t device_bytes() const noexcept;
   // Milliseconds the last run() took on the device (upload of the batch to the masks' arrival).
   float last_run_ms() const noexcept;
 
  private:
-  struct Device;  // the CUDA resources (gpu/louver_filter.cu)
-  std::unique_ptr<Device> device_;
-  LouverFilterShape shape_{};
+  std::unique_ptr<backend::LouverFilter> impl_;  // made by the first init()
 };
 
 }  // namespace kvsift::gpu

@@ -1,9 +1,11 @@
-// The offload step's stream, events, buffers and page refresh on CUDA (gpu/offload_runtime.hpp).
+// The offload step's stream, events, buffers and page refresh on CUDA (gpu/offload_runtime.hpp),
+// the backend's StepStream and runtime calls (gpu/backend.hpp).
 #include <cuda_runtime.h>
 
 #include <memory>
 #include <utility>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/offload_runtime.hpp"
@@ -28,6 +30,10 @@ __global__ void __launch_bounds__(kRefreshThreads)
 
 }  // namespace
 
+namespace cuda {
+
+// The backend's calls of gpu/offload_runtime.hpp's free functions (gpu/runtime.cu's Backend
+// forwards to them).
 Result set_device(int device) {
   return from_cuda(cudaSetDevice(device), "cudaSetDevice");
 }
@@ -55,17 +61,33 @@ void device_free(void* p) noexcept {
   cudaFree(p);
 }
 
-// Members go in reverse: the events, then the stream.
-struct StepStream::Device {
-  Stream stream;
-  Event events[kEvents];
+class StepStream final : public backend::StepStream {
+ public:
+  static constexpr uint32_t kEvents = gpu::StepStream::kEvents;
+
+  Result init() override;
+  void* handle() const noexcept override;
+  Result copy_to_device(void* device_dst, const void* host_src,
+                        std::size_t bytes) noexcept override;
+  Result copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) noexcept override;
+  Result refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
+                       const PageMove* moves, uint32_t n) noexcept override;
+  Result mark(uint32_t i) noexcept override;
+  Result wait(uint32_t i) noexcept override;
+  float elapsed_ms(uint32_t i, uint32_t j) const noexcept override;
+
+ private:
+  // Members go in reverse: the events, then the stream.
+  struct Device {
+    Stream stream;
+    Event events[kEvents];
+  };
+  std::unique_ptr<Device> device_;
 };
 
-StepStream::StepStream() = default;
-
-StepStream::~StepStream() = default;
-StepStream::StepStream(StepStream&& other) noexcept = default;
-StepStream& StepStream::operator=(StepStream&& other) noexcept = default;
+std::unique_ptr<backend::StepStream> make_step_stream() {
+  return std::make_unique<StepStream>();
+}
 
 Result StepStream::init() {
   device_.reset();
@@ -127,4 +149,5 @@ float StepStream::elapsed_ms(uint32_t i, uint32_t j) const noexcept {
   return ms;
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

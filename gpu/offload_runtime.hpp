@@ -1,9 +1,9 @@
 // The CUDA work of one offload step that is neither the transfer engine (gpu/page_transfer.hpp)
 // nor the attention kernel (gpu/sparse_attention.hpp): a stream with its timing events, device
 // buffers, the small copies of q, the lists and the output, and the refresh of cached pages whose
-// host copy changed. Plain C++, so lib/offload uses it without CUDA headers; built from
-// offload_runtime.cu with CUDA, else from offload_runtime_no_cuda.cpp, where every call reports
-// Result{unsupported}.
+// host copy changed. Plain C++, so lib/offload uses it without CUDA headers: the host's facade
+// (gpu/offload_runtime.cpp) over the CUDA backend (gpu/backend.hpp, gpu/offload_runtime.cu); where
+// the backend is absent every call reports Result{unsupported} saying why.
 #pragma once
 
 #include <cstddef>
@@ -14,6 +14,10 @@
 #include "gpu/page_residency.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class StepStream;
+}
 
 // Makes `device` the calling thread's current device (the CUDA runtime's notion, per thread).
 Result set_device(int device);
@@ -65,8 +69,7 @@ class StepStream {
   float elapsed_ms(uint32_t i, uint32_t j) const noexcept;
 
  private:
-  struct Device;  // the CUDA resources (gpu/offload_runtime.cu)
-  std::unique_ptr<Device> device_;
+  std::unique_ptr<backend::StepStream> impl_;  // made by the first init()
 };
 
 }  // namespace kvsift::gpu

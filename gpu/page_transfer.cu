@@ -1,4 +1,5 @@
-// DevicePageCache on CUDA (gpu/page_transfer.hpp has the contract and the two paths).
+// The device half of DevicePageCache on CUDA, the backend's PagePool (gpu/backend.hpp;
+// gpu/page_transfer.hpp has the contract and the two paths).
 //
 // Both kernels move 16-byte vectors; slot_bytes is a power of two, so a vector's page and offset
 // are a shift and a mask. The mapped kernel reads host memory over PCIe: each CTA takes a
@@ -25,6 +26,7 @@
 #include <string>
 #include <utility>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/page_transfer.hpp"
@@ -85,46 +87,51 @@ __global__ void __launch_bounds__(kThreads)
 
 }  // namespace
 
-struct DevicePageCache::Device {
+namespace cuda {
+
+class PagePool final : public backend::PagePool {
+ public:
+  Result init(const PageCacheConfig& config) override;
+  const void* device_pool() const noexcept override { return pool_.get(); }
+  bool host_pool_mapped() const noexcept override { return host_pool_device_ != nullptr; }
+  Result move_staged(const PageMove* moves, std::size_t n, void* stream) noexcept override;
+  Result move_mapped(const PageMove* moves, std::size_t n, void* stream) noexcept override;
+
+ private:
   // The events come first so that they go last: freeing pinned or device memory waits for the
   // work using it.
-  Event chunk_free[PageCacheConfig::kStagingChunks];  // its copy and scatter are done
-  Event moves_free;                                   // the last mapped kernel has read the list
-  DeviceBuffer<void> pool;
-  const void* host_pool_device = nullptr;  // the host pool's device view when it is mapped
-  PinnedBuffer<unsigned char> staging_host[PageCacheConfig::kStagingChunks];
-  DeviceBuffer<unsigned char> staging_device[PageCacheConfig::kStagingChunks];
-  uint32_t next_chunk = 0;
-  std::size_t chunk_pages = 0;
-  PinnedBuffer<PageMove> moves_host;  // pinned, mapped: the mapped kernel's list [capacity]
-  const void* moves_device = nullptr;
-  uint32_t multiprocessors = 0;
-  uint32_t vec_shift = 0;
+  Event chunk_free_[PageCacheConfig::kStagingChunks];  // its copy and scatter are done
+  Event moves_free_;                                   // the last mapped kernel has read the list
+  DeviceBuffer<void> pool_;
+  const void* host_pool_device_ = nullptr;  // the host pool's device view when it is mapped
+  PinnedBuffer<unsigned char> staging_host_[PageCacheConfig::kStagingChunks];
+  DeviceBuffer<unsigned char> staging_device_[PageCacheConfig::kStagingChunks];
+  uint32_t next_chunk_ = 0;
+  std::size_t chunk_pages_ = 0;
+  PinnedBuffer<PageMove> moves_host_;  // pinned, mapped: the mapped kernel's list [capacity]
+  const void* moves_device_ = nullptr;
+  uint32_t multiprocessors_ = 0;
+  uint32_t vec_shift_ = 0;
+  PageCacheConfig config_{};
 };
 
-DevicePageCache::DevicePageCache() = default;
-DevicePageCache::~DevicePageCache() = default;
-DevicePageCache::DevicePageCache(DevicePageCache&& other) noexcept = default;
-DevicePageCache& DevicePageCache::operator=(DevicePageCache&& other) noexcept = default;
-
-const void* DevicePageCache::device_pool() const noexcept {
-  return device_ ? device_->pool.get() : nullptr;
+std::unique_ptr<backend::PagePool> make_page_pool() {
+  return std::make_unique<PagePool>();
 }
 
-Result DevicePageCache::init(const PageCacheConfig& config) {
-  device_.reset();
-  if (Result r = validate(config); !r.ok) return r;
+// Called once, on a new object: the facade makes a PagePool per init() and keeps it only when
+// this succeede
+Result PagePool::init(const PageCacheConfig& config) {
   int n_devices = 0;
   if (Result r = device_count(&n_devices); !r.ok) return r;
-  auto d = std::make_unique<Device>();
   int device = 0, sms = 0;
   if (Result r = from_cuda(cudaGetDevice(&device), "cudaGetDevice"); !r.ok) return r;
   if (Result r = from_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device),
                            "multiprocessor count");
       !r.ok)
     return r;
-  d->multiprocessors = static_cast<uint32_t>(sms);
-  d->vec_shift = static_cast<uint32_t>(__builtin_ctzll(config.slot_bytes / 16));
+  multiprocessors_ = static_cast<uint32_t>(sms);
+  vec_shift_ = static_cast<uint32_t>(__builtin_ctzll(config.slot_bytes / 16));
 
   // Pinned (cudaHostAlloc, cudaHostRegister) memory reports its device view; pageable memory
   // reports none and takes the staged path only.
@@ -133,147 +140,96 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
       err != cudaSuccess)
     cudaGetLastError();
   else if (attributes.type == cudaMemoryTypeHost)
-    d->host_pool_device = attributes.devicePointer;
-  if (config.path == TransferPath::mapped && d->host_pool_device == nullptr)
+    host_pool_device_ = attributes.devicePointer;
+  if (config.path == TransferPath::mapped && host_pool_device_ == nullptr)
     return from_cuda.invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
 
   const std::size_t pool_bytes =
       (std::size_t{config.capacity} + config.reserved_slots) * config.slot_bytes;
-  if (Result r = from_cuda(d->pool.allocate(pool_bytes), "device pool (cudaMalloc)"); !r.ok)
-    return r;
-  d->chunk_pages = config.staging_chunk_bytes / (config.slot_bytes + sizeof(uint32_t));
-  const std::size_t chunk_bytes = d->chunk_pages * (config.slot_bytes + sizeof(uint32_t));
+  if (Result r = from_cuda(pool_.allocate(pool_bytes), "device pool (cudaMalloc)"); !r.ok) return r;
+  chunk_pages_ = config.staging_chunk_bytes / (config.slot_bytes + sizeof(uint32_t));
+  const std::size_t chunk_bytes = chunk_pages_ * (config.slot_bytes + sizeof(uint32_t));
   for (uint32_t c = 0; c < PageCacheConfig::kStagingChunks; ++c) {
-    if (Result r = from_cuda(d->staging_host[c].allocate(chunk_bytes, cudaHostAllocDefault),
+    if (Result r = from_cuda(staging_host_[c].allocate(chunk_bytes, cudaHostAllocDefault),
                              "pinned staging (cudaHostAlloc)");
         !r.ok)
       return r;
     if (Result r =
-            from_cuda(d->staging_device[c].allocate(chunk_bytes), "device staging (cudaMalloc)");
+            from_cuda(staging_device_[c].allocate(chunk_bytes), "device staging (cudaMalloc)");
         !r.ok)
       return r;
-    if (Result r = from_cuda(d->chunk_free[c].create(cudaEventDisableTiming), "event"); !r.ok)
+    if (Result r = from_cuda(chunk_free_[c].create(cudaEventDisableTiming), "event"); !r.ok)
       return r;
   }
-  if (Result r = from_cuda(d->moves_host.allocate(std::size_t{config.capacity} * sizeof(PageMove),
-                                                  cudaHostAllocMapped),
+  if (Result r = from_cuda(moves_host_.allocate(std::size_t{config.capacity} * sizeof(PageMove),
+                                                cudaHostAllocMapped),
                            "move list (cudaHostAlloc)");
       !r.ok)
     return r;
   void* moves_device = nullptr;
-  if (Result r = from_cuda(cudaHostGetDevicePointer(&moves_device, d->moves_host.get(), 0),
+  if (Result r = from_cuda(cudaHostGetDevicePointer(&moves_device, moves_host_.get(), 0),
                            "move list view");
       !r.ok)
     return r;
-  d->moves_device = moves_device;
-  if (Result r = from_cuda(d->moves_free.create(cudaEventDisableTiming), "event"); !r.ok) return r;
-
-  if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
-    return r;
+  moves_device_ = moves_device;
+  if (Result r = from_cuda(moves_free_.create(cudaEventDisableTiming), "event"); !r.ok) return r;
   config_ = config;
-  device_ = std::move(d);
-  last_ = {};
-  totals_ = {};
   return Result{};
 }
 
-Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
-                               void* stream, TransferPath path) noexcept {
-  if (!device_) return from_cuda.invalid("ensure() before a successful init()");
-  if (path == TransferPath::automatic) path = config_.path;
-  if (path == TransferPath::mapped && device_->host_pool_device == nullptr)
-    return from_cuda.invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
-  if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
-  const StepCounts& counts = residency_.last_counts();
-  const uint64_t bytes = counts.misses * config_.slot_bytes;
-  if (path == TransferPath::automatic)
-    path = bytes < config_.mapped_below_bytes && device_->host_pool_device != nullptr
-               ? TransferPath::mapped
-               : TransferPath::staged;
-  if (counts.misses > 0) {
-    Result r = path == TransferPath::mapped ? move_mapped(stream) : move_staged(stream);
-    if (!r.ok) {
-      residency_.forget_moves();
-      return r;
-    }
-  }
-  last_ = TransferStats{};
-  last_.steps = 1;
-  last_.requested = counts.requested;
-  last_.hits = counts.hits;
-  last_.misses = counts.misses;
-  last_.evictions = counts.evictions;
-  last_.bytes_moved = bytes;
-  last_.staged_steps = counts.misses > 0 && path == TransferPath::staged;
-  last_.mapped_steps = counts.misses > 0 && path == TransferPath::mapped;
-  totals_.steps += 1;
-  totals_.requested += last_.requested;
-  totals_.hits += last_.hits;
-  totals_.misses += last_.misses;
-  totals_.evictions += last_.evictions;
-  totals_.bytes_moved += last_.bytes_moved;
-  totals_.staged_steps += last_.staged_steps;
-  totals_.mapped_steps += last_.mapped_steps;
-  return Result{};
-}
-
-Result DevicePageCache::move_staged(void* stream_ptr) noexcept {
-  Device& d = *device_;
+Result PagePool::move_staged(const PageMove* moves, std::size_t n, void* stream_ptr) noexcept {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const std::vector<PageMove>& moves = residency_.moves();
   const std::size_t slot_bytes = config_.slot_bytes;
-  for (std::size_t done = 0; done < moves.size();) {
-    const std::size_t k = std::min(d.chunk_pages, moves.size() - done);
-    const uint32_t c = d.next_chunk;
-    d.next_chunk = (c + 1) % PageCacheConfig::kStagingChunks;
+  for (std::size_t done = 0; done < n;) {
+    const std::size_t k = std::min(chunk_pages_, n - done);
+    const uint32_t c = next_chunk_;
+    next_chunk_ = (c + 1) % PageCacheConfig::kStagingChunks;
     // The chunk's previous copy (host staging) and scatter (device staging) must be done.
-    if (Result r = from_cuda(cudaEventSynchronize(d.chunk_free[c].get()), "staging wait"); !r.ok)
+    if (Result r = from_cuda(cudaEventSynchronize(chunk_free_[c].get()), "staging wait"); !r.ok)
       return r;
-    gather_pages(config_.host_pool, slot_bytes, moves.data() + done, k, d.staging_host[c].get(),
+    gather_pages(config_.host_pool, slot_bytes, moves + done, k, staging_host_[c].get(),
                  config_.gather_threads);
     if (Result r = from_cuda(
-            cudaMemcpyAsync(d.staging_device[c].get(), d.staging_host[c].get(),
+            cudaMemcpyAsync(staging_device_[c].get(), staging_host_[c].get(),
                             k * (slot_bytes + sizeof(uint32_t)), cudaMemcpyHostToDevice, stream),
             "staged copy (cudaMemcpyAsync)");
         !r.ok)
       return r;
-    const uint32_t vecs = static_cast<uint32_t>(k) << d.vec_shift;
-    const uint32_t grid =
-        std::min((vecs + kThreads - 1) / kThreads, d.multiprocessors * kCtasPerSm);
+    const uint32_t vecs = static_cast<uint32_t>(k) << vec_shift_;
+    const uint32_t grid = std::min((vecs + kThreads - 1) / kThreads, multiprocessors_ * kCtasPerSm);
     scatter_kernel<<<grid, kThreads, 0, stream>>>(
-        reinterpret_cast<const uint4*>(d.staging_device[c].get()),
-        static_cast<uint4*>(d.pool.get()), static_cast<uint32_t>(k), d.vec_shift);
+        reinterpret_cast<const uint4*>(staging_device_[c].get()), static_cast<uint4*>(pool_.get()),
+        static_cast<uint32_t>(k), vec_shift_);
     if (Result r = from_cuda.launched("scatter launch"); !r.ok) return r;
-    if (Result r = from_cuda(cudaEventRecord(d.chunk_free[c].get(), stream), "event"); !r.ok)
+    if (Result r = from_cuda(cudaEventRecord(chunk_free_[c].get(), stream), "event"); !r.ok)
       return r;
     done += k;
   }
   return Result{};
 }
 
-Result DevicePageCache::move_mapped(void* stream_ptr) noexcept {
-  Device& d = *device_;
+Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_ptr) noexcept {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  const std::vector<PageMove>& moves = residency_.moves();
   // The list is read by the kernel over PCIe: the previous step's kernel must be done with it.
-  if (Result r = from_cuda(cudaEventSynchronize(d.moves_free.get()), "move list wait"); !r.ok)
+  if (Result r = from_cuda(cudaEventSynchronize(moves_free_.get()), "move list wait"); !r.ok)
     return r;
-  std::memcpy(d.moves_host.get(), moves.data(), moves.size() * sizeof(PageMove));
-  const auto n_pages = static_cast<uint32_t>(moves.size());
-  const uint64_t total = uint64_t{n_pages} << d.vec_shift;
-  const uint64_t slot_vecs = uint64_t{1} << d.vec_shift;
+  std::memcpy(moves_host_.get(), moves, n * sizeof(PageMove));
+  const auto n_pages = static_cast<uint32_t>(n);
+  const uint64_t total = uint64_t{n_pages} << vec_shift_;
+  const uint64_t slot_vecs = uint64_t{1} << vec_shift_;
   // One wave of CTAs when there is enough work, at least a block's worth of vectors each, and
   // few enough pages per CTA that its pairs fit in shared memory (a range of r vectors touches at
   // most r / slot_vecs + 2 pages).
-  const uint64_t target = uint64_t{d.multiprocessors} * kCtasPerSm;
+  const uint64_t target = uint64_t{multiprocessors_} * kCtasPerSm;
   uint64_t per_cta = std::max<uint64_t>((total + target - 1) / target, kThreads);
   per_cta = std::min(per_cta, (kMaxCtaPages - 2) * slot_vecs);
   const uint64_t grid = (total + per_cta - 1) / per_cta;
   gather_mapped_kernel<<<static_cast<uint32_t>(grid), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(d.host_pool_device), static_cast<uint4*>(d.pool.get()),
-      static_cast<const uint2*>(d.moves_device), n_pages, d.vec_shift, per_cta);
+      static_cast<const uint4*>(host_pool_device_), static_cast<uint4*>(pool_.get()),
+      static_cast<const uint2*>(moves_device_), n_pages, vec_shift_, per_cta);
   if (Result r = from_cuda.launched("mapped gather launch"); !r.ok) return r;
-  return from_cuda(cudaEventRecord(d.moves_free.get(), stream), "event");
+  return from_cuda(cudaEventRecord(moves_free_.get(), stream), "event");
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

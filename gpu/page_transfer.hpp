@@ -1,8 +1,11 @@
 // The transfer engine: a device page cache for one layer, and the per-step ensure() that makes the
 // pages a selection names resident on the device, moving only the missing ones in coalesced
-// transfers. Plain C++ (no CUDA types); a build without CUDA defines every entry point to return
-// Result{unsupported}. One DevicePageCache per layer: the model's step asks each layer's cache for
-// that layer's pages, then hands device_pool() and the returned slots to SparseDecodeAttention.
+// transfers. Plain C++ (no CUDA types): the class keeps the residency bookkeeping and the
+// statistics on the host and leaves the device pool and the moves to the CUDA backend
+// (gpu/backend.hpp's PagePool, gpu/page_transfer.cu); where the backend is absent init() returns
+// Result{unsupported} saying why. One DevicePageCache per layer: the model's step asks each layer's
+// cache for that layer's pages, then hands device_pool() and the returned slots to
+// SparseDecodeAttention.
 //
 // Data layout: host and device slots are alike, slot_bytes each (K [page_tokens, head_dim] then V,
 // lib/cache/geometry.hpp), so a page moves as one unit. The host pool is one contiguous region of
@@ -34,6 +37,10 @@
 #include "gpu/page_residency.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class PagePool;
+}
 
 enum class TransferPath : uint8_t { automatic, staged, mapped };
 
@@ -126,29 +133,26 @@ class DevicePageCache {
   const TransferStats& totals() const noexcept { return totals_; }
   // Forgets every resident page (PageResidency::clear), so that the next ensure() moves every page
   // it names: a benchmark's cold step. The device pool's bytes stay; later moves overwrite slots in
-  // stream order, as after evictions. Both builds define it; allocates nothing.
+  // stream order, as after evictions. Allocates nothing.
   void clear() noexcept { residency_.clear(); }
 
  private:
-  struct Device;  // the CUDA resources (gpu/page_transfer.cu), freed with it
-  Result move_staged(void* stream) noexcept;
-  Result move_mapped(void* stream) noexcept;
-
   PageCacheConfig config_{};
   PageResidency residency_;
-  std::unique_ptr<Device> device_;
+  std::unique_ptr<backend::PagePool> device_;  // set by a successful init()
   TransferStats last_{}, totals_{};
 };
 
 // The checks init() makes before touching the device: slot_bytes, capacity, host_slots, the pool
 // pointer and its alignment, the staging chunk (at least one page and its slot id), the path.
-// Errors name the field. Both builds define it.
+// Errors name the field.
 Result validate(const PageCacheConfig& config);
 
 // The CPU half of the staged path: copies slot_bytes from host_pool + moves[i].host_slot *
 // slot_bytes to staging + i * slot_bytes for i < n, with `threads` OpenMP threads (0: OpenMP's
 // default) when the bytes make it pay, and writes the moves' device slots after the pages
-// (staging + n * slot_bytes, n uint32). Both builds define it (gpu/page_transfer_host.cpp).
+// (staging + n * slot_bytes, n uint32). Compiled into the host library and into the CUDA module,
+// whose staged path calls it (gpu/page_gather.cpp).
 void gather_pages(const void* host_pool, std::size_t slot_bytes, const PageMove* moves,
                   std::size_t n, void* staging, uint32_t threads = 0) noexcept;
 

@@ -1,46 +1,20 @@
-// The host side of the transfer engine that both builds share (gpu/page_transfer.hpp): names,
-// configuration checks and the CPU gather of the staged path.
-#include <omp.h>
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
+// The host half of the transfer engine (gpu/page_transfer.hpp): names, configuration checks, and
+// DevicePageCache's bookkeeping over the CUDA backend's device pool (gpu/backend.hpp's PagePool;
+// gpu/page_transfer.cu moves the pages).
 #include <cstdint>
-#include <cstring>
 #include <string>
+#include <utility>
 
+#include "gpu/backend_loader.hpp"
 #include "gpu/page_transfer.hpp"
 
 namespace kvsift::gpu {
 namespace {
 
-// Below this many bytes one thread copies alone: a page copy runs at ~10 GB/s per core
-// (9.3 GB/s single-thread streaming: docs/platform-notes.md, CPU: read bandwidth), so 128 KiB is
-// ~13 us, past the few microseconds an OpenMP fork and join costs.
-constexpr std::size_t kParallelGatherBytes = std::size_t{128} << 10;
 // The largest slot kvsift makes is 64 KiB (64 tokens x 256 dims x K, V x 2 bytes); the bounds keep
 // a chunk's 16-byte vectors countable in 32 bits.
 constexpr std::size_t kMaxSlotBytes = std::size_t{1} << 20;
 constexpr std::size_t kMaxChunkBytes = std::size_t{1} << 30;
-
-// Staging is written once and read by the copy engine, never by the CPU: streaming stores skip
-// the read-for-ownership of each destination line, so a gathered byte costs DRAM one read and one
-// write instead of two reads and a write. The staged path is bound by DRAM bandwidth on the H200
-// host (16 threads gather alone at 67-84 GB/s, yet gather + copy pipelined reached only 16-22 GB/s
-// while the DMA read the staging too: bench/bench_gpu_transfer.cpp).
-void copy_page(unsigned char* to, const unsigned char* from, std::size_t bytes, bool aligned) {
-#if defined(__SSE2__)
-  if (aligned) {
-    auto* d = reinterpret_cast<__m128i*>(to);
-    const auto* s = reinterpret_cast<const __m128i*>(from);
-    for (std::size_t i = 0; i < bytes / 16; ++i) _mm_stream_si128(d + i, _mm_load_si128(s + i));
-    _mm_sfence();  // visible before the copy engine is told to read them
-    return;
-  }
-#endif
-  (void)aligned;
-  std::memcpy(to, from, bytes);
-}
 
 }  // namespace
 
@@ -81,23 +55,74 @@ Result validate(const PageCacheConfig& c) {
   return Result{};
 }
 
-void gather_pages(const void* host_pool, std::size_t slot_bytes, const PageMove* moves,
-                  std::size_t n, void* staging, uint32_t threads) noexcept {
-  const auto* from = static_cast<const unsigned char*>(host_pool);
-  auto* to = static_cast<unsigned char*>(staging);
-  const auto count = static_cast<long long>(n);
-  const int team = threads > 0 ? static_cast<int>(threads) : omp_get_max_threads();
-  const bool aligned =
-      (reinterpret_cast<std::uintptr_t>(from) | reinterpret_cast<std::uintptr_t>(to) | slot_bytes) %
-          16 ==
-      0;
-#pragma omp parallel for schedule(static) \
-    num_threads(team) if (n * slot_bytes >= kParallelGatherBytes)
-  for (long long i = 0; i < count; ++i)
-    copy_page(to + static_cast<std::size_t>(i) * slot_bytes,
-              from + std::size_t{moves[i].host_slot} * slot_bytes, slot_bytes, aligned);
-  auto* slots = reinterpret_cast<uint32_t*>(to + n * slot_bytes);
-  for (std::size_t i = 0; i < n; ++i) slots[i] = moves[i].device_slot;
+DevicePageCache::DevicePageCache() = default;
+DevicePageCache::~DevicePageCache() = default;
+DevicePageCache::DevicePageCache(DevicePageCache&& other) noexcept = default;
+DevicePageCache& DevicePageCache::operator=(DevicePageCache&& other) noexcept = default;
+
+const void* DevicePageCache::device_pool() const noexcept {
+  return device_ ? device_->device_pool() : nullptr;
+}
+
+Result DevicePageCache::init(const PageCacheConfig& config) {
+  device_.reset();
+  if (Result r = validate(config); !r.ok) return r;
+  std::unique_ptr<backend::PagePool> pool;
+  if (Result r = make_impl(&pool, &backend::Backend::make_page_pool, "GPU page cache"); !r.ok)
+    return r;
+  if (Result r = pool->init(config); !r.ok) return r;
+  if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
+    return r;
+  config_ = config;
+  device_ = std::move(pool);
+  last_ = {};
+  totals_ = {};
+  return Result{};
+}
+
+Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
+                               void* stream, TransferPath path) noexcept {
+  const auto invalid = [](const char* message) {
+    return Result::invalid(std::string("page cache: ") + message);
+  };
+  if (!device_) return invalid("ensure() before a successful init()");
+  if (path == TransferPath::automatic) path = config_.path;
+  if (path == TransferPath::mapped && !device_->host_pool_mapped())
+    return invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
+  if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
+  const StepCounts& counts = residency_.last_counts();
+  const uint64_t bytes = counts.misses * config_.slot_bytes;
+  if (path == TransferPath::automatic)
+    path = bytes < config_.mapped_below_bytes && device_->host_pool_mapped() ? TransferPath::mapped
+                                                                             : TransferPath::staged;
+  if (counts.misses > 0) {
+    const std::vector<PageMove>& moves = residency_.moves();
+    Result r = path == TransferPath::mapped
+                   ? device_->move_mapped(moves.data(), moves.size(), stream)
+                   : device_->move_staged(moves.data(), moves.size(), stream);
+    if (!r.ok) {
+      residency_.forget_moves();
+      return r;
+    }
+  }
+  last_ = TransferStats{};
+  last_.steps = 1;
+  last_.requested = counts.requested;
+  last_.hits = counts.hits;
+  last_.misses = counts.misses;
+  last_.evictions = counts.evictions;
+  last_.bytes_moved = bytes;
+  last_.staged_steps = counts.misses > 0 && path == TransferPath::staged;
+  last_.mapped_steps = counts.misses > 0 && path == TransferPath::mapped;
+  totals_.steps += 1;
+  totals_.requested += last_.requested;
+  totals_.hits += last_.hits;
+  totals_.misses += last_.misses;
+  totals_.evictions += last_.evictions;
+  totals_.bytes_moved += last_.bytes_moved;
+  totals_.staged_steps += last_.staged_steps;
+  totals_.mapped_steps += last_.mapped_steps;
+  return Result{};
 }
 
 }  // namespace kvsift::gpu

@@ -13,7 +13,7 @@ namespace kvsift::gpu {
 
 enum class Fault : uint8_t {
   none,
-  unsupported,    // no CUDA in this build, or no usable CUDA driver or device
+  unsupported,    // no CUDA backend module or runtime, or no usable CUDA driver or device
   invalid,        // the request itself is wrong: an argument or a shape the call does not serve
   out_of_memory,  // device or pinned host memory ran out
   failed,         // CUDA failed a request that was valid (a launch, a copy, a lost context)
@@ -38,11 +38,6 @@ struct Result {
     return Result{false, false, std::move(message), Fault::failed};
   }
 };
-
-// What every entry point of a build without the CUDA Toolkit answers (gpu/*no_cuda.cpp).
-inline Result without_cuda(const std::string& what) {
-  return Result::absent(what + ": kvsift was built without CUDA");
-}
 
 // The status a failed Result stands for: no driver or device reads "unsupported" (the dev box and
 // CI have none, and that is not a failure of the request), a wrong request "invalid_argument",

@@ -25,6 +25,7 @@
 #include <sstream>
 #include <utility>
 
+#include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/sparse_attention.hpp"
@@ -606,31 +607,40 @@ uint32_t log2_exact(uint32_t power_of_two) {
 
 }  // namespace
 
-struct SparseDecodeAttention::Workspace {
-  DeviceBuffer<float> memory;  // the partials, then the arrival counters
+namespace cuda {
+
+// The backend's SparseDecodeAttention (gpu/backend.hpp): the split workspace on one device.
+class SparseDecodeAttention final : public backend::SparseDecodeAttention {
+ public:
+  ~SparseDecodeAttention() override { release(); }
+
+  Result init(const AttentionShape& shape, uint32_t max_batch) override;
+  Result validate(const PageAttendCall& call) const override;
+  Result validate(const TokenAttendCall& call) const override;
+  Result run(const PageAttendCall& call) noexcept override;
+  Result run(const TokenAttendCall& call) noexcept override;
+  const SplitPlan& last_plan() const noexcept override { return plan_; }
+  const AttentionShape& shape() const noexcept override { return shape_; }
+
+ private:
+  struct Workspace {
+    DeviceBuffer<float> memory;  // the partials, then the arrival counters
+  };
+  void release() noexcept;
+
+  AttentionShape shape_{};
+  uint32_t max_batch_ = 0;
+  uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
+  std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
+  std::unique_ptr<Workspace> workspace_;
+  float* partials_ = nullptr;     // workspace_: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
+  uint32_t* arrivals_ = nullptr;  // workspace_, after the partials: finished splits per (pair,
+                                  // head block), back to zero at the end of every call
+  SplitPlan plan_{};
 };
 
-SparseDecodeAttention::SparseDecodeAttention() = default;
-SparseDecodeAttention::~SparseDecodeAttention() {
-  release();
-}
-
-SparseDecodeAttention::SparseDecodeAttention(SparseDecodeAttention&& other) noexcept {
-  *this = std::move(other);
-}
-
-SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& other) noexcept {
-  if (this == &other) return *this;
-  release();
-  shape_ = other.shape_;
-  max_batch_ = std::exchange(other.max_batch_, 0);
-  target_ctas_ = std::exchange(other.target_ctas_, 0);
-  partial_slots_ = std::exchange(other.partial_slots_, 0);
-  workspace_ = std::move(other.workspace_);
-  partials_ = std::exchange(other.partials_, nullptr);
-  arrivals_ = std::exchange(other.arrivals_, nullptr);
-  plan_ = other.plan_;
-  return *this;
+std::unique_ptr<backend::SparseDecodeAttention> make_sparse_attention() {
+  return std::make_unique<SparseDecodeAttention>();
 }
 
 void SparseDecodeAttention::release() noexcept {
@@ -776,4 +786,5 @@ Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
                 partials_, arrivals_, plan_);
 }
 
+}  // namespace cuda
 }  // namespace kvsift::gpu

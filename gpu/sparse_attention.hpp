@@ -1,7 +1,8 @@
 // Sparse paged decode attention on the GPU: a batch of sequences, one query token each, all query
 // heads of one layer, over the pages (or tokens) a selector chose, with the pages already in a
-// device page pool. Plain C++: lib/ includes this without CUDA headers; a build without CUDA
-// defines every function to return Result{unsupported}.
+// device page pool. Plain C++: lib/ includes this without CUDA headers. The class is the host's
+// facade over the CUDA backend's implementation (gpu/backend.hpp, gpu/sparse_attention.cu); where
+// the backend is absent every call returns Result{unsupported} saying why.
 //
 // Data layout (stated once, here; every pointer named "device" is device memory):
 // - Pool: slots in the host pool's slot layout (simd/page_layout.hpp), so a host page moves to the
@@ -33,6 +34,10 @@
 #include "simd/kernels.hpp"
 
 namespace kvsift::gpu {
+
+namespace backend {
+class SparseDecodeAttention;
+}
 
 // What the kernels are instantiated for: head_dim 64, 128 or 256; page_tokens 16, 32 or 64;
 // group_size 1..64 (groups above 8 are served in blocks of 8 heads, each block reading the pages
@@ -108,7 +113,7 @@ struct SplitPlan {
 // caller. Movable, not copyable.
 class SparseDecodeAttention {
  public:
-  SparseDecodeAttention();  // out of line, where Workspace is complete
+  SparseDecodeAttention();  // out of line, where the backend's class is complete
   ~SparseDecodeAttention();
   SparseDecodeAttention(SparseDecodeAttention&& other) noexcept;
   SparseDecodeAttention& operator=(SparseDecodeAttention&& other) noexcept;
@@ -132,22 +137,11 @@ class SparseDecodeAttention {
   Result run(const PageAttendCall& call) noexcept;
   Result run(const TokenAttendCall& call) noexcept;
 
-  const SplitPlan& last_plan() const noexcept { return plan_; }
-  const AttentionShape& shape() const noexcept { return shape_; }
+  const SplitPlan& last_plan() const noexcept;
+  const AttentionShape& shape() const noexcept;
 
  private:
-  struct Workspace;  // the split workspace's device memory (gpu/sparse_attention.cu)
-  void release() noexcept;
-
-  AttentionShape shape_{};
-  uint32_t max_batch_ = 0;
-  uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
-  std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
-  std::unique_ptr<Workspace> workspace_;
-  float* partials_ = nullptr;     // workspace_: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
-  uint32_t* arrivals_ = nullptr;  // workspace_, after the partials: finished splits per (pair,
-                                  // head block), back to zero at the end of every call
-  SplitPlan plan_{};
+  std::unique_ptr<backend::SparseDecodeAttention> impl_;  // made by the first init()
 };
 
 }  // namespace kvsift::gpu

@@ -3,7 +3,10 @@
 # benchmarks, in as few device calls as the carry limit allows.
 #
 #   scripts/gpu_check.sh stage   Here, where the project's dependencies are installed: build the GPU
-#                                targets in build-gpu (CUDA on, -j2) and pack them and the shared
+#                                targets in build-gpu (CUDA on, -j2; for sm_90 alone unless
+#                                GPU_CHECK_CUDA_ARCHITECTURES names others) and pack them, the
+#                                libraries beside them (libkvsift.so.0 and the CUDA backend module
+#                                libkvsift_cuda.so, where the loader looks first) and the shared
 #                                libraries the GPU machine lacks into build-gpu/stage.tar.xz (the
 #                                demo's document is compiled into the binaries); split the model
 #                                file ($KVSIFT_MODEL) into build-gpu/model.part.* of 30 MiB each.
@@ -39,12 +42,13 @@ cd "$(dirname "$0")/.."
 mode=${1:-run}
 build=${GPU_CHECK_BUILD:-build-gpu}
 stage=$build/stage
-targets=(kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests
-  kvsift_offload_tests kvsift_tests
+targets=(kvsift_cuda kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests
+  kvsift_gpu_locks_tests kvsift_offload_tests kvsift_tests kvsift_backend_loader_tests
   kvsift-demo kvsift-bench-gpu-attend kvsift-bench-gpu-transfer kvsift-bench-gpu-louver
   kvsift-bench-offload kvsift-bench-decode kvsift-eval)
 target_path() {
   case $1 in
+    kvsift_cuda) echo "$build/lib/libkvsift_cuda.so" ;;
     kvsift-bench-*) echo "$build/bench/$1" ;;
     kvsift-demo) echo "$build/apps/$1" ;;
     kvsift-eval) echo "$build/apps/eval/$1" ;;
@@ -54,7 +58,8 @@ target_path() {
 
 if [[ $mode == stage ]]; then
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=ON \
-    -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" >/dev/null
+    -DCMAKE_CUDA_COMPILER="${CUDACXX:-/usr/local/cuda/bin/nvcc}" \
+    -DCMAKE_CUDA_ARCHITECTURES="${GPU_CHECK_CUDA_ARCHITECTURES:-90}" >/dev/null
   cmake --build "$build" -j2 --target "${targets[@]}"
   rm -rf "$stage" && mkdir -p "$stage"
   for t in "${targets[@]}"; do cp "$(target_path "$t")" "$stage/"; done
@@ -81,8 +86,9 @@ checks=${GPU_CHECK-tests demo}
 if [[ -f $build/stage.tar.xz ]]; then
   rm -rf "$stage" && tar -xJf "$build/stage.tar.xz" -C "$build"
 fi
-[[ -x $stage/kvsift_gpu_tests ]] || {
-  echo "no staged binaries in $stage (run 'scripts/gpu_check.sh stage' here and carry them)" >&2
+[[ -x $stage/kvsift_gpu_tests && -f $stage/libkvsift_cuda.so ]] || {
+  echo "no staged binaries or CUDA backend in $stage (run 'scripts/gpu_check.sh stage' here and" \
+    "carry them)" >&2
   exit 1
 }
 # cuBLAS from the image's CUDA (or from PyTorch's wheel when the toolkit's folder lacks it).
@@ -95,6 +101,9 @@ if compgen -G "$build/model.part.*" >/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$logs/gpu.txt"
 nproc | sed 's/^/cpu cores: /'
+# The binaries load the CUDA backend beside them; a module that does not load says why here.
+"$stage/kvsift_backend_loader_tests" --gtest_brief=1 \
+  --gtest_filter=BackendLoader.finds_the_module_of_this_build 2>&1 | grep -E 'PASSED|FAILED|Failure|not' || true
 echo "model: ${KVSIFT_MODEL:-absent} $(stat -c %s "${KVSIFT_MODEL:-/dev/null}" 2>/dev/null)"
 
 status=0

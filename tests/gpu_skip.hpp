@@ -1,6 +1,8 @@
-// The GPU tests' one skip rule: a test that needs a device skips, saying why, where none is usable
-// (a build without CUDA, or no driver: the development machine's cudaGetDeviceCount fails with
-// "insufficient driver").
+// The GPU tests' one skip rule: a test that needs a device skips, saying why, where none is usable:
+// no CUDA backend module (a build without CUDA, or libkvsift_cuda.so or the CUDA runtime not
+// found), no NVIDIA driver (the development machine: "no NVIDIA driver (libcuda.so.1) was found"),
+// or no device. The reason is the loader's or the backend's message (gpu/backend_loader.cpp,
+// gpu/cuda_result.cuh).
 #pragma once
 
 #include <gtest/gtest.h>

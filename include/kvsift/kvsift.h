@@ -654,8 +654,10 @@ KVSIFT_API kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const fl
 /* ---------------------------------------------------------------------------------------------- */
 /* GPU */
 
-/* *n_devices receives the number of usable CUDA devices. Errors: UNSUPPORTED when kvsift was built
- * without CUDA or no driver/device is present (the message says which). */
+/* *n_devices receives the number of usable CUDA devices. Errors: UNSUPPORTED when kvsift's CUDA
+ * backend (libkvsift_cuda.so, loaded on the first device call; the environment variable
+ * KVSIFT_CUDA_BACKEND may name its path) was not built or does not load, or no driver/device is
+ * present (the message says which). */
 KVSIFT_API kvsift_status kvsift_gpu_device_count(int* n_devices);
 
 #ifdef __cplusplus

@@ -41,10 +41,10 @@ constexpr uint32_t part_event(uint32_t part, uint32_t which) {
 
 std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
                                                            const OffloadOptions& options) {
-  if (!gpu::built_with_cuda())
-    fail(Status::unsupported,
-         "OffloadAttention: kvsift was built without CUDA (KVSIFT_ENABLE_CUDA=OFF); attend on "
-         "the CPU with DecodeAttention");
+  // Without the CUDA backend (not built, or not loadable here) the loader's message says which.
+  if (const gpu::Result r = gpu::backend_status(); !r.ok)
+    fail(Status::unsupported, "OffloadAttention: ", r.message,
+         "; attend on the CPU with DecodeAttention");
   const CacheGeometry& g = cache.geometry();
   require(cache.pool().region().pinned(),
           "OffloadAttention: the cache's page pool is not pinned (create the KvCache with "

@@ -4,7 +4,7 @@
 // device page cache makes the listed pages resident (moving only the misses, from the cache's
 // mapped pinned pool), the lists are translated to device slots, the sparse paged kernel attends,
 // and the output comes back; one event wait at the end, no device-wide synchronisation. Plain C++:
-// the CUDA work goes through gpu/*.hpp; a build without CUDA refuses create() with unsupported.
+// the CUDA work goes through gpu/*.hpp; without the CUDA backend create() refuses with unsupported.
 //
 // Stale pages. The device cache is keyed by host pool slot, and a host slot's contents can change
 // under it in two ways, both handled here: the open page of a pair grows by one token per step (a
@@ -106,7 +106,7 @@ struct OffloadStats {
 class OffloadAttention final : public AttentionBackend, public SealListener {
  public:
   // cache: the host KV cache, whose pool must be pinned and mapped (CacheOptions.pinned). Throws
-  // Error: unsupported (built without CUDA, or no usable device), invalid_argument (an unpinned
+  // Error: unsupported (no CUDA backend, or no usable device), invalid_argument (an unpinned
   // pool, options out of range; the message names the field), out_of_memory / internal (device
   // allocation).
   static std::unique_ptr<OffloadAttention> create(KvCache& cache, const OffloadOptions& options);
