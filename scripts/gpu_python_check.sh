@@ -44,7 +44,7 @@ if [[ $mode == stage ]]; then
   fi
   cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKVSIFT_ENABLE_CUDA=OFF \
     -DKVSIFT_PYTHON=ON -DPython_EXECUTABLE="$venv/bin/python" >/dev/null
-  nice ninja -C "$build" -j2 kvsift_core kvsift_python_files
+  nice ninja -C "$build" -j2 kvsift_python kvsift_python_files
   rm -rf "$stage" && mkdir -p "$stage/pkg/python" "$stage/pkg/lib" "$stage/pkg/whl"
   cp -r "$build/python/kvsift" "$stage/pkg/python/"
   ldd "$build"/python/kvsift/_core.*.so | awk '$2 == "=>" && $3 ~ /^\// { print $3 }' |
