@@ -63,7 +63,7 @@ if [[ $mode == stage ]]; then
   cmake --build "$build" -j2 --target "${targets[@]}"
   rm -rf "$stage" && mkdir -p "$stage"
   for t in "${targets[@]}"; do cp "$(target_path "$t")" "$stage/"; done
-  for t in "${targets[@]}"; do ldd "$stage/$t"; done |
+  for t in "${targets[@]}"; do ldd "$stage/$(basename "$(target_path "$t")")"; done |
     awk '$2 == "=>" && $3 ~ /^\// { print $3 }' | sort -u |
     grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so|/libcublas' |
     while read -r path; do cp -L "$path" "$stage/"; done
