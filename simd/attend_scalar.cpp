@@ -9,6 +9,7 @@
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
+#include "simd/quant.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -133,8 +134,8 @@ double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept 
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Level::scalar, encode,      decode, attend,
-                             matvec_bf16,   locks_score, exp_sum};
+  static const Kernels table{Level::scalar,      encode,      decode, attend, matvec_bf16,
+                             matvec_quant_scalar, locks_score, exp_sum};
   return table;
 }
 
