@@ -491,8 +491,8 @@ typedef enum kvsift_weights {
   /* Dequantized at load to float32: 2x the memory of bf16, closer to the file's values. */
   KVSIFT_WEIGHTS_F32 = 1,
   /* Linear layers stored as Q8_0, Q4_0 or Q4_1 stay in the file's blocks (memory-mapped, not
-   * copied: an 8B Q4_0 model needs 4.5 GB instead of 16 GB); layers of other types are
-   * dequantized to bfloat16. Decode multiplies them with integer dot products against the
+   * copied: 4.5 bits a weight for Q4_0 against 16 for bf16); layers of other types (a Q6_K
+   * output head, say) are dequantized to bfloat16. Decode multiplies them with integer dot products against the
    * activations quantized to 8 bits per block of 32 (as llama.cpp does), prefill dequantizes
    * tiles of rows to bfloat16. CPU only (device must be -1). */
   KVSIFT_WEIGHTS_QUANTIZED = 2,
