@@ -8,11 +8,17 @@
 // kvsift_attend_selected back to back:
 //   dense_ms, s4r_ms   medians over the iterations (min and max beside); s4r_vs_dense = their ratio
 //   held_vs_dense      (pages in use + the selector's bytes) / the dense cache's bytes
+// BM_s4r_project/<compression> and BM_s4r_reconstruct/<compression>: S4R's two dense products
+// alone, at the same layer shape (D' = 1024) and the rank solve_rank gives a 32K context at that
+// compression, on kThreads threads: the projection of one prefill block of 4096 keys (the product
+// and the rounding to bf16), and the reconstruction of a 10% budget of that context (3277 tokens:
+// decoding their coefficients and the product). GFLOPS counts 2 M K N per product.
 // BM_s4r_prefill_overhead: the real model (KVSIFT_MODEL; skipped without it) prefills an 8K-token
 // prompt, then one decode step under S4R at 2.5x compresses every layer:
 //   prefill_s, compress_s, share = compress_s / prefill_s (8191 prompt tokens: the model has 8192)
 //
 //   kvsift-bench-s4r   (about 5 minutes; the 10 iterations of each case give its spread)
+//   kvsift-bench-s4r --benchmark_filter='project|reconstruct' --benchmark_repetitions=9
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
@@ -25,7 +31,10 @@
 #include "bench/bench_util.hpp"
 #include "bench/key_maker.hpp"
 #include "kvsift/kvsift.h"
+#include "lib/core/kernel_runtime.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "lib/model/llama_model.hpp"
+#include "lib/select/s4r_core.hpp"
 #include "lib/select/s4r_selector.hpp"
 
 namespace {
@@ -147,6 +156,63 @@ void BM_s4r_decode(benchmark::State& state, double compression, uint64_t context
       static_cast<double>(before.bytes_in_use);
 }
 
+// The layer shape and rank of BM_s4r_decode at a 32K context; the basis is random (the products do
+// not depend on its being orthonormal).
+struct ProductCase {
+  uint32_t dim = kLlama8b.n_kv_heads * kLlama8b.head_dim;
+  uint32_t rank;
+  kvsift::select::s4r::Basis basis;
+  explicit ProductCase(double compression)
+      : rank(kvsift::select::s4r::solve_rank(dim, 32768, 0, kLlama8b.group_size, 32,
+                                              compression)) {
+    basis.dim = dim;
+    basis.rank = rank;
+    basis.columns.resize(std::size_t{dim} * rank);
+    Random random(kSeed);
+    random.fill(basis.columns);
+  }
+};
+
+void BM_s4r_project(benchmark::State& state, double compression) {
+  namespace s4r = kvsift::select::s4r;
+  const ProductCase c(compression);
+  constexpr uint64_t kRows = 4096;
+  std::vector<float> rows(kRows * c.dim);
+  Random(kSeed + 1).fill(rows);
+  std::vector<uint16_t> coeffs(kRows * c.rank);
+  kvsift::ThreadPool pool(kThreads);
+  const kvsift::KernelRuntime runtime;
+  for (auto _ : state)
+    s4r::project(rows.data(), kRows, c.dim, c.basis, coeffs.data(), kvsift::simd::Dtype::bf16,
+                 runtime.kernels(), &pool);
+  state.counters["rank"] = c.rank;
+  state.counters["GFLOPS"] = benchmark::Counter(2.0 * kRows * c.dim * c.rank * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
+void BM_s4r_reconstruct(benchmark::State& state, double compression) {
+  namespace s4r = kvsift::select::s4r;
+  const ProductCase c(compression);
+  constexpr uint64_t kTokens = 32768;
+  constexpr auto kChosen = static_cast<uint32_t>(kTokens / 10 + 1);
+  std::vector<float> floats(kTokens * c.rank);
+  Random(kSeed + 1).fill(floats);
+  const kvsift::KernelRuntime runtime;
+  std::vector<uint16_t> coeffs(floats.size());
+  runtime.kernels().encode(floats.data(), coeffs.data(), floats.size(), kvsift::simd::Dtype::bf16);
+  std::vector<uint32_t> ids(kChosen);
+  for (uint32_t i = 0; i < kChosen; ++i) ids[i] = static_cast<uint32_t>(i * 10 % kTokens);
+  std::vector<float> out(std::size_t{kChosen} * c.dim), workspace(
+                                                           s4r::reconstruct_workspace_floats(c.basis));
+  kvsift::ThreadPool pool(kThreads);
+  for (auto _ : state)
+    s4r::reconstruct(coeffs.data(), kvsift::simd::Dtype::bf16, c.basis, ids.data(), kChosen,
+                     out.data(), runtime.kernels(), workspace.data(), &pool);
+  state.counters["rank"] = c.rank;
+  state.counters["GFLOPS"] = benchmark::Counter(2.0 * kChosen * c.dim * c.rank * 1e-9,
+                                                benchmark::Counter::kIsIterationInvariantRate);
+}
+
 // `context` positions: a prompt of all but one of them, then the one decode step.
 void prefill_overhead(benchmark::State& state, const char* path, uint32_t context) {
   const uint32_t tokens = context - 1;
@@ -223,6 +289,14 @@ int main(int argc, char** argv) {
         ->UseManualTime()
         ->Unit(benchmark::kMillisecond)
         ->Iterations(10);
+  for (const double compression : {2.5, 5.0}) {
+    const std::string ratio = std::to_string(compression).substr(0, 3) + "x";
+    benchmark::RegisterBenchmark(("BM_s4r_project/" + ratio).c_str(), BM_s4r_project, compression)
+        ->Unit(benchmark::kMillisecond);
+    benchmark::RegisterBenchmark(("BM_s4r_reconstruct/" + ratio).c_str(), BM_s4r_reconstruct,
+                                 compression)
+        ->Unit(benchmark::kMillisecond);
+  }
   benchmark::RegisterBenchmark("BM_s4r_prefill_overhead/smollm2", BM_s4r_prefill_overhead)
       ->Arg(8192)
       ->UseManualTime()

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "simd/gemm_body.hpp"
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
@@ -134,8 +135,10 @@ double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept 
 }  // namespace
 
 const Kernels& scalar_kernels() noexcept {
-  static const Kernels table{Level::scalar,      encode,      decode, attend, matvec_bf16,
-                             matvec_quant_scalar, locks_score, exp_sum};
+  // 4 rows x 2 columns: 8 accumulators, within x86-64's 16 xmm registers with room for B and A.
+  static const Kernels table{Level::scalar,      encode,      decode,
+                             attend,             matvec_bf16, matvec_quant_scalar,
+                             locks_score,        exp_sum,     GemmBody<OneLane, 4, 2>::gemm_f32};
   return table;
 }
 

@@ -79,6 +79,27 @@ struct QuantizedVectors {
   const int32_t* sum;
 };
 
+// How gemm_f32's right-hand matrix B (K x N) is stored; row-major either way.
+enum class GemmB : uint8_t {
+  k_by_n,  // B itself: B(k, n) at b[k * ldb + n] (S4R's reconstruction: the basis as [rank, dim])
+  n_by_k,  // B^T: B(k, n) at b[n * ldb + k] (linear-layer weights; S4R's projection: the basis
+           // rows are the outputs)
+};
+
+// C[m, n] = sum over k of A(m, k) B(k, n), float32, row-major A and C, C overwritten. Each element
+// is one chain of multiply-adds in ascending k from zero, whatever the sizes, the level's blocking
+// or how a caller splits the rows between threads: results are bit-identical for any split.
+struct GemmJob {
+  const float* a;  // A(i, k) at a[i * lda + k]
+  std::size_t lda;
+  const float* b;  // B by b_layout
+  std::size_t ldb;
+  GemmB b_layout;
+  float* c;  // C(i, j) at c[i * ldc + j]
+  std::size_t ldc;
+  std::size_t m, k, n;  // any sizes; m or n 0: nothing written; k 0: C = 0
+};
+
 struct Kernels {
   Level level;
   // n float32 values to storage dtype (round to nearest even).
@@ -105,6 +126,10 @@ struct Kernels {
   // move them to float64 every kExpSumBlock values; the scalar one adds in float64): the
   // selectors' page masses relative to the best page.
   double (*exp_sum)(const float* x, float shift, float* out, std::size_t n) noexcept;
+  // Dense float32 product (GemmJob) on the calling thread, for products too small or too rare to
+  // be worth the model layer's oneDNN (S4R's projection and reconstruction). Allocates nothing:
+  // its packed panel of B lives on the stack (simd/gemm_body.hpp: kPanelBytes).
+  void (*gemm_f32)(const GemmJob& job) noexcept;
 };
 
 // Values exp_sum adds in float32 lanes before it moves the partial sums to float64.

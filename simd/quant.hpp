@@ -3,7 +3,7 @@
 // levels differ only in how their kernels sum; the scalar kernel is the reference the SIMD ones are
 // tested against (tests/test_quant_kernels.cpp).
 //
-// Why kvsift has its own kernels: oneDNN 2.6 (the Debian build lib/core/matmul.hpp uses) has int8
+// Why kvsift has its own kernels: oneDNN 2.6 (the Debian build lib/model/matmul.hpp uses) has int8
 // products with per-tensor or per-output-channel scales only, no per-block-of-32 scales (ggml's
 // Q8_0 format), and no int4 weights at all; xsimd 8.1 and Eigen have no integer dot products.
 #pragma once

@@ -208,3 +208,63 @@ TEST_P(Kernels, bf16_matrix_vector_products_match_float64_for_every_batch) {
     }
   }
 }
+
+// gemm_f32 against a float64 product, both layouts of B, odd sizes (none a multiple of any level's
+// vector width or tile), depths beyond one packed panel of every level (AVX-512 128, AVX2 512,
+// scalar 2048 rows of k), row strides wider than a row, and C's padding left alone. Tolerance: a
+// chain of k fused multiply-adds in float32 is within about k u sum |a b| of the exact sum
+// (u = 2^-24), about (k + 1) u when multiply and add round separately (the scalar level); the test
+// allows 2 k u sum |a b|, while a wrong or missing term costs about |a b|.
+TEST_P(Kernels, f32_products_match_float64_for_odd_sizes_and_both_layouts) {
+  const float sentinel = -7.0f;
+  uint32_t seed = 100;
+  auto check = [&](std::size_t m, std::size_t depth, std::size_t n, simd::GemmB layout) {
+    const std::size_t lda = depth + 3, ldc = n + 5;
+    const std::size_t ldb = (layout == simd::GemmB::k_by_n ? n : depth) + 2;
+    const auto a = test::random_floats(m * lda, ++seed);
+    const auto b = test::random_floats((layout == simd::GemmB::k_by_n ? depth : n) * ldb, ++seed);
+    std::vector<float> c(m * ldc, sentinel);
+    const simd::GemmJob job{a.data(), lda, b.data(), ldb, layout, c.data(), ldc, m, depth, n};
+    k().gemm_f32(job);
+    auto b_at = [&](std::size_t kk, std::size_t j) {
+      return layout == simd::GemmB::k_by_n ? b[kk * ldb + j] : b[j * ldb + kk];
+    };
+    const std::string where = "m=" + std::to_string(m) + " k=" + std::to_string(depth) +
+                              " n=" + std::to_string(n) +
+                              (layout == simd::GemmB::k_by_n ? " k_by_n" : " n_by_k");
+    for (std::size_t i = 0; i < m; ++i) {
+      for (std::size_t j = 0; j < n; ++j) {
+        double want = 0.0, magnitude = 0.0;
+        for (std::size_t kk = 0; kk < depth; ++kk) {
+          want += double(a[i * lda + kk]) * b_at(kk, j);
+          magnitude += std::fabs(double(a[i * lda + kk]) * b_at(kk, j));
+        }
+        ASSERT_NEAR(c[i * ldc + j], want, 2.0 * double(depth) * 0x1p-24 * magnitude)
+            << where << " at " << i << "," << j;
+      }
+      for (std::size_t j = n; j < ldc; ++j)
+        ASSERT_EQ(c[i * ldc + j], sentinel) << where << ": written past row " << i;
+    }
+    // Rows computed in two parts, as a thread pool splits them, give the same bits.
+    if (m > 1) {
+      std::vector<float> parts(c.size(), sentinel);
+      const std::size_t first = m / 2 + 1;
+      simd::GemmJob top = job, bottom = job;
+      top.c = parts.data();
+      top.m = first;
+      bottom.a = a.data() + first * lda;
+      bottom.c = parts.data() + first * ldc;
+      bottom.m = m - first;
+      k().gemm_f32(top);
+      k().gemm_f32(bottom);
+      ASSERT_EQ(0, std::memcmp(parts.data(), c.data(), c.size() * sizeof(float))) << where;
+    }
+  };
+  for (const simd::GemmB layout : {simd::GemmB::k_by_n, simd::GemmB::n_by_k}) {
+    for (std::size_t m : {1u, 3u, 17u, 64u, 129u})
+      for (std::size_t depth : {1u, 3u, 17u, 64u, 129u, 600u})
+        for (std::size_t n : {1u, 3u, 17u, 64u, 129u}) check(m, depth, n, layout);
+    check(7, 2100, 33, layout);  // deeper than the scalar level's panel
+    check(2, 0, 5, layout);      // an empty sum: C = 0
+  }
+}

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
@@ -13,7 +14,7 @@
 #include <vector>
 
 #include "lib/core/error.hpp"
-#include "lib/core/matmul.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "lib/select/s4r_core.hpp"
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
@@ -339,7 +340,7 @@ class S4rProjection : public test::IsaTest {};
 // C = S B on unnormalised rows, rounded once to the dtype; the decode path's float version
 // agrees; with rank = dim, reconstruct(project(x)) = x to the dtype's rounding.
 TEST_P(S4rProjection, full_rank_round_trip_returns_the_rows) {
-  Matmul matmul;
+  ThreadPool pool(2);  // the rows split over threads, as the selector runs them
   uint32_t seed = 300;
   for (Dtype dtype : {Dtype::f16, Dtype::bf16})
     for (uint32_t dim : {64u, 192u}) {
@@ -352,7 +353,7 @@ TEST_P(S4rProjection, full_rank_round_trip_returns_the_rows) {
         const s4r::Basis b =
             s4r::fit_basis(rows.data(), n, dim, stride, sample.data(), sample.size(), rank);
         std::vector<uint16_t> coeffs(n * rank);
-        s4r::project(rows.data(), n, stride, b, coeffs.data(), dtype, matmul, k());
+        s4r::project(rows.data(), n, stride, b, coeffs.data(), dtype, k(), &pool);
 
         const float ulp = dtype == Dtype::f16 ? 0x1p-11f : 0x1p-8f;
         double worst = 0.0;
@@ -379,10 +380,9 @@ TEST_P(S4rProjection, full_rank_round_trip_returns_the_rows) {
         std::vector<uint32_t> ids(n);
         std::iota(ids.begin(), ids.end(), 0u);
         std::vector<float> back(n * dim);
-        Matmul products;
         std::vector<float> workspace(s4r::reconstruct_workspace_floats(b));
         s4r::reconstruct(coeffs.data(), dtype, b, ids.data(), static_cast<uint32_t>(n), back.data(),
-                         k(), products, workspace.data());
+                         k(), workspace.data(), &pool);
         if (rank == dim) {
           for (uint64_t i = 0; i < n; i += 97)
             EXPECT_LT(test::relative_error(back.data() + i * dim, rows.data() + i * stride, dim),
@@ -413,10 +413,15 @@ TEST_P(S4rProjection, reconstruct_matches_the_float64_reference) {
       std::vector<uint32_t> ids = {699, 3, 3, 0, 512, 17, 250, 251, 252, 1, 600};
       for (uint32_t i = 0; i < 300; ++i) ids.push_back(i * 37 % n);  // past one 256-token block
       std::vector<float> out(ids.size() * dim);
-      Matmul products;
       std::vector<float> workspace(s4r::reconstruct_workspace_floats(b));
       s4r::reconstruct(coeffs.data(), dtype, b, ids.data(), static_cast<uint32_t>(ids.size()),
-                       out.data(), k(), products, workspace.data());
+                       out.data(), k(), workspace.data());
+      // Split over threads, the same bits (each element is summed in one fixed order).
+      ThreadPool pool(3);
+      std::vector<float> split(out.size());
+      s4r::reconstruct(coeffs.data(), dtype, b, ids.data(), static_cast<uint32_t>(ids.size()),
+                       split.data(), k(), workspace.data(), &pool);
+      EXPECT_EQ(0, std::memcmp(split.data(), out.data(), out.size() * sizeof(float)));
       for (std::size_t i = 0; i < ids.size(); ++i) {
         std::vector<double> want(dim, 0.0);
         for (uint32_t j = 0; j < rank; ++j) {
@@ -532,7 +537,6 @@ TEST_P(S4rRelevance, matches_the_float64_reference) {
 // at temperature 1/sqrt(D') (up to the keys' fp16 coefficients; docs/methods.md, How each is
 // tested).
 TEST_P(S4rRelevance, full_rank_latent_logits_are_the_exact_logits) {
-  Matmul matmul;
   const uint32_t dim = 128, groups = 4, nq = 8;
   const uint64_t L = 2000;
   const auto keys = spiked_rows(L, dim, dim, 6, 70);
@@ -560,7 +564,7 @@ TEST_P(S4rRelevance, full_rank_latent_logits_are_the_exact_logits) {
   EXPECT_LT(worst, 1e-5) << "C_Q C_K^T = Q K^T, relative to |q| |k|";
 
   std::vector<uint16_t> ck16(L * dim);
-  s4r::project(keys.data(), L, dim, b, ck16.data(), Dtype::f16, matmul, k());
+  s4r::project(keys.data(), L, dim, b, ck16.data(), Dtype::f16, k());
   std::vector<float> workspace(s4r::relevance_workspace_floats(nq, groups, L)), out(L);
   s4r::relevance(cq.data(), nq, groups, dim, ck16.data(), Dtype::f16, L, 7, s4r::Pooling::max,
                  s4r::GroupAggregation::mean, k(), workspace.data(), out.data());
@@ -603,7 +607,6 @@ TEST(S4rTopK, matches_a_sorted_reference) {
 
 // Bad arguments throw kvsift::Error(invalid_argument) naming what is wrong.
 TEST(S4rCore, bad_arguments_throw_with_a_clear_message) {
-  Matmul matmul;
   const auto rows = test::random_floats(100 * 16, 1);
   const std::vector<uint32_t> sample = {1, 2, 3};
   auto fit = [&](uint32_t dim, uint64_t stride, uint64_t n_sample, uint32_t rank,
@@ -628,7 +631,7 @@ TEST(S4rCore, bad_arguments_throw_with_a_clear_message) {
   std::vector<uint16_t> coeffs(16);
   expect_invalid(
       [&] {
-        s4r::project(rows.data(), 1, 16, empty, coeffs.data(), Dtype::f16, matmul, best_kernels());
+        s4r::project(rows.data(), 1, 16, empty, coeffs.data(), Dtype::f16, best_kernels());
       },
       "project: dim must be > 0");
   std::vector<float> out(16), workspace(1000);

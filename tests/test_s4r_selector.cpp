@@ -254,7 +254,6 @@ TEST(S4r, real_model_kv_reconstruction_error_per_layer) {
   const CacheGeometry& g = cache.geometry();
   const uint32_t dim = g.n_kv_heads * g.head_dim;
   const uint64_t first = g.page_tokens, n = tokens.size() / g.page_tokens * g.page_tokens - first;
-  Matmul matmul;
   std::vector<float> head(n * g.head_dim), rows(n * dim), part(n * dim), back(n * dim);
   std::vector<uint16_t> coeffs;
   std::vector<uint32_t> ids(n);
@@ -272,11 +271,10 @@ TEST(S4r, real_model_kv_reconstruction_error_per_layer) {
     const auto basis =
         select::s4r::fit_basis(part.data(), n, width, width, sample.data(), sample.size(), rank);
     coeffs.resize(n * rank);
-    select::s4r::project(part.data(), n, width, basis, coeffs.data(), g.dtype, matmul,
-                         test::kernels());
+    select::s4r::project(part.data(), n, width, basis, coeffs.data(), g.dtype, test::kernels());
     std::vector<float> workspace(select::s4r::reconstruct_workspace_floats(basis));
     select::s4r::reconstruct(coeffs.data(), g.dtype, basis, ids.data(), static_cast<uint32_t>(n),
-                             back.data(), test::kernels(), matmul, workspace.data());
+                             back.data(), test::kernels(), workspace.data());
     for (std::size_t i = 0; i < n * width; ++i) {
       err += (double(back[i]) - part[i]) * (double(back[i]) - part[i]);
       norm += double(part[i]) * part[i];

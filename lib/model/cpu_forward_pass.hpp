@@ -1,5 +1,5 @@
 // The forward pass on the CPU (lib/model/forward_pass.hpp): bf16 or f32 weights multiplied with
-// oneDNN (lib/core/matmul.hpp), or, for decode rows with bf16 weights, with the matrix-vector
+// oneDNN (lib/model/matmul.hpp), or, for decode rows with bf16 weights, with the matrix-vector
 // kernels that stream the weights once; prefill attention through PrefillAttention over the host
 // cache. Every product's input is rounded to the weights' type first (bf16: round to nearest
 // even), with float32 accumulation.
@@ -15,11 +15,11 @@
 #include <span>
 #include <vector>
 
-#include "lib/attend/prefill_attention.hpp"
+#include "lib/model/prefill_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
 #include "lib/cache/rope.hpp"
 #include "lib/core/aligned.hpp"
-#include "lib/core/matmul.hpp"
+#include "lib/model/matmul.hpp"
 #include "lib/core/thread_pool.hpp"
 #include "lib/model/forward_pass.hpp"
 #include "lib/model/llama_weights.hpp"

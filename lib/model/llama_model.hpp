@@ -14,7 +14,7 @@
 
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/kernel_runtime.hpp"
-#include "lib/core/matmul.hpp"
+#include "lib/model/matmul.hpp"
 #include "lib/engine/decode_engine.hpp"
 #include "lib/model/forward_pass.hpp"
 #include "lib/model/llama_weights.hpp"

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "lib/core/aligned.hpp"
-#include "lib/core/matmul.hpp"
+#include "lib/model/matmul.hpp"
 #include "lib/core/thread_pool.hpp"
 #include "lib/model/gguf_file.hpp"
 #include "simd/kernels.hpp"

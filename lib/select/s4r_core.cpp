@@ -15,16 +15,37 @@ namespace {
 // Rows per Gram update: a block of the normalised sample is [1024, dim] doubles (8 MB at dim
 // 1024), enough for Eigen's blocked rank update to run at its matrix-product speed.
 constexpr uint64_t kGramRows = 1024;
-// Rows per oneDNN product in project(): 4096 x 1024 floats (16 MB) when rows must be gathered.
+// Rows per product in project(): their float32 coefficients (4096 x rank) before rounding.
 constexpr uint64_t kProjectRows = 4096;
 // Decode kernels: a block of key tokens is decoded and transposed once and then serves every
 // (query, group) row; 16 tokens keep each row's 16 logits in four SSE registers. Coefficients are
 // taken kRankChunk at a time so the per-thread buffers stay on the stack (2 x 16 KB) for any rank.
 constexpr uint32_t kLogitTokens = 16;
 constexpr uint32_t kRankChunk = 256;
-// Tokens reconstructed by one oneDNN product: C [256, rank] x B^T [rank, dim] is large enough to
-// run at matrix-product speed (4-9x the register-blocked loop it replaced at rank 409, dim 1024).
+// Tokens reconstructed per product: their float32 coefficients (256 x rank) are the workspace.
 constexpr uint32_t kReconstructTokens = 256;
+// Fewest rows of a product worth a thread of their own: each thread packs all of B (rank x dim)
+// for itself, which costs about as much as 8 rows of the product (simd/gemm_body.hpp).
+constexpr uint64_t kRowsPerThread = 32;
+
+// body(first, last) over [0, m) in parts of at least kRowsPerThread rows spread over the pool's
+// threads (the calling thread alone when pool is nullptr or m is small). The split changes no
+// result: gemm_f32 sums each element in the same order for any split (simd/kernels.hpp).
+template <class Body>
+void split_rows(uint64_t m, ThreadPool* pool, const Body& body) {
+  const uint64_t parts = std::max<uint64_t>(1, m / kRowsPerThread);
+  parallel_static(pool, parts, [&](uint64_t p0, uint64_t p1, int) noexcept {
+    body(m * p0 / parts, m * p1 / parts);
+  });
+}
+
+// Rows [first, last) of a product.
+simd::GemmJob rows_of(simd::GemmJob job, uint64_t first, uint64_t last) {
+  job.a += first * job.lda;
+  job.c += first * job.ldc;
+  job.m = last - first;
+  return job;
+}
 
 void check_dim_rank(uint32_t dim, uint32_t rank, const char* where) {
   require(dim > 0, where, ": dim must be > 0");
@@ -252,26 +273,24 @@ Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_s
 // ---- Projection and reconstruction -----------------------------------------------------------
 
 void project(const float* rows, uint64_t n_rows, uint64_t row_stride, const Basis& basis,
-             uint16_t* coeffs_out, simd::Dtype dtype, Matmul& matmul,
-             const simd::Kernels& kernels) {
+             uint16_t* coeffs_out, simd::Dtype dtype, const simd::Kernels& kernels,
+             ThreadPool* pool) {
   check_basis(basis, "project");
   const uint32_t dim = basis.dim, rank = basis.rank;
   require(row_stride >= dim, "project: row_stride=", row_stride, " < dim=", dim);
   if (n_rows == 0) return;
   const uint64_t block = std::min(kProjectRows, n_rows);
-  const bool gather = row_stride != dim;
-  std::vector<float> gathered(gather ? block * dim : 0), product(block * rank);
+  std::vector<float> product(block * rank);
   for (uint64_t r0 = 0; r0 < n_rows; r0 += block) {
     const uint64_t m = std::min(block, n_rows - r0);
-    const float* src = rows + r0 * row_stride;
-    if (gather) {
-      for (uint64_t i = 0; i < m; ++i)
-        std::copy(src + i * row_stride, src + i * row_stride + dim, gathered.data() + i * dim);
-      src = gathered.data();
-    }
-    matmul.run(MatType::f32, src, static_cast<int64_t>(m), dim, basis.columns.data(),
-               WeightLayout::rows_are_outputs, rank, product.data());
-    kernels.encode(product.data(), coeffs_out + r0 * rank, m * rank, dtype);
+    // C = S B: the basis rows are B's columns, the outputs (B^T stored).
+    const simd::GemmJob job{rows + r0 * row_stride, row_stride, basis.columns.data(), dim,
+                            simd::GemmB::n_by_k, product.data(), rank, m, dim, rank};
+    split_rows(m, pool, [&](uint64_t first, uint64_t last) noexcept {
+      kernels.gemm_f32(rows_of(job, first, last));
+      kernels.encode(product.data() + first * rank, coeffs_out + (r0 + first) * rank,
+                     (last - first) * rank, dtype);
+    });
   }
 }
 
@@ -293,28 +312,25 @@ void project_to_float(const float* rows, uint32_t n, uint64_t row_stride, const 
 }
 
 uint64_t reconstruct_workspace_floats(const Basis& basis) {
-  return uint64_t{kReconstructTokens} * (basis.rank + basis.dim);
+  return uint64_t{kReconstructTokens} * basis.rank;
 }
 
 void reconstruct(const uint16_t* coeffs, simd::Dtype dtype, const Basis& basis,
                  const uint32_t* token_ids, uint32_t n, float* rows_out,
-                 const simd::Kernels& kernels, Matmul& matmul, float* workspace) {
+                 const simd::Kernels& kernels, float* workspace, ThreadPool* pool) {
   check_basis(basis, "reconstruct");
   const uint32_t dim = basis.dim, rank = basis.rank;
-  float* c = workspace;                                              // [block, rank]
-  float* tail = workspace + std::size_t{kReconstructTokens} * rank;  // [block, dim]
+  float* c = workspace;  // [block, rank]: the block's coefficients in float32
   for (uint32_t i0 = 0; i0 < n; i0 += kReconstructTokens) {
     const uint32_t m = std::min(kReconstructTokens, n - i0);
-    for (uint32_t t = 0; t < m; ++t)
-      kernels.decode(coeffs + std::size_t{token_ids[i0 + t]} * rank, c + std::size_t{t} * rank,
-                     rank, dtype);
-    // Every block is full-size, the last one padded with zero rows, so the product's shape never
-    // changes and its oneDNN primitive is created once.
-    std::fill(c + std::size_t{m} * rank, tail, 0.0f);
-    float* out = m == kReconstructTokens ? rows_out + std::size_t{i0} * dim : tail;
-    matmul.run(MatType::f32, c, kReconstructTokens, rank, basis.columns.data(),
-               WeightLayout::rows_are_inputs, dim, out);
-    if (out == tail) std::copy_n(tail, std::size_t{m} * dim, rows_out + std::size_t{i0} * dim);
+    // rows = C B^T: the basis [rank, dim] is B^T's rows, i.e. [K, N] as stored.
+    const simd::GemmJob job{c, rank, basis.columns.data(), dim, simd::GemmB::k_by_n,
+                            rows_out + std::size_t{i0} * dim, dim, m, rank, dim};
+    split_rows(m, pool, [&](uint64_t first, uint64_t last) noexcept {
+      for (uint64_t t = first; t < last; ++t)
+        kernels.decode(coeffs + std::size_t{token_ids[i0 + t]} * rank, c + t * rank, rank, dtype);
+      kernels.gemm_f32(rows_of(job, first, last));
+    });
   }
 }
 

@@ -12,21 +12,21 @@
 // - query coefficients [n_queries, groups, rank] float32: C_Q = Q~ B_K, oldest query first.
 //
 // Costs and allocation. fit_basis and project are the prefill (once per prompt and layer) and may
-// allocate; the rest is the decode step: it allocates nothing (reconstruct's oneDNN primitive is
-// created on its first call for a shape) and writes only the caller's outputs and workspaces.
-// Argument checks are O(1) (fit_basis: O(n_sample)) and throw kvsift::Error (invalid_argument)
-// naming the argument. Every function is reentrant; a Matmul is used by one thread at a time.
+// allocate; the rest is the decode step: it allocates nothing and writes only the caller's outputs
+// and workspaces. Argument checks are O(1) (fit_basis: O(n_sample)) and throw kvsift::Error
+// (invalid_argument) naming the argument. Every function is reentrant; a ThreadPool is used by one
+// thread at a time.
 //
-// Parallelism: project and reconstruct run their products through oneDNN and fit_basis its Gram
-// through Eigen, all with OpenMP inside; relevance splits its token loops over OpenMP threads (one
-// thread inside an enclosing parallel region, as nested parallelism is off), and its results do
-// not depend on the number of threads.
+// Parallelism: project, reconstruct and relevance split their rows over the pool they are given
+// (the calling thread alone for nullptr), and their results do not depend on the number of
+// threads; project and reconstruct run the kernel table's float32 product (simd/kernels.hpp:
+// gemm_f32). fit_basis runs its Gram through Eigen on the calling thread.
 #pragma once
 
 #include <cstdint>
 #include <vector>
 
-#include "lib/core/matmul.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "simd/kernels.hpp"
 
 namespace kvsift::select::s4r {
@@ -105,11 +105,13 @@ Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_s
 
 // Prefill: coefficients C = S B of every row, unnormalised, rounded to the storage dtype.
 //   rows: [n_rows, basis.dim] with row_stride (floats). coeffs_out: [n_rows, basis.rank].
-//   kernels: the handle's kernel table (its encode converts to the dtype).
-// One oneDNN product per block of 4096 rows (rows gathered first when row_stride != dim).
-// Allocates a block's buffers. Throws on row_stride < dim or an empty basis.
+//   kernels: the handle's kernel table (its gemm_f32 multiplies, its encode converts to the dtype).
+//   pool: the threads the rows are split over; nullptr: the calling thread.
+// One product per block of 4096 rows, read in place. Allocates a block's float32 coefficients.
+// Throws on row_stride < dim or an empty basis.
 void project(const float* rows, uint64_t n_rows, uint64_t row_stride, const Basis& basis,
-             uint16_t* coeffs_out, simd::Dtype dtype, Matmul& matmul, const simd::Kernels& kernels);
+             uint16_t* coeffs_out, simd::Dtype dtype, const simd::Kernels& kernels,
+             ThreadPool* pool = nullptr);
 
 // Decode: the same product for the few vectors of one step (a new key or value, the window's
 // queries), kept in float32 and summed in the same order for any n, without allocation.
@@ -120,13 +122,14 @@ void project_to_float(const float* rows, uint32_t n, uint64_t row_stride, const 
 // Floats of workspace reconstruct() needs for this basis.
 uint64_t reconstruct_workspace_floats(const Basis& basis);
 
-// Decode: rows_out[i] = C[token_ids[i]] B^T (K^ or V^ of the selected tokens, before RoPE),
-// through oneDNN products of a fixed shape (one primitive per basis shape, created on first use).
+// Decode: rows_out[i] = C[token_ids[i]] B^T (K^ or V^ of the selected tokens, before RoPE), 256
+// tokens per product (their coefficients decoded to float32 into the workspace first).
 //   coeffs: [>= max token id + 1, basis.rank] in dtype. token_ids: [n], any order, repeats
 //   allowed. rows_out: [n, basis.dim] float32. workspace: [reconstruct_workspace_floats(basis)].
+//   pool: the threads the tokens are split over; nullptr: the calling thread.
 void reconstruct(const uint16_t* coeffs, simd::Dtype dtype, const Basis& basis,
                  const uint32_t* token_ids, uint32_t n, float* rows_out,
-                 const simd::Kernels& kernels, Matmul& matmul, float* workspace);
+                 const simd::Kernels& kernels, float* workspace, ThreadPool* pool = nullptr);
 
 // ---- Latent relevance and selection (docs/methods.md, S4R: decode) ---------------------------
 

@@ -27,7 +27,7 @@ constexpr double kRecentShare = 0.7;
 
 S4rSelector::S4rSelector(const Policy& policy, KvCache& cache, uint32_t max_batch,
                          uint64_t max_pages, ThreadPool& pool, const simd::Kernels& kernels)
-    : Selector(policy, cache, max_batch, max_pages, pool, kernels), matmul_(&pool) {
+    : Selector(policy, cache, max_batch, max_pages, pool, kernels) {
   require(cache.key_form() == KeyForm::pre_rope,
           "the s4r selector compresses keys before RoPE: it needs a cache that takes pre-RoPE "
           "keys (key form pre_rope)");
@@ -152,7 +152,7 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
         basis.singular_values = {};  // diagnostics of the fit; decode needs only the columns
         coeffs.resize(static_cast<std::size_t>(n) * rank);
-        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, matmul_, kernels_);
+        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, kernels_, &pool_);
       }
       unit.queries.assign(std::size_t{W} * G * rank, 0.0f);
     }
@@ -228,7 +228,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   for (const bool keys : {true, false}) {
     const s4r::Basis& basis = keys ? unit.keys : unit.values;
     s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype, basis,
-                     chosen_.data(), rows, rows_.data(), kernels, matmul_, reconstruct_ws_.data());
+                     chosen_.data(), rows, rows_.data(), kernels, reconstruct_ws_.data(), &pool_);
     for (uint32_t r = 0; r < rows; ++r) {
       float* row = rows_.data() + std::size_t{r} * dim;
       if (keys) cache_.rope().rotate(row, hpu, st.first + chosen_[r]);

@@ -26,7 +26,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "lib/core/matmul.hpp"
 #include "lib/select/s4r_core.hpp"
 #include "lib/select/selector.hpp"
 
@@ -78,7 +77,6 @@ class S4rSelector final : public Selector {
                        Selection& out, uint64_t exact_tokens, float& kept) noexcept;
 
   std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
-  Matmul matmul_;
   double compress_seconds_ = 0.0;
   // Per-step workspaces, grown by prepare() to what the step needs.
   std::vector<float> query_rows_;  // [G, D'] the unit's pre-RoPE queries

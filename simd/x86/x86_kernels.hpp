@@ -14,6 +14,8 @@ const Kernels& avx512_kernels() noexcept;  // attend_avx512.cpp
 // mu . q~ exact in integers, the rest in float32 (locks_avx512_vnni.cpp).
 void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
 const LouverKernels& louver_avx512_kernels() noexcept;  // louver_avx512.cpp
+void gemm_f32_avx2(const GemmJob& job) noexcept;           // gemm_avx2.cpp
+void gemm_f32_avx512(const GemmJob& job) noexcept;         // gemm_avx512.cpp
 // matvec_quant of the avx2 and avx512 tables (quant_avx2.cpp) and of the avx512_vnni table
 // (quant_avx512_vnni.cpp).
 void matvec_quant_avx2(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,

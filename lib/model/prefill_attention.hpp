@@ -8,7 +8,7 @@
 
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/aligned.hpp"
-#include "lib/core/matmul.hpp"
+#include "lib/model/matmul.hpp"
 #include "lib/core/thread_pool.hpp"
 
 namespace kvsift {

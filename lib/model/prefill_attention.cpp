@@ -1,4 +1,4 @@
-#include "lib/attend/prefill_attention.hpp"
+#include "lib/model/prefill_attention.hpp"
 
 #include <algorithm>
 #include <cmath>

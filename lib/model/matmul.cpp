@@ -1,4 +1,4 @@
-#include "lib/core/matmul.hpp"
+#include "lib/model/matmul.hpp"
 
 #include <omp.h>
 
