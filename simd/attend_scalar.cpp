@@ -10,6 +10,7 @@
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
+#include "simd/quant.hpp"
 
 namespace kvsift::simd {
 namespace {
@@ -135,8 +136,9 @@ double exp_sum(const float* x, float shift, float* out, std::size_t n) noexcept 
 
 const Kernels& scalar_kernels() noexcept {
   // 4 rows x 2 columns: 8 accumulators, within x86-64's 16 xmm registers with room for B and A.
-  static const Kernels table{Level::scalar, encode,      decode,  attend, matvec_bf16,
-                             locks_score,   exp_sum,     GemmBody<OneLane, 4, 2>::gemm_f32};
+  static const Kernels table{Level::scalar,      encode,      decode,
+                             attend,             matvec_bf16, matvec_quant_scalar,
+                             locks_score,        exp_sum,     GemmBody<OneLane, 4, 2>::gemm_f32};
   return table;
 }
 

@@ -24,11 +24,13 @@ void locks_score_vnni_level(const LocksScoreJob& job) noexcept {
     avx512_kernels().locks_score(job);
 }
 
-// avx512's table with the int8 LOCKS scorer replaced: VNNI adds one kernel, not a table.
+// avx512's table with the int8 LOCKS scorer and the quantized matvec replaced: VNNI adds kernels,
+// not a table.
 const Kernels& avx512_vnni_kernels() noexcept {
   static const Kernels table = [] {
     Kernels t = avx512_kernels();
     t.level = Level::avx512_vnni;
+    t.matvec_quant = matvec_quant_avx512_vnni;
     t.locks_score = locks_score_vnni_level;
     return t;
   }();

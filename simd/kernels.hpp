@@ -55,6 +55,30 @@ struct LocksScoreJob {
   float* lse;  // out: [group, count]
 };
 
+// ggml's block formats a weight matrix can stay in at decode (ggml's Q8_0, Q4_0 and Q4_1 layouts):
+// each row is cols / 32 blocks of 32 weights, and a block is
+//   q8_0: fp16 d, int8 q[32]                      w_i = d * q_i               (34 bytes)
+//   q4_0: fp16 d, uint8 qs[16]                    w_i = d * (nibble_i - 8)    (18 bytes)
+//   q4_1: fp16 d, fp16 m, uint8 qs[16]            w_i = d * nibble_i + m      (20 bytes)
+// where nibble_i is the low nibble of qs[i] for i < 16 and the high nibble of qs[i - 16] after.
+enum class BlockFormat : uint8_t { q8_0 = 0, q4_0 = 1, q4_1 = 2 };
+
+// Elements of a block, and bytes of a block of each format.
+inline constexpr std::size_t kQuantBlock = 32;
+constexpr std::size_t block_format_bytes(BlockFormat format) noexcept {
+  return format == BlockFormat::q8_0 ? 34 : format == BlockFormat::q4_0 ? 18 : 20;
+}
+
+// Vectors quantized per block of 32 for matvec_quant (quantize_vectors in simd/quant.hpp), as
+// ggml quantizes activations (its Q8_0, with Q8_1's block sums): vector m's block b holds codes
+// q[m * cols + 32 b + i] in [-127, 127] standing for scale[m * cols / 32 + b] * q, and
+// sum[m * cols / 32 + b] is the sum of its 32 codes (the Q4 formats' offset term).
+struct QuantizedVectors {
+  const int8_t* q;
+  const float* scale;
+  const int32_t* sum;
+};
+
 // How gemm_f32's right-hand matrix B (K x N) is stored; row-major either way.
 enum class GemmB : uint8_t {
   k_by_n,  // B itself: B(k, n) at b[k * ldb + n] (S4R's reconstruction: the basis as [rank, dim])
@@ -89,6 +113,14 @@ struct Kernels {
   // vector is summed in the same order whatever n_vectors is (results do not depend on batching).
   void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
                       std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
+  // y[m, r] = sum_c w[r, c] * x~[m, c] for m < n_vectors (any number), r < rows: weights in
+  // `format`, rows of cols / 32 blocks back to back from w (cols a multiple of 32), x~ the
+  // quantized vectors of x (each block's weight codes times its activation codes summed exactly in
+  // int32, then scaled in float32), y rows y_stride apart. Each vector's sum is taken in the same
+  // order whatever n_vectors is. The decode-step projection for weights kept in the file's blocks.
+  void (*matvec_quant)(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
+                       const QuantizedVectors& x, std::size_t n_vectors, float* y,
+                       std::size_t y_stride) noexcept;
   void (*locks_score)(const LocksScoreJob& job) noexcept;
   // out[i] = exp(x[i] - shift) for i < n, and their sum (the SIMD tables add float32 lanes and
   // move them to float64 every kExpSumBlock values; the scalar one adds in float64): the

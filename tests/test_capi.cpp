@@ -326,6 +326,19 @@ TEST(CApi, params_init_fills_the_documented_defaults) {
   EXPECT_EQ(params.device_cache_pages, 0u);
 }
 
+TEST(CApi, model_params_init_fills_the_documented_defaults) {
+  kvsift_model_params params;
+  std::memset(&params, 0xAB, sizeof(params));
+  kvsift_model_params_init(&params);
+  EXPECT_EQ(params.n_ctx, 0u);
+  EXPECT_EQ(params.max_seqs, 1u);
+  EXPECT_EQ(params.prefill_chunk, 256u);
+  EXPECT_EQ(params.weights_f32, 0);
+  EXPECT_EQ(params.weights, KVSIFT_WEIGHTS_BF16);
+  EXPECT_EQ(params.kv_dtype, KVSIFT_DTYPE_F16);
+  EXPECT_EQ(params.device, -1);
+}
+
 TEST(CApi, params_init_ignores_null) {
   kvsift_cache_params_init(nullptr);
 }

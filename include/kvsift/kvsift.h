@@ -484,13 +484,30 @@ KVSIFT_API kvsift_status kvsift_cache_get_stats(const kvsift_cache* cache,
 
 typedef struct kvsift_model kvsift_model;
 
+/* How the model keeps its weights (kvsift_model_params.weights). */
+typedef enum kvsift_weights {
+  /* Dequantized at load to bfloat16 (products in bf16 with float32 accumulation). */
+  KVSIFT_WEIGHTS_BF16 = 0,
+  /* Dequantized at load to float32: 2x the memory of bf16, closer to the file's values. */
+  KVSIFT_WEIGHTS_F32 = 1,
+  /* Linear layers stored as Q8_0, Q4_0 or Q4_1 stay in the file's blocks (memory-mapped, not
+   * copied: 4.5 bits a weight for Q4_0 against 16 for bf16); layers of other types (a Q6_K
+   * output head, say) are dequantized to bfloat16. Decode multiplies them with integer dot products against the
+   * activations quantized to 8 bits per block of 32 (as llama.cpp does), prefill dequantizes
+   * tiles of rows to bfloat16. CPU only (device must be -1). */
+  KVSIFT_WEIGHTS_QUANTIZED = 2,
+  KVSIFT_WEIGHTS_COUNT, /* not a mode: how many there are */
+  KVSIFT_WEIGHTS_MAX_ENUM = 0x7fffffff
+} kvsift_weights;
+
 /* Fill with kvsift_model_params_init() first. */
 typedef struct kvsift_model_params {
   uint32_t n_ctx;         /* positions per sequence; 0 = the model's training context. Default 0. */
   uint32_t max_seqs;      /* sequences decoded together in one kvsift_model_decode. Default 1. */
   uint32_t prefill_chunk; /* tokens per prefill step, 1..4096. Default 256. */
-  int weights_f32;        /* nonzero: weights dequantized to float32 (2x the memory of the
-                             default bf16, closer to the file's values). Default 0. */
+  int weights_f32;        /* nonzero: the same as weights = KVSIFT_WEIGHTS_F32 (kept for existing
+                             callers; INVALID_ARGUMENT together with weights = QUANTIZED).
+                             Default 0. */
   kvsift_dtype kv_dtype;  /* KV cache storage. Default KVSIFT_DTYPE_F16. */
   uint32_t page_tokens;   /* KV page size: 16, 32 or 64. Default 16. */
   int n_threads;          /* Threads of this model's own pool, the calling thread included: its
@@ -506,6 +523,7 @@ typedef struct kvsift_model_params {
                              without CUDA in the build or a usable device. */
   uint32_t device_cache_pages; /* Device cache pages per layer; 0 (default) = every page the
                                   max_seqs sequences can reach. */
+  kvsift_weights weights; /* How the weights are kept. Default KVSIFT_WEIGHTS_BF16. */
 } kvsift_model_params;
 
 KVSIFT_API void kvsift_model_params_init(kvsift_model_params* params);

@@ -38,6 +38,7 @@ void kvsift_model_params_init(kvsift_model_params* params) {
   params->isa = KVSIFT_ISA_AUTO;
   params->device = -1;
   params->device_cache_pages = 0;
+  params->weights = KVSIFT_WEIGHTS_BF16;
 }
 
 kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* params,
@@ -53,7 +54,15 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
     options.n_ctx = params->n_ctx;
     options.max_seqs = params->max_seqs;
     options.prefill_chunk = params->prefill_chunk;
-    options.weight_type = params->weights_f32 ? kvsift::MatType::f32 : kvsift::MatType::bf16;
+    const int32_t weights = kvsift::capi::enum_in_range(params->weights, KVSIFT_WEIGHTS_COUNT,
+                                                        "params->weights", "kvsift_weights");
+    kvsift::require(!(params->weights_f32 && weights == KVSIFT_WEIGHTS_QUANTIZED),
+                    "params->weights_f32 asks for float32 weights and params->weights for "
+                    "quantized ones");
+    options.weight_type = params->weights_f32 || weights == KVSIFT_WEIGHTS_F32
+                              ? kvsift::MatType::f32
+                              : kvsift::MatType::bf16;
+    options.keep_quantized = weights == KVSIFT_WEIGHTS_QUANTIZED;
     options.kv_dtype = kvsift::capi::to_dtype(kvsift::capi::enum_bits(params->kv_dtype), "params->kv_dtype");
     options.page_tokens = params->page_tokens;
     options.n_threads = params->n_threads;

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include "lib/model/dequantize.hpp"
+#include "simd/quant.hpp"
+
 namespace kvsift::model {
 
 CpuForwardPass::CpuForwardPass(LlamaWeights weights, const LlamaConfig& config,
@@ -30,6 +33,15 @@ CpuForwardPass::CpuForwardPass(LlamaWeights weights, const LlamaConfig& config,
   ffn_.resize(rows * config.n_ff);
   x_bf16_.resize(rows * std::max({E, qdim, config.n_ff}));
   x_rounded_.resize(simd::kMaxVectors * std::max({E, qdim, config.n_ff}));
+  if (weights_.any_quantized()) {
+    const std::size_t max_in = std::max({E, qdim, config.n_ff});
+    x_codes_.resize(simd::kMaxVectors * max_in);
+    x_scales_.resize(simd::kMaxVectors * max_in / simd::kQuantBlock);
+    x_sums_.resize(simd::kMaxVectors * max_in / simd::kQuantBlock);
+    tile_bf16_.resize(std::size_t{kQuantTileRows} * max_in);
+    tile_y_.resize(rows * kQuantTileRows);
+    tile_rows_.resize(static_cast<std::size_t>(pool.size()) * max_in);
+  }
 }
 
 void CpuForwardPass::embed(std::span<const int32_t> tokens) {
@@ -39,7 +51,9 @@ void CpuForwardPass::embed(std::span<const int32_t> tokens) {
 }
 
 void CpuForwardPass::matmul(const Linear& w, const float* x, uint32_t rows, float* y) {
-  if (weights_.type() == MatType::bf16) {
+  if (w.quantized()) {
+    matmul_quantized(w, x, rows, y);
+  } else if (weights_.type() == MatType::bf16) {
     kernels_.encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
     matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, w.bf16.data(),
                 WeightLayout::rows_are_outputs, w.out, y);
@@ -50,7 +64,11 @@ void CpuForwardPass::matmul(const Linear& w, const float* x, uint32_t rows, floa
 }
 
 void CpuForwardPass::matvec(const Linear& w, const float* x, uint32_t rows, float* y) {
-  if (weights_.type() != MatType::bf16 || rows > simd::kMaxVectors || w.in % 16 != 0) {
+  if (w.quantized() && rows <= simd::kMaxVectors) {
+    matvec_quantized(w, x, rows, y);
+    return;
+  }
+  if (w.quantized() || weights_.type() != MatType::bf16 || rows > simd::kMaxVectors || w.in % 16 != 0) {
     matmul(w, x, rows, y);
     return;
   }
@@ -62,6 +80,44 @@ void CpuForwardPass::matvec(const Linear& w, const float* x, uint32_t rows, floa
     kernels.matvec_bf16(w.bf16.data() + first * w.in, last - first, w.in, x_rounded_.data(), rows,
                         y + first, w.out);
   });
+}
+
+void CpuForwardPass::matvec_quantized(const Linear& w, const float* x, uint32_t rows, float* y) {
+  simd::quantize_vectors(x, rows, w.in, x_codes_.data(), x_scales_.data(), x_sums_.data());
+  const simd::QuantizedVectors xq{x_codes_.data(), x_scales_.data(), x_sums_.data()};
+  const simd::Kernels& kernels = kernels_;
+  pool_.parallel_static(w.out, [&](uint64_t first, uint64_t last, int) noexcept {
+    uint64_t start = 0;  // the first output row of each tensor
+    for (const BlockRows& part : w.blocks) {
+      const uint64_t lo = std::max(first, start), hi = std::min(last, start + part.rows);
+      if (lo < hi)
+        kernels.matvec_quant(part.format, part.data + (lo - start) * part.row_bytes, hi - lo, w.in,
+                             xq, rows, y + lo, w.out);
+      start += part.rows;
+    }
+  });
+}
+
+void CpuForwardPass::matmul_quantized(const Linear& w, const float* x, uint32_t rows, float* y) {
+  kernels_.encode(x, x_bf16_.data(), std::size_t{rows} * w.in, simd::Dtype::bf16);
+  const simd::Kernels& kernels = kernels_;
+  for (uint32_t tile = 0; tile < w.out; tile += kQuantTileRows) {
+    const uint32_t n = std::min(kQuantTileRows, w.out - tile);
+    pool_.parallel_for(n, 16, [&](uint64_t first, uint64_t last, int thread) noexcept {
+      float* row = tile_rows_.data() + std::size_t{w.in} * thread;
+      for (uint64_t r = first; r < last; ++r) {
+        uint64_t at = tile + r;  // the row within its tensor
+        const BlockRows* part = w.blocks.data();
+        while (at >= part->rows) at -= (part++)->rows;
+        dequantize(part->type, part->data + at * part->row_bytes, row, w.in);
+        kernels.encode(row, tile_bf16_.data() + r * w.in, w.in, simd::Dtype::bf16);
+      }
+    });
+    matmul_.run(MatType::bf16, x_bf16_.data(), rows, w.in, tile_bf16_.data(),
+                WeightLayout::rows_are_outputs, n, tile_y_.data());
+    for (uint32_t r = 0; r < rows; ++r)
+      std::copy_n(tile_y_.data() + std::size_t{r} * n, n, y + std::size_t{r} * w.out + tile);
+  }
 }
 
 void CpuForwardPass::rms_norm(const float* x, const std::vector<float>& weight, uint32_t rows,

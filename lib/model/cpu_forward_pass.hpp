@@ -3,6 +3,12 @@
 // kernels that stream the weights once; prefill attention through PrefillAttention over the host
 // cache. Every product's input is rounded to the weights' type first (bf16: round to nearest
 // even), with float32 accumulation.
+//
+// Layers kept in the file's blocks (Linear::quantized): decode rows go through matvec_quant, with
+// the inputs quantized per block of 32 (simd/quant.hpp), as llama.cpp runs them; prefill
+// dequantizes kQuantTileRows output rows at a time to bf16 and multiplies each tile with oneDNN
+// (no oneDNN 2.6 product reads ggml's blocks), so a prefill costs one pass of dequantization over
+// the weights besides the products.
 #pragma once
 
 #include <cstdint>
@@ -22,6 +28,9 @@ namespace kvsift::model {
 
 class CpuForwardPass final : public ForwardPass {
  public:
+  // Output rows of a quantized layer dequantized per prefill tile.
+  static constexpr uint32_t kQuantTileRows = 256;
+
   // Passes of up to max_rows tokens (prefill chunks of up to max_chunk) at positions below n_ctx,
   // with the prefill attention reading `cache`, the conversions and matrix-vector products through
   // `kernels` (the handle's table) and the work on `pool` (all borrowed: they must outlive the
@@ -62,8 +71,11 @@ class CpuForwardPass final : public ForwardPass {
   // Matrix-vector products over the rows (a few sequences' decode tokens) that stream the weights
   // once, split by output rows across the threads; x rounded to bf16 as matmul() rounds it. Where
   // the kernel does not apply (f32 weights, more rows than simd::kMaxVectors, w.in not a multiple
-  // of 16), matmul().
+  // of 16), matmul(). Quantized layers: matvec_quant for up to kMaxVectors rows.
   void matvec(const Linear& w, const float* x, uint32_t rows, float* y);
+  // The two products of a quantized layer.
+  void matvec_quantized(const Linear& w, const float* x, uint32_t rows, float* y);
+  void matmul_quantized(const Linear& w, const float* x, uint32_t rows, float* y);
 
   AttentionIo inputs(uint32_t layer, const uint64_t* positions, Product product);
   void finish(uint32_t layer, Product product);
@@ -84,6 +96,13 @@ class CpuForwardPass final : public ForwardPass {
   AlignedVector<float> x_, h_, qkv_, q_, k_, v_, attn_, gate_up_, ffn_;
   AlignedVector<uint16_t> x_bf16_;
   AlignedVector<float> x_rounded_;  // x_bf16_ back in float32, for matvec_bf16 (decode rows)
+  // Quantized layers: the decode rows' codes, scales and block sums (simd::QuantizedVectors); a
+  // prefill tile of weights in bf16, its outputs, and a float32 row per thread to dequantize into.
+  AlignedVector<int8_t> x_codes_;
+  AlignedVector<float> x_scales_;
+  AlignedVector<int32_t> x_sums_;
+  AlignedVector<uint16_t> tile_bf16_;
+  AlignedVector<float> tile_y_, tile_rows_;
 };
 
 }  // namespace kvsift::model

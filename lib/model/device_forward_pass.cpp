@@ -22,6 +22,8 @@ DeviceForwardPass::DeviceForwardPass(LlamaWeights weights, const LlamaConfig& co
     : weights_(std::move(weights)), config_(config), cache_(cache) {
   require(weights_.type() == MatType::bf16,
           "the offload mode (device >= 0) runs bf16 weights; weight_type f32 is CPU only");
+  require(!weights_.any_quantized(),
+          "the offload mode (device >= 0) runs bf16 weights; quantized weights are CPU only");
   x_.resize(std::size_t{max_rows} * config.n_embd);
   gpu::LlamaShape shape;
   shape.n_layers = config.n_layers;

@@ -101,7 +101,8 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
   require(options.prefill_chunk >= 1 && options.prefill_chunk <= 4096,
           "prefill_chunk=", options.prefill_chunk, " is not in 1..4096");
   LlamaWeights weights = LlamaWeights::load(std::move(file), config, options.weight_type,
-                                            runtime_.kernels(), engine_.pool());
+                                            runtime_.kernels(), engine_.pool(),
+                                            options.keep_quantized);
   const uint32_t max_rows = std::max(options.prefill_chunk, options.max_seqs);
   if (options.device >= 0)
     forward_ = std::make_unique<DeviceForwardPass>(

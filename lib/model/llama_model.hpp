@@ -28,6 +28,9 @@ struct ModelOptions {
   uint32_t max_seqs = 1;         // sequences decoded together
   uint32_t prefill_chunk = 256;  // tokens per prefill step
   MatType weight_type = MatType::bf16;
+  // Keep the linear layers whose tensors are Q8_0, Q4_0 or Q4_1 in the file's blocks (decode
+  // multiplies them with simd's matvec_quant); the rest in weight_type. CPU only.
+  bool keep_quantized = false;
   simd::Dtype kv_dtype = simd::Dtype::f16;
   uint32_t page_tokens = 16;
   int n_threads = 0;  // the model's thread pool, caller included; 0 = the CPUs it may run on

@@ -70,9 +70,26 @@ LlamaConfig read_config(const GgufFile& file) {
   return c;
 }
 
+std::optional<simd::BlockFormat> block_format(GgmlType type) noexcept {
+  switch (type) {
+    case GgmlType::q8_0: return simd::BlockFormat::q8_0;
+    case GgmlType::q4_0: return simd::BlockFormat::q4_0;
+    case GgmlType::q4_1: return simd::BlockFormat::q4_1;
+    default: return std::nullopt;
+  }
+}
+
+bool LlamaWeights::any_quantized() const noexcept {
+  for (const LayerWeights& L : layers_)
+    for (const Linear* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down})
+      if (w->quantized()) return true;
+  return output_.quantized();
+}
+
 LlamaWeights LlamaWeights::load(GgufFile file, const LlamaConfig& config, MatType type,
-                                const simd::Kernels& kernels, ThreadPool& pool) {
-  LlamaWeights w(std::move(file), type);
+                                const simd::Kernels& kernels, ThreadPool& pool,
+                                bool keep_quantized) {
+  LlamaWeights w(std::move(file), type, keep_quantized);
   const GgufFile& f = w.file_;
   const uint32_t E = config.n_embd, qdim = config.q_dim(), kvdim = config.kv_dim();
   w.n_embd_ = E;
@@ -106,6 +123,28 @@ Linear LlamaWeights::load_linear(const std::vector<std::pair<std::string, uint32
   Linear w;
   w.in = in;
   for (const auto& part : parts) w.out += part.second;
+  if (keep_quantized_) {
+    // Kept in blocks only when every tensor has a kernel: one layer is one format per row range.
+    bool all = true;
+    for (const auto& part : parts) all = all && block_format(file_.require_tensor(part.first).type);
+    if (all) {
+      for (const auto& [name, out] : parts) {
+        const GgufTensor& t = file_.require_tensor(name);
+        check_dims(t, in, out);
+        BlockRows rows;
+        rows.format = *block_format(t.type);
+        rows.type = t.type;
+        // Throws invalid_file when `in` is not a whole number of blocks of 32.
+        rows.row_bytes = row_bytes(t.type, in);
+        require(rows.row_bytes == in / simd::kQuantBlock * simd::block_format_bytes(rows.format),
+                "tensor '", name, "': block size disagrees with the kernels' format");
+        rows.data = reinterpret_cast<const std::byte*>(t.data);
+        rows.rows = out;
+        w.blocks.push_back(rows);
+      }
+      return w;
+    }
+  }
   const bool bf16 = type_ == MatType::bf16;
   if (bf16)
     w.bf16.resize(std::size_t{in} * w.out);

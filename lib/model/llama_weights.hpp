@@ -5,9 +5,14 @@
 // Weights are dequantized at load to bf16 (default) or f32. Memory this costs, for SmolLM2-135M:
 // 134.5M parameters x 2 bytes = 269 MB in bf16 (538 MB in f32), against 98 MB for the Q4_1 file.
 // The embedding table stays in the file's mapping and is dequantized a row at a time (embed()).
+// Loaded with keep_quantized, a linear layer whose tensors are all Q8_0, Q4_0 or Q4_1 is not
+// converted at all: it reads the file's blocks in place, in the mapping (simd::BlockFormat), 4.5
+// bits a weight for Q4_0 against 16 in bf16 (an 8B model's linear layers: 4.2 GB against 15 GB);
+// the other layers are dequantized to `type` as before.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,13 +47,30 @@ struct LlamaConfig {
 // out-of-range values, shapes that do not divide).
 LlamaConfig read_config(const GgufFile& file);
 
-// A linear layer's weight, [out, in] row-major (outputs are rows), in the one type the loader was
-// asked for: the other vector stays empty. The place a quantized-weight kernel would plug in.
+// Rows of a linear layer kept in a file tensor's ggml blocks: `rows` rows of row_bytes each from
+// `data`, which points into the file's mapping (the weights own the file).
+struct BlockRows {
+  const std::byte* data = nullptr;
+  uint32_t rows = 0;
+  std::size_t row_bytes = 0;
+  simd::BlockFormat format = simd::BlockFormat::q8_0;
+  GgmlType type = GgmlType::q8_0;  // the same format, as dequantize() names it
+};
+
+// A linear layer's weight, [out, in] row-major (outputs are rows), either dequantized to the one
+// type the loader was asked for (the other vector stays empty) or, when `blocks` is not empty,
+// kept in the file's blocks: its tensors stacked along the outputs, one BlockRows each.
 struct Linear {
   AlignedVector<uint16_t> bf16;  // the raw bf16 bits, when the type is bf16
   AlignedVector<float> f32;      // when the type is f32
+  std::vector<BlockRows> blocks;
   uint32_t in = 0, out = 0;
+
+  bool quantized() const noexcept { return !blocks.empty(); }
 };
+
+// The block format of matvec_quant (simd/kernels.hpp) for a ggml type, if it has one.
+std::optional<simd::BlockFormat> block_format(GgmlType type) noexcept;
 
 // Q, K and V are one weight (rows stacked [q | k | v]), as are gate and up: fewer, larger
 // products, which matters most at decode where each is a matrix-vector product.
@@ -60,13 +82,18 @@ struct LayerWeights {
 class LlamaWeights {
  public:
   // Reads every weight of `config` from the file (which the weights keep: the embedding table is
-  // read from its mapping), converted to `type`. The conversion runs on `pool`, encoding bf16 with
-  // `kernels`. Throws Error: invalid_file (missing tensors, inconsistent shapes), unsupported
-  // (tensor types).
+  // read from its mapping), converted to `type`, except, with keep_quantized, the linear layers
+  // whose tensors all have a block format (block_format), which stay in the file's blocks. The
+  // conversion runs on `pool`, encoding bf16 with `kernels`. Throws Error: invalid_file (missing
+  // tensors, inconsistent shapes, rows that are not whole blocks), unsupported (tensor types).
   static LlamaWeights load(GgufFile file, const LlamaConfig& config, MatType type,
-                           const simd::Kernels& kernels, ThreadPool& pool);
+                           const simd::Kernels& kernels, ThreadPool& pool,
+                           bool keep_quantized = false);
 
+  // The type of the dequantized layers (every layer without keep_quantized).
   MatType type() const noexcept { return type_; }
+  // Whether any linear layer is kept in the file's blocks.
+  bool any_quantized() const noexcept;
   const LayerWeights& layer(uint32_t l) const noexcept { return layers_[l]; }
   uint32_t n_layers() const noexcept { return static_cast<uint32_t>(layers_.size()); }
   const std::vector<float>& output_norm() const noexcept { return output_norm_; }
@@ -78,13 +105,15 @@ class LlamaWeights {
   void embed(int32_t token, float* x) const noexcept;
 
  private:
-  LlamaWeights(GgufFile file, MatType type) : file_(std::move(file)), type_(type) {}
+  LlamaWeights(GgufFile file, MatType type, bool keep_quantized)
+      : file_(std::move(file)), type_(type), keep_quantized_(keep_quantized) {}
   // The named [in, out_i] tensors stacked along their outputs into one [sum out_i, in] weight.
   Linear load_linear(const std::vector<std::pair<std::string, uint32_t>>& parts, uint32_t in,
                      const simd::Kernels& kernels, ThreadPool& pool) const;
 
   GgufFile file_;
   MatType type_;
+  bool keep_quantized_ = false;
   uint32_t n_embd_ = 0;
   std::vector<LayerWeights> layers_;
   std::vector<float> output_norm_;

@@ -70,8 +70,8 @@ namespace kvsift::simd {
 const Kernels& avx512_kernels() noexcept {
   static const Kernels table{
       Level::avx512,        Body<IsaOps>::encode,      Body<IsaOps>::decode,
-      Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16, Body<IsaOps>::locks_score,
-      Body<IsaOps>::exp_sum,   gemm_f32_avx512};
+      Body<IsaOps>::attend, Body<IsaOps>::matvec_bf16, matvec_quant_avx2,
+      Body<IsaOps>::locks_score, Body<IsaOps>::exp_sum, gemm_f32_avx512};
   return table;
 }
 

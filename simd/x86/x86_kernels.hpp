@@ -16,5 +16,13 @@ void locks_score_avx512_vnni(const LocksScoreJob& job) noexcept;
 const LouverKernels& louver_avx512_kernels() noexcept;  // louver_avx512.cpp
 void gemm_f32_avx2(const GemmJob& job) noexcept;           // gemm_avx2.cpp
 void gemm_f32_avx512(const GemmJob& job) noexcept;         // gemm_avx512.cpp
+// matvec_quant of the avx2 and avx512 tables (quant_avx2.cpp) and of the avx512_vnni table
+// (quant_avx512_vnni.cpp).
+void matvec_quant_avx2(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
+                       const QuantizedVectors& x, std::size_t n_vectors, float* y,
+                       std::size_t y_stride) noexcept;
+void matvec_quant_avx512_vnni(BlockFormat format, const std::byte* w, std::size_t rows,
+                              std::size_t cols, const QuantizedVectors& x, std::size_t n_vectors,
+                              float* y, std::size_t y_stride) noexcept;
 
 }  // namespace kvsift::simd

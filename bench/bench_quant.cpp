@@ -1,0 +1,241 @@
+// The decode-step projection with weights kept in ggml's blocks (simd's matvec_quant, Q4_0 and
+// Q8_0) against the bf16 matrix-vector product the runner uses for dequantized weights, at
+// Llama-3.1-8B's shapes, on the runner's own path (lib/model/cpu_forward_pass.cpp): the input
+// prepared (quantized per block of 32, or rounded to bf16), then the rows split over a ThreadPool.
+// A decode projection reads each weight byte once, so each case reports `weight_GBps` (weight
+// bytes over wall time); BM_read_bandwidth, a plain streaming read of 1 GiB over the same pool,
+// is the machine's ceiling for it. Each case cycles through copies of its matrix filling 1 GiB,
+// so the weights come from DRAM as a model's do (one 4096 x 4096 Q4_0 matrix, 9 MB, would sit in
+// the L3).
+//
+// BM_matvec_l2 is each kernel's compute ceiling on one core (the matrix in L2).
+//
+// Measured (AMD EPYC Zen 5, 2 vCPUs, 23.6 GB/s read bandwidth on 2 threads; medians of 9, the
+// K=4096 -> N=4096 / 1024 / 14336 and K=14336 -> N=4096 cases): bf16 21.8 / 22.5 / 24.7 / 16.9
+// GB/s of weights; Q8_0 26.1 / 21.6 / 26.6 / 21.9 GB/s (2.3 / 1.8 / 2.0 / 2.4x faster than bf16);
+// Q4_0 16.5 / 14.8 / 17.3 / 14.2 GB/s (2.7 / 2.3 / 2.5 / 3.0x faster). bf16 and Q8_0 run at the
+// read bandwidth; Q4_0 at 60-74% of it: its kernel's own ceiling is 17.8 GB/s a core (Q8_0 41,
+// bf16 73), so on 2 threads unpacking nibbles and applying scales per block of 32 overlap the
+// reads only in part.
+//
+//   kvsift-bench-quant --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
+#include <benchmark/benchmark.h>
+#include <sys/mman.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "lib/core/aligned.hpp"
+#include "lib/core/thread_pool.hpp"
+#include "simd/half.hpp"
+#include "simd/isa.hpp"
+#include "simd/kernels.hpp"
+#include "simd/quant.hpp"
+
+namespace {
+
+using namespace kvsift;
+
+constexpr int kThreads = 2;
+constexpr std::size_t kArenaBytes = std::size_t{1} << 30;
+
+ThreadPool& pool() {
+  static ThreadPool p(kThreads);
+  return p;
+}
+
+const simd::Kernels& kernels() {
+  return simd::kernels_for(simd::resolve_level(simd::Level::best));
+}
+
+// 1 GiB of anonymous memory, committed (written once, untimed) before use.
+class Arena {
+ public:
+  Arena() {
+    void* p = mmap(nullptr, kArenaBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
+                   0);
+    if (p != MAP_FAILED) data_ = static_cast<std::byte*>(p);
+  }
+  ~Arena() {
+    if (data_ != nullptr) munmap(data_, kArenaBytes);
+  }
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+  std::byte* data() const { return data_; }
+  // What the arena holds: the case whose weights fill it (refilled when a case changes, not at
+  // every call Google Benchmark makes to size and repeat a case).
+  int64_t filled_for[3] = {-1, -1, -1};
+
+ private:
+  std::byte* data_ = nullptr;
+};
+
+// One arena for the whole run: the bandwidth probe and every case share it.
+Arena& arena() {
+  static Arena a;
+  return a;
+}
+
+// ---- The read-bandwidth baseline ---------------------------------------------------------------
+
+// Sums the arena as 64-bit integers (integer sums vectorize without reassociation concerns), its
+// halves on the pool's two threads.
+void BM_read_bandwidth(benchmark::State& state) {
+  Arena& a = arena();
+  if (a.data() == nullptr) return state.SkipWithError("mmap failed");
+  if (a.filled_for[0] != -2) {
+    std::memset(a.data(), 1, kArenaBytes);
+    a.filled_for[0] = -2;
+  }
+  const auto* words = reinterpret_cast<const uint64_t*>(a.data());
+  const std::size_t n = kArenaBytes / sizeof(uint64_t);
+  uint64_t sums[kThreads] = {};
+  for (auto _ : state) {
+    pool().parallel_static(kThreads, [&](uint64_t first, uint64_t, int) noexcept {
+      const uint64_t* p = words + n / kThreads * first;
+      uint64_t s = 0;
+      for (std::size_t i = 0; i < n / kThreads; ++i) s += p[i];
+      sums[first] += s;
+    });
+    benchmark::DoNotOptimize(sums);
+  }
+  state.counters["read_GBps"] = benchmark::Counter(
+      static_cast<double>(kArenaBytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+}
+BENCHMARK(BM_read_bandwidth)->Name("read_bandwidth/threads:2")->UseRealTime()->Unit(benchmark::kMillisecond);
+
+// ---- The products ------------------------------------------------------------------------------
+
+enum Format { bf16 = 0, q8_0 = 1, q4_0 = 2 };
+
+std::size_t weight_bytes(Format f, std::size_t rows, std::size_t cols) {
+  if (f == bf16) return rows * cols * 2;
+  const auto bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
+  return rows * cols / simd::kQuantBlock * simd::block_format_bytes(bf);
+}
+
+// Fills the arena with valid weights of the format: random codes, fp16 scales near 0.01 (bf16:
+// random values near 0.01).
+void fill(Format f, std::byte* data, std::size_t bytes) {
+  std::mt19937 rng(7);
+  std::uniform_int_distribution<int> byte_dist(0, 255);
+  if (f == bf16) {
+    auto* w = reinterpret_cast<uint16_t*>(data);
+    std::normal_distribution<float> dist(0.0f, 0.01f);
+    for (std::size_t i = 0; i < 4096; ++i) w[i] = simd::f32_to_bf16(dist(rng));
+    for (std::size_t i = 4096; i < bytes / 2; ++i) w[i] = w[i % 4096 ^ (i / 4096 % 7)];
+    return;
+  }
+  const std::size_t block = f == q8_0 ? 34 : 18;
+  std::vector<std::byte> pattern(block * 509);
+  for (std::byte& b : pattern) b = static_cast<std::byte>(byte_dist(rng));
+  const uint16_t scale = simd::f32_to_f16(0.01f);
+  for (std::size_t b = 0; b < pattern.size() / block; ++b)
+    std::memcpy(pattern.data() + b * block, &scale, 2);
+  for (std::size_t i = 0; i + block <= bytes; i += block)
+    std::memcpy(data + i, pattern.data() + i % pattern.size() / block * block, block);
+}
+
+// Args: format, K (cols), N (rows).
+void BM_matvec(benchmark::State& state) {
+  const auto f = static_cast<Format>(state.range(0));
+  const std::size_t K = static_cast<std::size_t>(state.range(1));
+  const std::size_t N = static_cast<std::size_t>(state.range(2));
+  const std::size_t bytes = weight_bytes(f, N, K);
+  const std::size_t copies = kArenaBytes / bytes;
+  Arena& arena = ::arena();
+  if (arena.data() == nullptr || copies == 0) return state.SkipWithError("no arena");
+  if (arena.filled_for[0] != state.range(0) || arena.filled_for[1] != state.range(1) ||
+      arena.filled_for[2] != state.range(2)) {
+    fill(f, arena.data(), copies * bytes);
+    arena.filled_for[0] = state.range(0);
+    arena.filled_for[1] = state.range(1);
+    arena.filled_for[2] = state.range(2);
+  }
+  const simd::Kernels& k = kernels();
+  std::vector<float> x(K);
+  std::mt19937 rng(3);
+  std::normal_distribution<float> dist(0.0f, 1.0f);
+  for (float& v : x) v = dist(rng);
+  AlignedVector<float> y(N), x_rounded(K);
+  AlignedVector<uint16_t> x_bf16(K);
+  AlignedVector<int8_t> codes(K);
+  AlignedVector<float> scales(K / simd::kQuantBlock);
+  AlignedVector<int32_t> sums(K / simd::kQuantBlock);
+  const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
+  const std::size_t row_bytes = bytes / N;
+  std::size_t copy = 0;
+  for (auto _ : state) {
+    const std::byte* w = arena.data() + copy * bytes;
+    copy = copy + 1 == copies ? 0 : copy + 1;
+    if (f == bf16) {
+      k.encode(x.data(), x_bf16.data(), K, simd::Dtype::bf16);
+      k.decode(x_bf16.data(), x_rounded.data(), K, simd::Dtype::bf16);
+      const auto* wb = reinterpret_cast<const uint16_t*>(w);
+      pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
+        k.matvec_bf16(wb + first * K, last - first, K, x_rounded.data(), 1, y.data() + first, N);
+      });
+    } else {
+      simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
+      const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
+      pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
+        k.matvec_quant(bf, w + first * row_bytes, last - first, K, xq, 1, y.data() + first, N);
+      });
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["weight_GBps"] = benchmark::Counter(
+      static_cast<double>(bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.counters["weight_MB"] = static_cast<double>(bytes) / 1e6;
+  state.SetLabel(simd::level_name(k.level));
+}
+
+void shapes(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"fmt", "K", "N"});
+  for (int f : {bf16, q8_0, q4_0}) {
+    b->Args({f, 4096, 4096});   // q, o
+    b->Args({f, 4096, 1024});   // k, v
+    b->Args({f, 4096, 14336});  // gate, up
+    b->Args({f, 14336, 4096});  // down
+  }
+}
+BENCHMARK(BM_matvec)->Name("matvec/threads:2")->Apply(shapes)->UseRealTime()->Unit(benchmark::kMicrosecond);
+
+// The kernels' compute ceiling: one thread, one 4096 x 64 matrix read over and over from L2
+// (bf16 512 KB, Q8_0 279 KB, Q4_0 147 KB), no input preparation. Args: format.
+void BM_matvec_l2(benchmark::State& state) {
+  const auto f = static_cast<Format>(state.range(0));
+  constexpr std::size_t K = 4096, N = 64;
+  const std::size_t bytes = weight_bytes(f, N, K);
+  AlignedVector<std::byte> w(bytes);
+  fill(f, w.data(), bytes);
+  const simd::Kernels& k = kernels();
+  std::vector<float> x(K, 0.5f);
+  AlignedVector<float> y(N);
+  AlignedVector<int8_t> codes(K);
+  AlignedVector<float> scales(K / simd::kQuantBlock);
+  AlignedVector<int32_t> sums(K / simd::kQuantBlock);
+  simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
+  const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
+  const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
+  for (auto _ : state) {
+    if (f == bf16)
+      k.matvec_bf16(reinterpret_cast<const uint16_t*>(w.data()), N, K, x.data(), 1, y.data(), N);
+    else
+      k.matvec_quant(bf, w.data(), N, K, xq, 1, y.data(), N);
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["weight_GBps"] = benchmark::Counter(
+      static_cast<double>(bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
+  state.SetLabel(simd::level_name(k.level));
+}
+BENCHMARK(BM_matvec_l2)->Name("matvec_l2/threads:1")->ArgName("fmt")->Arg(bf16)->Arg(q8_0)->Arg(q4_0)->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
