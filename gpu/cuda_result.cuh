@@ -61,8 +61,9 @@ inline std::string absent_reason(cudaError_t err) {
 }
 
 // "scope: what: CUDA's message", or "what: ..." without a scope; where the driver or the device
-// is missing, "scope: what: what is missing (CUDA's message)". The message is built only on
-// failure: the run() paths of gpu/ check every call on the decode path.
+// is missing, "scope: what: what is missing (CUDA's error name)", without CUDA's message, which
+// misleads there (absent_reason). The message is built only on failure: the run() paths of gpu/
+// check every call on the decode path.
 inline Result cuda_result(cudaError_t err, std::string_view scope, std::string_view what) {
   if (err == cudaSuccess) return Result{};
   cudaGetLastError();
@@ -71,8 +72,7 @@ inline Result cuda_result(cudaError_t err, std::string_view scope, std::string_v
   message.append(what).append(": ");
   switch (cuda_fault(err)) {
     case Fault::unsupported:
-      return Result::absent(message + absent_reason(err) + " (CUDA: " + cudaGetErrorString(err) +
-                            ")");
+      return Result::absent(message + absent_reason(err) + " (" + cudaGetErrorName(err) + ")");
     case Fault::out_of_memory:
       return Result::out_of_memory(message.append(cudaGetErrorString(err)));
     default: return Result::failed(message.append(cudaGetErrorString(err)));
