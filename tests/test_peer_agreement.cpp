@@ -67,6 +67,29 @@ constexpr double kLogProbBound = 0.6;
 // twice the noise floor, either runtime may pick either token; above it they must agree.
 constexpr double kDecidedMargin = 0.35;
 
+// Our logits at one recorded position against llama.cpp's: the greedy token must be the same, and
+// the worst log-probability difference over the recorded tokens with p >= 1e-4 is kept.
+struct LogProbDifference {
+  double worst = 0.0;        // over every position
+  double worst_first = 0.0;  // at position 0
+
+  void add(const float* logits, std::size_t V, const json& at, const json& prompt) {
+    const std::size_t pos = at["pos"];
+    const double lse = log_sum_exp(logits, V);
+    const double peer_lse = at["logsumexp"];
+    const auto& top = at["top"];
+    EXPECT_EQ(std::max_element(logits, logits + V) - logits, top[0][0].get<int32_t>())
+        << prompt["name"] << " position " << pos;
+    for (const auto& pair : top) {
+      const double theirs = pair[1].get<double>() - peer_lse;
+      if (theirs < kMinLogProb) continue;
+      const double diff = std::abs(logits[pair[0].get<int32_t>()] - lse - theirs);
+      worst = std::max(worst, diff);
+      if (pos == 0) worst_first = std::max(worst_first, diff);
+    }
+  }
+};
+
 class PeerAgreement : public ::testing::TestWithParam<int> {
  protected:
   void SetUp() override {
@@ -101,7 +124,7 @@ TEST(PeerAgreementTokens, tokenization_is_identical_to_llama_cpp) {
 }
 
 TEST_P(PeerAgreement, next_token_distributions_match_at_recorded_positions) {
-  double worst = 0.0, worst_first = 0.0;
+  LogProbDifference difference;
   for (const auto& prompt : fixture()["logits"]) {
     const auto ids = prompt["ids"].get<std::vector<int32_t>>();
     const std::size_t V = fixture()["n_vocab"];
@@ -112,27 +135,13 @@ TEST_P(PeerAgreement, next_token_distributions_match_at_recorded_positions) {
                                    nullptr),
               KVSIFT_STATUS_OK)
         << kvsift_last_error();
-    for (const auto& at : prompt["positions"]) {
-      const std::size_t pos = at["pos"];
-      const float* logits = all.data() + pos * V;
-      const double lse = log_sum_exp(logits, V);
-      const double peer_lse = at["logsumexp"];
-      const auto& top = at["top"];
-      EXPECT_EQ(std::max_element(logits, logits + V) - logits, top[0][0].get<int32_t>())
-          << prompt["name"] << " position " << pos;
-      for (const auto& pair : top) {
-        const double theirs = pair[1].get<double>() - peer_lse;
-        if (theirs < kMinLogProb) continue;
-        const double diff = std::abs(logits[pair[0].get<int32_t>()] - lse - theirs);
-        worst = std::max(worst, diff);
-        if (pos == 0) worst_first = std::max(worst_first, diff);
-      }
-    }
+    for (const auto& at : prompt["positions"])
+      difference.add(all.data() + at["pos"].get<std::size_t>() * V, V, at, prompt);
     ASSERT_EQ(kvsift_model_sequence_free(model_.get(), seq), KVSIFT_STATUS_OK);
   }
   std::printf("log-probability difference, tokens with p >= 1e-4: worst %.3f; at position 0 %.3f\n",
-              worst, worst_first);
-  EXPECT_LT(worst, kLogProbBound);
+              difference.worst, difference.worst_first);
+  EXPECT_LT(difference.worst, kLogProbBound);
 }
 
 // With quantized weights the recorded positions' logits above come from prefill (bf16 tiles); here
@@ -154,7 +163,7 @@ constexpr double kQuantizedDecodeLogProbBound = 0.9;
 TEST(PeerAgreementQuantized, decode_logits_match_at_recorded_positions) {
   if (model_path() == nullptr) GTEST_SKIP() << "KVSIFT_MODEL is not set (make test sets it)";
   Model model = load(2);
-  double worst = 0.0, worst_first = 0.0;
+  LogProbDifference difference;
   for (const auto& prompt : fixture()["logits"]) {
     const auto ids = prompt["ids"].get<std::vector<int32_t>>();
     std::size_t last = 0;
@@ -172,26 +181,16 @@ TEST(PeerAgreementQuantized, decode_logits_match_at_recorded_positions) {
         const float* logits = nullptr;
         std::size_t V = 0;
         ASSERT_EQ(kvsift_model_logits(model.get(), seq, &logits, &V), KVSIFT_STATUS_OK);
-        const double lse = log_sum_exp(logits, V);
-        const double peer_lse = at["logsumexp"];
-        const auto& top = at["top"];
-        EXPECT_EQ(std::max_element(logits, logits + V) - logits, top[0][0].get<int32_t>())
-            << prompt["name"] << " position " << pos;
-        for (const auto& pair : top) {
-          const double theirs = pair[1].get<double>() - peer_lse;
-          if (theirs < kMinLogProb) continue;
-          const double diff = std::abs(logits[pair[0].get<int32_t>()] - lse - theirs);
-          worst = std::max(worst, diff);
-          if (pos == 0) worst_first = std::max(worst_first, diff);
-        }
+        difference.add(logits, V, at, prompt);
       }
     }
     ASSERT_EQ(kvsift_model_sequence_free(model.get(), seq), KVSIFT_STATUS_OK);
   }
-  std::printf("decode, quantized weights: log-probability difference, tokens with p >= 1e-4: "
-              "worst %.3f; at position 0 %.3f\n",
-              worst, worst_first);
-  EXPECT_LT(worst, kQuantizedDecodeLogProbBound);
+  std::printf(
+      "decode, quantized weights: log-probability difference, tokens with p >= 1e-4: "
+      "worst %.3f; at position 0 %.3f\n",
+      difference.worst, difference.worst_first);
+  EXPECT_LT(difference.worst, kQuantizedDecodeLogProbBound);
 }
 
 TEST_P(PeerAgreement, greedy_continuations_match_llama_cpp) {
