@@ -1,30 +1,30 @@
 # Written by kvsift-eval; run `gnuplot plots.gp` in this folder to redraw.
-set terminal pngcairo size 1340,440 font 'sans,10'
+set terminal pngcairo size 1340,440 font 'sans,10' noenhanced
 set grid
 set key bottom right
 set style data linespoints
 $accuracy_1024_1 << EOD
-0.05 0.6875
-0.2 0.729167
+0.05 0.479167
+0.2 0.75
 EOD
 $accuracy_1024_2 << EOD
 0.05 0
-0.2 0.458333
+0.2 0.4375
 EOD
 $accuracy_1024_3 << EOD
-0.05 0.458333
-0.2 0.729167
+0.05 0.375
+0.2 0.75
 EOD
 $accuracy_2048_1 << EOD
-0.05 0.725
+0.05 0.7
 0.2 0.75
 EOD
 $accuracy_2048_2 << EOD
-0.05 0
+0.05 0.1
 0.2 0.325
 EOD
 $accuracy_2048_3 << EOD
-0.05 0.8
+0.05 0.725
 0.2 0.725
 EOD
 $accuracy_4096_1 << EOD
@@ -36,7 +36,7 @@ $accuracy_4096_2 << EOD
 0.2 0.583333
 EOD
 $accuracy_4096_3 << EOD
-0.05 0.791667
+0.05 0.770833
 0.2 0.75
 EOD
 set output 'accuracy.png'
@@ -59,40 +59,40 @@ unset multiplot
 unset logscale x
 set autoscale xy
 $mass_recall_1024_1 << EOD
-0.05 0.638107
-0.2 0.889113
+0.05 0.645209
+0.2 0.890163
 EOD
 $mass_recall_1024_2 << EOD
-0.05 0.570427
-0.2 0.845854
+0.05 0.565998
+0.2 0.846414
 EOD
 $mass_recall_1024_3 << EOD
-0.05 0.633044
-0.2 0.886885
+0.05 0.637573
+0.2 0.887384
 EOD
 $mass_recall_2048_1 << EOD
-0.05 0.750518
-0.2 0.9144
+0.05 0.759232
+0.2 0.91456
 EOD
 $mass_recall_2048_2 << EOD
-0.05 0.683142
-0.2 0.868348
+0.05 0.68668
+0.2 0.86828
 EOD
 $mass_recall_2048_3 << EOD
-0.05 0.742514
-0.2 0.913037
+0.05 0.746728
+0.2 0.913345
 EOD
 $mass_recall_4096_1 << EOD
-0.05 0.82908
-0.2 0.939712
+0.05 0.830591
+0.2 0.939972
 EOD
 $mass_recall_4096_2 << EOD
-0.05 0.774256
-0.2 0.901201
+0.05 0.773462
+0.2 0.900818
 EOD
 $mass_recall_4096_3 << EOD
-0.05 0.822215
-0.2 0.938664
+0.05 0.824462
+0.2 0.938442
 EOD
 set output 'mass_recall.png'
 set multiplot layout 1,3 title 'Attention-mass recall against budget (mean over the tasks whose selectors ran: steps, layers, heads)'
@@ -116,39 +116,39 @@ set autoscale xy
 $kv_dense << EOD
 1024 21.826
 2048 43.1773
-4096 89.2832
+4096 89.2735
 EOD
 $kv_1 << EOD
-1024 0.887466
-2048 1.86953
+1024 0.888956
+2048 1.88227
 4096 4.05103
 EOD
 $kv_2 << EOD
-1024 4.05333
-2048 8.23346
-4096 17.4877
+1024 4.05292
+2048 8.22104
+4096 17.4883
 EOD
 $kv_3 << EOD
-1024 0.890539
-2048 1.87426
-4096 4.05566
+1024 0.889067
+2048 1.873
+4096 4.0553
 EOD
 $kv_4 << EOD
-1024 4.05292
+1024 4.05404
 2048 8.22255
-4096 17.4877
+4096 17.4903
 EOD
 $kv_5 << EOD
-1024 0.887146
-2048 1.89759
-4096 4.04989
+1024 0.889149
+2048 1.88131
+4096 4.05103
 EOD
 $kv_6 << EOD
-1024 4.05333
+1024 4.05292
 2048 8.23346
-4096 17.4877
+4096 17.4823
 EOD
-set terminal pngcairo size 1340,440 font 'sans,10'
+set terminal pngcairo size 1340,440 font 'sans,10' noenhanced
 set output 'kv_bytes.png'
 set multiplot layout 1,3 title 'K/V bytes read per decode step, all layers (mean over tasks and steps)'
 set logscale xy 2
