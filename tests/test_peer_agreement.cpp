@@ -173,9 +173,10 @@ TEST(PeerAgreementQuantized, decode_logits_match_at_recorded_positions) {
     ASSERT_EQ(kvsift_model_prefill(model.get(), seq, ids.data(), 1, nullptr, nullptr, nullptr),
               KVSIFT_STATUS_OK);
     for (std::size_t pos = 0; pos <= last; ++pos) {
-      if (pos > 0)
+      if (pos > 0) {
         ASSERT_EQ(kvsift_model_decode(model.get(), 1, &seq, &ids[pos]), KVSIFT_STATUS_OK)
             << kvsift_last_error();
+      }
       for (const auto& at : prompt["positions"]) {
         if (at["pos"].get<std::size_t>() != pos) continue;
         const float* logits = nullptr;
