@@ -1,5 +1,5 @@
-# Every dynamic symbol a shipped shared object defines is part of the C API (kvsift_*): what
-# lib/package/kvsift.map promises for the libraries and gpu/CMakeLists.txt for the CUDA backend.
+# Every dynamic symbol a shipped shared library defines is part of the C API (kvsift_*): what
+# lib/package/kvsift.map promises. The CUDA module has its own check (check_module_symbols.cmake).
 #   cmake -DNM=<nm> -DLIBRARIES=<a.so;b.so> -P check_exports.cmake
 foreach(library ${LIBRARIES})
   execute_process(COMMAND ${NM} -D --defined-only ${library} RESULT_VARIABLE rc
