@@ -92,12 +92,14 @@ const uint32_t* KvCache::page_table(int32_t seq_id, uint32_t layer,
 }
 
 void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k,
-                     const float* v) {
+                     const float* v, KeyForm k_form) {
   sequence(seq_id);
   check_layer(layer);
   require(n_tokens > 0, "n_tokens must be > 0");
   require(k != nullptr, "k is NULL");
   require(v != nullptr, "v is NULL");
+  require(k_form == KeyForm::post_rope || rope_,
+          "keys before RoPE need a cache created for them (key form pre_rope)");
   Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
   const uint32_t B = geometry_.page_tokens, H = geometry_.n_kv_heads, d = geometry_.head_dim;
   const uint64_t before = seq.tokens[layer];
@@ -113,9 +115,10 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
   require_finite(v, std::size_t{n_tokens} * H * d, "v");
   for (uint32_t h = 0; h < H; ++h)
     seq.tables[std::size_t{layer} * H + h].reserve(geometry_.pages_for(after));
-  if (rope_) {
+  // Whatever form came in, read_tokens may rotate the stored keys back: the table covers them.
+  if (rope_) rope_->reserve(after);
+  if (k_form == KeyForm::pre_rope) {
     const std::size_t elems = std::size_t{n_tokens} * H * d;
-    rope_->reserve(after);
     try {
       if (rotated_.size() < elems) rotated_.resize(elems);
     } catch (const std::bad_alloc&) {

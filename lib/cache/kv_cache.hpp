@@ -73,7 +73,14 @@ class KvCache {
   // k, v: [n_tokens, n_kv_heads, head_dim] float32, k in the cache's key form. Stored keys are
   // always rotated. All or nothing. Throws not_found, invalid_argument, capacity_exceeded,
   // out_of_memory.
-  void append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k, const float* v);
+  void append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k, const float* v) {
+    append(seq_id, layer, n_tokens, k, v, key_form_);
+  }
+  // The same with k in the form given: a pre_rope cache also takes keys rotated elsewhere (K/V a
+  // caller computed with another engine) and stores them as they are; a post_rope cache refuses
+  // pre_rope keys (invalid_argument: it has no RoPE).
+  void append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const float* k, const float* v,
+              KeyForm k_form);
 
   // Stored tokens [first, first + n) of one (sequence, layer, KV head) as float32, [n, head_dim];
   // keys rotated (post_rope) or rotated back (pre_rope: needs a pre_rope cache). k_out or v_out
