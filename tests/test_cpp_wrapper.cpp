@@ -668,4 +668,44 @@ TEST_F(CppWrapperModel, runs_what_the_c_api_runs) {
                       [&] { wrapped.set_selector(policy); });
 }
 
+TEST_F(CppWrapperModel, append_kv_stores_what_the_c_call_stores) {
+  const kvsift_model_params p = small_params();
+  kvsift::model_runner wrapped(kvsift::test::model_path(), p);
+  kvsift_model* raw = nullptr;
+  ASSERT_EQ(kvsift_model_load(kvsift::test::model_path(), &p, &raw), KVSIFT_STATUS_OK);
+  const kvsift::model_runner twin(raw);
+  const kvsift_model_info info = wrapped.info();
+  const std::size_t per_token = std::size_t{info.n_kv_heads} * info.head_dim;
+  const std::vector<float> k = kvsift::test::random_floats(19 * per_token, 3);
+  const std::vector<float> v = kvsift::test::random_floats(19 * per_token, 4);
+  const int32_t seq = wrapped.create_sequence();
+  int32_t twin_seq = -1;
+  ASSERT_EQ(kvsift_model_sequence_create(twin.get(), &twin_seq), KVSIFT_STATUS_OK);
+  for (uint32_t l = 0; l < info.n_layers; ++l) {
+    wrapped.append_kv(seq, l, k, v);
+    ASSERT_EQ(kvsift_model_sequence_append_kv(twin.get(), twin_seq, l, 19, k.data(), v.data()),
+              KVSIFT_STATUS_OK);
+  }
+  const float* none = nullptr;
+  expect_same_failure([&] { return kvsift_model_logits(twin.get(), twin_seq, &none, nullptr); },
+                      [&] { wrapped.logits(seq); });
+  const int32_t token = 1;
+  wrapped.decode(std::span(&seq, 1), std::span(&token, 1));
+  ASSERT_EQ(kvsift_model_decode(twin.get(), 1, &twin_seq, &token), KVSIFT_STATUS_OK);
+  const std::span<const float> logits = wrapped.logits(seq);
+  const float* c_logits = nullptr;
+  ASSERT_EQ(kvsift_model_logits(twin.get(), twin_seq, &c_logits, nullptr), KVSIFT_STATUS_OK);
+  EXPECT_TRUE(std::equal(logits.begin(), logits.end(), c_logits));
+
+  const std::span<const float> ragged(k.data(), per_token + 1);
+  expect_refused([&] { wrapped.append_kv(seq, 0, ragged, ragged); }, "k");
+  expect_refused([&] { wrapped.append_kv(seq, 0, k, std::span(v).first(per_token)); }, "v");
+  expect_same_failure(
+      [&] {
+        return kvsift_model_sequence_append_kv(twin.get(), twin_seq, info.n_layers, 19, k.data(),
+                                               v.data());
+      },
+      [&] { wrapped.append_kv(seq, info.n_layers, k, v); });
+}
+
 }  // namespace

@@ -21,6 +21,7 @@
 #include "lib/model/cpu_forward_pass.hpp"
 #include "lib/model/dequantize.hpp"
 #include "lib/model/gguf_file.hpp"
+#include "lib/model/llama_model.hpp"
 #include "lib/model/llama_weights.hpp"
 #include "model_handle.hpp"
 #include "simd/kernels.hpp"
@@ -570,4 +571,145 @@ TEST_F(ModelTest, greedy_decoding_with_quantized_weights_matches_bf16_weights) {
   std::printf("quantized vs bf16 weights: %d of %d greedy tokens agree; identical prefix %d\n",
               same, kSteps, prefix);
   EXPECT_GE(same, kSteps - 2);
+}
+
+namespace {
+
+// K/V of tokens [first, first + n) of one layer of a sequence, [n, n_kv_heads, head_dim], keys
+// after RoPE: what another engine that prefilled the prompt would hand over.
+void read_layer(const kvsift::KvCache& cache, int32_t seq, uint32_t layer, uint64_t first,
+                uint64_t n, std::vector<float>& k, std::vector<float>& v) {
+  const uint32_t H = cache.geometry().n_kv_heads, d = cache.geometry().head_dim;
+  std::vector<float> head_k(n * d), head_v(n * d);
+  k.resize(n * H * d);
+  v.resize(n * H * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    cache.read_tokens(seq, layer, h, first, n, head_k.data(), head_v.data());
+    for (uint64_t t = 0; t < n; ++t) {
+      std::copy_n(head_k.data() + t * d, d, k.data() + (t * H + h) * d);
+      std::copy_n(head_v.data() + t * d, d, v.data() + (t * H + h) * d);
+    }
+  }
+}
+
+}  // namespace
+
+// A prompt's K/V moved into a fresh sequence (in 7-token chunks, so that pages fill across
+// calls, every layer in turn) decodes like the prefilled sequence itself: same stored pages, same
+// summaries for the selectors that keep them, same logits, at every kernel level and for a
+// page-level and a token-level selector as well as dense.
+TEST_F(ModelTest, kv_appended_from_a_prefilled_sequence_decodes_to_the_prefills_logits) {
+  using kvsift::model::LlamaModel;
+  namespace select = kvsift::select;
+  std::string text;
+  for (int i = 0; i < 4; ++i) text += kText;
+  for (const kvsift::simd::Level level : kvsift::test::supported_isas()) {
+    kvsift::model::ModelOptions options;
+    options.n_ctx = 512;
+    options.prefill_chunk = 64;
+    options.isa = level;
+    options.n_threads = 2;
+    const auto model = LlamaModel::load(model_path(), options);
+    const std::vector<int32_t> ids = model->tokenizer().encode(text, false);
+    ASSERT_GT(ids.size(), 150u);
+    const std::size_t n_prompt = ids.size() - 4;
+    for (const select::Kind kind : {select::Kind::dense, select::Kind::locks,
+                                    select::Kind::louver}) {
+      // Before the sequences exist: the selector sees the appended pages seal, as a prefill's.
+      select::Policy policy;
+      policy.kind = kind;
+      policy.budget = kind == select::Kind::dense ? 0.0 : 0.25;
+      model->set_selector(policy);
+      const int32_t a = model->create_sequence();
+      model->prefill(a, std::span(ids).first(n_prompt), nullptr, nullptr, nullptr);
+      const int32_t b = model->create_sequence();
+      std::vector<float> k, v;
+      for (uint64_t first = 0; first < n_prompt; first += 7) {
+        const uint64_t n = std::min<uint64_t>(7, n_prompt - first);
+        for (uint32_t l = 0; l < model->config().n_layers; ++l) {
+          read_layer(model->cache(), a, l, first, n, k, v);
+          model->append_kv(b, l, n, k.data(), v.data());
+        }
+      }
+      EXPECT_EQ(model->position(b), n_prompt);
+      kvsift::test::expect_error([&] { model->logits(b); }, kvsift::Status::invalid_argument,
+                                 "no logits yet");
+      for (std::size_t pos = n_prompt; pos < ids.size(); ++pos) {
+        for (const int32_t seq : {a, b}) model->decode(std::span(&seq, 1), std::span(&ids[pos], 1));
+        const auto want = model->logits(a), got = model->logits(b);
+        EXPECT_EQ(kvsift::test::relative_error(got.data(), want.data(), want.size()), 0.0)
+            << kvsift::simd::level_name(level) << ", " << select::kind_name(kind) << ", position "
+            << pos;
+      }
+      model->free_sequence(a);
+      model->free_sequence(b);
+    }
+  }
+}
+
+// Every way kvsift_model_sequence_append_kv can be misused is a status with a message, and leaves
+// the sequence as it was; a sequence whose layers are out of step cannot be decoded or prefilled.
+TEST_F(ModelTest, append_kv_refuses_bad_calls_and_decode_refuses_layers_out_of_step) {
+  Model model = load(64, 0, 32);
+  kvsift_model_info info;
+  ASSERT_EQ(kvsift_model_get_info(model.get(), &info), KVSIFT_STATUS_OK);
+  const std::size_t per_token = std::size_t{info.n_kv_heads} * info.head_dim;
+  const std::vector<float> k = kvsift::test::random_floats(33 * per_token, 1);
+  const std::vector<float> v = kvsift::test::random_floats(33 * per_token, 2);
+  int32_t seq = -1;
+  ASSERT_EQ(kvsift_model_sequence_create(model.get(), &seq), KVSIFT_STATUS_OK);
+  const auto refused = [&](kvsift_status status, std::string_view needle, uint32_t layer,
+                           std::size_t n, const float* kp, const float* vp, int32_t id) {
+    EXPECT_EQ(kvsift_model_sequence_append_kv(model.get(), id, layer, n, kp, vp), status)
+        << "layer " << layer << ", " << n << " tokens";
+    EXPECT_NE(std::string_view(kvsift_last_error()).find(needle), std::string_view::npos)
+        << kvsift_last_error();
+  };
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "k is NULL", 0, 4, nullptr, v.data(), seq);
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "v is NULL", 0, 4, k.data(), nullptr, seq);
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "nothing to append", 0, 0, k.data(), v.data(), seq);
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "is not in 0..", info.n_layers, 4, k.data(), v.data(),
+          seq);
+  refused(KVSIFT_STATUS_NOT_FOUND, "not a live sequence", 0, 4, k.data(), v.data(), seq + 1);
+  refused(KVSIFT_STATUS_CAPACITY_EXCEEDED, "beyond the context of 32", 0, 33, k.data(), v.data(),
+          seq);
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "out of step", 1, 4, k.data(), v.data(), seq);
+  std::vector<float> bad = k;
+  bad[3 * per_token + 5] = std::numeric_limits<float>::quiet_NaN();
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "not finite", 0, 4, bad.data(), v.data(), seq);
+  const float* logits = nullptr;
+  EXPECT_EQ(kvsift_model_logits(model.get(), seq, &logits, nullptr),
+            KVSIFT_STATUS_INVALID_ARGUMENT);
+
+  // Layer 0 ahead of the others: the sequence can neither step nor run a prompt.
+  ASSERT_EQ(kvsift_model_sequence_append_kv(model.get(), seq, 0, 8, k.data(), v.data()),
+            KVSIFT_STATUS_OK)
+      << kvsift_last_error();
+  refused(KVSIFT_STATUS_INVALID_ARGUMENT, "out of step", 1, 9, k.data(), v.data(), seq);
+  const int32_t token = 1;
+  EXPECT_EQ(kvsift_model_decode(model.get(), 1, &seq, &token), KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string_view(kvsift_last_error()).find("layers hold different lengths"),
+            std::string_view::npos)
+      << kvsift_last_error();
+  EXPECT_EQ(kvsift_model_prefill(model.get(), seq, &token, 1, nullptr, nullptr, nullptr),
+            KVSIFT_STATUS_INVALID_ARGUMENT);
+  for (uint32_t l = 1; l < info.n_layers; ++l)
+    ASSERT_EQ(kvsift_model_sequence_append_kv(model.get(), seq, l, 8, k.data(), v.data()),
+              KVSIFT_STATUS_OK)
+        << "layer " << l << ": " << kvsift_last_error();
+  EXPECT_EQ(kvsift_model_logits(model.get(), seq, &logits, nullptr),
+            KVSIFT_STATUS_INVALID_ARGUMENT);
+  EXPECT_NE(std::string_view(kvsift_last_error()).find("no logits yet"), std::string_view::npos)
+      << kvsift_last_error();
+  // In step again: 8 appended tokens, then a decode step at position 8.
+  ASSERT_EQ(kvsift_model_decode(model.get(), 1, &seq, &token), KVSIFT_STATUS_OK)
+      << kvsift_last_error();
+  std::size_t n_vocab = 0;
+  ASSERT_EQ(kvsift_model_logits(model.get(), seq, &logits, &n_vocab), KVSIFT_STATUS_OK);
+  EXPECT_TRUE(std::all_of(logits, logits + n_vocab, [](float x) { return std::isfinite(x); }));
+  // The context holds 9 of 32 positions: 24 more tokens would pass it.
+  refused(KVSIFT_STATUS_CAPACITY_EXCEEDED, "beyond the context", 0, 24, k.data(), v.data(), seq);
+  EXPECT_EQ(kvsift_model_sequence_append_kv(model.get(), seq, 0, 23, k.data(), v.data()),
+            KVSIFT_STATUS_OK)
+      << kvsift_last_error();
 }

@@ -595,18 +595,42 @@ typedef void (*kvsift_progress_fn)(uint64_t done, uint64_t total, void* user);
 /* Runs n_tokens prompt tokens through the model, appending their K/V to the sequence. Afterwards
  * kvsift_model_logits gives the next-token logits. all_logits, when not NULL, receives
  * [n_tokens, n_vocab] float32 logits for every position. Errors: INVALID_ARGUMENT (token ids
- * outside the vocabulary), NOT_FOUND, CAPACITY_EXCEEDED (beyond n_ctx positions). */
+ * outside the vocabulary; a sequence whose layers hold different lengths, see
+ * kvsift_model_sequence_append_kv), NOT_FOUND, CAPACITY_EXCEEDED (beyond n_ctx positions). */
 KVSIFT_API kvsift_status kvsift_model_prefill(kvsift_model* model, int32_t seq_id,
                                               const int32_t* tokens, size_t n_tokens,
                                               float* all_logits, kvsift_progress_fn progress,
                                               void* user);
 
-/* One decode step: token tokens[i] for sequence seq_ids[i] (distinct), 1 <= n_seqs <= max_seqs. */
+/* One decode step: token tokens[i] for sequence seq_ids[i] (distinct), 1 <= n_seqs <= max_seqs.
+ * Errors: INVALID_ARGUMENT (ids repeated, tokens outside the vocabulary, a sequence whose layers
+ * hold different lengths), NOT_FOUND, CAPACITY_EXCEEDED (a sequence is full, or the cache). */
 KVSIFT_API kvsift_status kvsift_model_decode(kvsift_model* model, uint32_t n_seqs,
                                              const int32_t* seq_ids, const int32_t* tokens);
 
+/* Stores K/V computed elsewhere (a prefix another engine prefilled, say) as the next n_tokens
+ * positions of one layer of a sequence, so that decoding continues from them without a prefill.
+ * k, v: [n_tokens, n_kv_heads, head_dim] float32, row-major, read during the call and stored in
+ * the cache's kv_dtype. Keys are after RoPE: rotated at their positions (the layer's length before
+ * the call, onwards) as this model rotates its own (adjacent channel pairs (2i, 2i + 1) by
+ * pos * theta^(-2i / head_dim), theta the file's llama.rope.freq_base). Layers fill in order:
+ * layer l never holds more tokens than layer l - 1, so append a chunk to layers 0, 1, ... in turn,
+ * or all of layer 0, then all of layer 1, and so on. Pages that fill are summarised for the
+ * current selector as a prefill's are. Until every layer holds as many tokens as layer 0, prefill
+ * and decode refuse the sequence; it has no logits until its next prefill or decode step (whose
+ * first token follows the appended ones). All or nothing: on an error the sequence is unchanged.
+ * Errors: NOT_FOUND (seq_id), INVALID_ARGUMENT (k or v NULL, n_tokens 0, layer not below
+ * n_layers, a value not finite, a layer that would hold more tokens than the one before it),
+ * CAPACITY_EXCEEDED (the layer would hold more than n_ctx tokens, or the cache has no free page),
+ * OUT_OF_MEMORY. */
+KVSIFT_API kvsift_status kvsift_model_sequence_append_kv(kvsift_model* model, int32_t seq_id,
+                                                         uint32_t layer, size_t n_tokens,
+                                                         const float* k, const float* v);
+
 /* *logits receives the sequence's next-token logits ([n_vocab] float32, owned by the model, valid
- * until its next prefill or decode). */
+ * until its next prefill or decode). Errors: NOT_FOUND; INVALID_ARGUMENT for a sequence that has
+ * none: no prefill or decode step ran on it since it was created or given K/V by
+ * kvsift_model_sequence_append_kv. */
 KVSIFT_API kvsift_status kvsift_model_logits(const kvsift_model* model, int32_t seq_id,
                                              const float** logits, size_t* n_vocab);
 

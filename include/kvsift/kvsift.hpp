@@ -502,8 +502,23 @@ class model_runner {
                                       seq_ids.data(), tokens.data()));
   }
 
+  // kvsift_model_sequence_append_kv of k.size() / (n_kv_heads * head_dim) tokens: k (after RoPE)
+  // and v are [n_tokens, n_kv_heads, head_dim], read before the call returns. All or nothing.
+  void append_kv(int32_t seq_id, uint32_t layer, std::span<const float> k,
+                 std::span<const float> v) {
+    const kvsift_model_info i = info();
+    const std::size_t per_token = std::size_t{i.n_kv_heads} * i.head_dim;
+    if (k.size() % per_token != 0)
+      detail::refuse(
+          "k has " + std::to_string(k.size()) +
+          " elements, not a multiple of n_kv_heads * head_dim = " + std::to_string(per_token));
+    detail::require_size(v.size(), k.size(), "v");
+    detail::check(kvsift_model_sequence_append_kv(get(), seq_id, layer, k.size() / per_token,
+                                                  k.data(), v.data()));
+  }
+
   // The sequence's next-token logits, [n_vocab]: owned by the model, valid until its next
-  // prefill or decode.
+  // prefill or decode; an error (INVALID_ARGUMENT) before its first.
   std::span<const float> logits(int32_t seq_id) const {
     const float* logits = nullptr;
     std::size_t n_vocab = 0;

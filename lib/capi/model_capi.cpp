@@ -196,6 +196,16 @@ kvsift_status kvsift_model_decode(kvsift_model* model, uint32_t n_seqs, const in
   });
 }
 
+kvsift_status kvsift_model_sequence_append_kv(kvsift_model* model, int32_t seq_id, uint32_t layer,
+                                              size_t n_tokens, const float* k, const float* v) {
+  return guard(__func__, [&] {
+    require_pointer(model, "model");
+    require_pointer(k, "k");
+    require_pointer(v, "v");
+    model->model->append_kv(seq_id, layer, n_tokens, k, v);
+  });
+}
+
 kvsift_status kvsift_model_logits(const kvsift_model* model, int32_t seq_id, const float** logits,
                                   size_t* n_vocab) {
   return guard(__func__, [&] {

@@ -115,16 +115,24 @@ LlamaModel::LlamaModel(GgufFile file, Tokenizer tokenizer, const LlamaConfig& co
 
 int32_t LlamaModel::create_sequence() {
   const int32_t id = cache_.create_sequence();
-  if (logits_.size() <= static_cast<std::size_t>(id)) logits_.resize(id + 1);
+  if (logits_.size() <= static_cast<std::size_t>(id)) {
+    logits_.resize(id + 1);
+    has_logits_.resize(id + 1);
+  }
   logits_[id].assign(config_.n_vocab, 0.0f);
+  has_logits_[id] = 0;
   return id;
 }
 
 int32_t LlamaModel::fork_sequence(int32_t src) {
   check_sequence(src);
   const int32_t id = cache_.fork_sequence(src);
-  if (logits_.size() <= static_cast<std::size_t>(id)) logits_.resize(id + 1);
+  if (logits_.size() <= static_cast<std::size_t>(id)) {
+    logits_.resize(id + 1);
+    has_logits_.resize(id + 1);
+  }
   logits_[id] = logits_[src];
+  has_logits_[id] = has_logits_[src];
   return id;
 }
 
@@ -158,9 +166,41 @@ void LlamaModel::check_sequence(int32_t seq_id) const {
     fail(Status::not_found, "seq_id=", seq_id, " is not a live sequence");
 }
 
+void LlamaModel::check_layers_in_step(int32_t seq_id) const {
+  check_sequence(seq_id);
+  const uint64_t first = cache_.length(seq_id, 0);
+  for (uint32_t l = 1; l < config_.n_layers; ++l)
+    if (const uint64_t n = cache_.length(seq_id, l); n != first)
+      fail(Status::invalid_argument, "sequence ", seq_id,
+           "'s layers hold different lengths (layer 0: ", first, " tokens, layer ", l, ": ", n,
+           "): append_kv the missing K/V to every layer before a prefill or decode step");
+}
+
+void LlamaModel::append_kv(int32_t seq_id, uint32_t layer, uint64_t n_tokens, const float* k,
+                           const float* v) {
+  check_sequence(seq_id);
+  require(layer < config_.n_layers, "layer=", layer, " is not in 0..", config_.n_layers - 1);
+  require(n_tokens >= 1, "n_tokens=0: nothing to append");
+  const uint64_t held = cache_.length(seq_id, layer);
+  if (n_tokens > n_ctx_ - std::min<uint64_t>(held, n_ctx_))
+    fail(Status::capacity_exceeded, "layer ", layer, " of sequence ", seq_id, " would hold ",
+         held + n_tokens, " tokens, beyond the context of ", n_ctx_, " positions");
+  if (layer > 0)
+    if (const uint64_t below = cache_.length(seq_id, layer - 1); held + n_tokens > below)
+      fail(Status::invalid_argument, "layers out of step: layer ", layer, " of sequence ", seq_id,
+           " would hold ", held + n_tokens, " tokens, more than layer ", layer - 1, "'s ", below,
+           " (layers fill in order)");
+  // The keys are rotated already: stored as they come, where the runner's own are rotated by the
+  // cache (cache_options_for).
+  cache_.append(seq_id, layer, static_cast<uint32_t>(n_tokens), k, v, KeyForm::post_rope);
+  has_logits_[seq_id] = 0;
+  // Off the decode path, as a prefill builds them layer by layer.
+  engine_.build_summaries();
+}
+
 void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float* all_logits,
                          void (*progress)(uint64_t, uint64_t, void*), void* user) {
-  check_sequence(seq_id);
+  check_layers_in_step(seq_id);
   require(!tokens.empty(), "n_tokens=0: nothing to prefill");
   const uint64_t start = position(seq_id);
   if (start + tokens.size() > n_ctx_)
@@ -199,6 +239,7 @@ void LlamaModel::prefill(int32_t seq_id, std::span<const int32_t> tokens, float*
     }
     if (progress) progress(done, tokens.size(), user);
   }
+  has_logits_[seq_id] = 1;
   stats_.prefill_tokens += tokens.size();
   stats_.prefill_seconds += seconds_since(t0);
 }
@@ -210,7 +251,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
   require(tokens.size() == seq_ids.size(), "tokens and seq_ids differ in length");
   std::vector<uint64_t> positions(n);
   for (uint32_t i = 0; i < n; ++i) {
-    check_sequence(seq_ids[i]);
+    check_layers_in_step(seq_ids[i]);
     for (uint32_t j = 0; j < i; ++j)
       require(seq_ids[j] != seq_ids[i], "seq_ids repeats ", seq_ids[i]);
     require(tokens[i] >= 0 && static_cast<uint32_t>(tokens[i]) < config_.n_vocab, "tokens[", i,
@@ -263,7 +304,10 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     // On a device, while it runs the rest of the layer.
     engine_.build_summaries();
   }
-  for (uint32_t r = 0; r < n; ++r) forward_->decode_logits(r, 1, logits_[seq_ids[r]].data());
+  for (uint32_t r = 0; r < n; ++r) {
+    forward_->decode_logits(r, 1, logits_[seq_ids[r]].data());
+    has_logits_[seq_ids[r]] = 1;
+  }
   stats_.decode_tokens += n;
   stats_.decode_seconds += seconds_since(t0);
   stats_.decode_attention_seconds += attention_seconds;
@@ -273,6 +317,10 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
 
 std::span<const float> LlamaModel::logits(int32_t seq_id) const {
   check_sequence(seq_id);
+  if (!has_logits_[seq_id])
+    fail(Status::invalid_argument, "sequence ", seq_id,
+         " has no logits yet: no prefill or decode step ran on it since it was created or given "
+         "K/V through append_kv");
   return logits_[seq_id];
 }
 

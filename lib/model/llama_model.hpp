@@ -122,7 +122,18 @@ class LlamaModel {
   // One token for each listed sequence (distinct ids), decoded together.
   void decode(std::span<const int32_t> seq_ids, std::span<const int32_t> tokens);
 
-  // Next-token logits of a sequence, [n_vocab]; valid until its next prefill/decode.
+  // Stores K/V computed elsewhere (a prefix another engine prefilled) as the next n_tokens
+  // positions of one layer of a sequence: k, v [n_tokens, n_kv_heads, head_dim], keys rotated at
+  // their positions (the layer's length onwards) with the model's RoPE. Layers fill in order, so a
+  // layer never holds more tokens than the one before it; prefill and decode refuse the sequence
+  // until every layer holds as many as layer 0. The sequence has no logits until its next prefill
+  // or decode step. Throws not_found, invalid_argument (layer, n_tokens, out of step, non-finite
+  // values), capacity_exceeded (beyond n_ctx or the pool), out_of_memory.
+  void append_kv(int32_t seq_id, uint32_t layer, uint64_t n_tokens, const float* k, const float* v);
+
+  // Next-token logits of a sequence, [n_vocab]; valid until its next prefill/decode. Throws
+  // invalid_argument for a sequence no prefill or decode step has run on since it was created or
+  // given K/V through append_kv.
   std::span<const float> logits(int32_t seq_id) const;
 
  private:
@@ -132,6 +143,9 @@ class LlamaModel {
   // head): what a prefill or decode step about to append will take.
   void require_free_pages(uint64_t pages_per_head, const char* what) const;
   void check_sequence(int32_t seq_id) const;
+  // check_sequence, then that every layer holds as many tokens as layer 0 (append_kv fills them
+  // one at a time): what prefill and decode need to step the whole stack.
+  void check_layers_in_step(int32_t seq_id) const;
 
   Tokenizer tokenizer_;
   LlamaConfig config_;
@@ -144,6 +158,7 @@ class LlamaModel {
   DecodeObserver* observer_ = nullptr;
   ModelStats stats_;
   std::vector<std::vector<float>> logits_;  // per sequence id
+  std::vector<uint8_t> has_logits_;         // per sequence id: logits_ follows its last token
 };
 
 }  // namespace kvsift::model
