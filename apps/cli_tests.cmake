@@ -107,6 +107,16 @@ if(KVSIFT_BUILD_BENCH)
            kvsift-bench-decode --model ${_cli_any_file} --selectors bogus)
   cli_test(bench_decode.budget_zero 2 "--budget: value 0 not in"
            kvsift-bench-decode --model ${_cli_any_file} --budget 0)
+  cli_test(bench_decode.budgets_list_zero 2 "--budget: value 0 not in"
+           kvsift-bench-decode --model ${_cli_any_file} --budgets 0.05,0)
+  cli_test(bench_decode.contexts_list_leave_no_prompt 2 "--contexts 30: leaves no prompt"
+           kvsift-bench-decode --model ${_cli_any_file} --contexts 1024,30)
+  cli_test(bench_decode.fill_unknown 2 "--fill: disk not in \\{prompt,synthetic\\}"
+           kvsift-bench-decode --model ${_cli_any_file} --fill disk)
+  cli_test(bench_decode.kv_dtype_unknown 2 "--kv-dtype: q9 not in \\{bf16,f16"
+           kvsift-bench-decode --model ${_cli_any_file} --kv-dtype q9)
+  cli_test(bench_decode.weights_unknown 2 "--weights: q4 not in \\{bf16,f32,quantized\\}"
+           kvsift-bench-decode --model ${_cli_any_file} --weights q4)
   cli_test(bench_decode.device_name 2 "--device: 'gpu' is not cpu, cuda or cuda:N"
            kvsift-bench-decode --model ${_cli_any_file} --device gpu)
   cli_test(bench_decode.model_missing 3 "--model ${_cli_missing}: No such file"

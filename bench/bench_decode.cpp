@@ -3,13 +3,21 @@
 // API. GPU_CHECK=throughput scripts/gpu_check.sh runs it once per mode on the same machine and
 // prints the table with the offload/CPU ratios.
 //
-// Per row: one sequence is prefilled with context - warmup - steps tokens of The Devil's
-// Dictionary (not timed), forked to `batch` sequences, and decoded greedily for --warmup untimed
-// and --steps timed steps of all sequences together, so that the last step reaches `context`
-// positions. tokens/s = batch / median step time; the spread is the fastest and slowest step.
-// The split (select, transfer, attend), the bytes sent host to device and the device cache's hit
-// rate are the medians of the timed steps' telemetry; h2d_MB_total and hit_rate_all are over all
-// timed steps. One JSON object per row on stdout, a table on stderr.
+// Per row: one sequence is filled with context - warmup - steps tokens (not timed), forked to
+// `batch` sequences, and decoded greedily for --warmup untimed and --steps timed steps of all
+// sequences together, so that the last step reaches `context` positions. The fill is a prefill of
+// The Devil's Dictionary (--fill prompt), or (--fill synthetic) K/V put straight into the cache
+// with kvsift_model_sequence_append_kv: keys of bench/key_maker.hpp (a topic mixture per page,
+// outlier channels, RoPE), random values, a chunk of every layer at a time, so that a context no
+// prefill could reach in reasonable time on a CPU (128K tokens through 8B) is decoded by the whole
+// model all the same; its first step decodes the BOS token. tokens/s = batch / median step time;
+// the spread is the fastest and slowest step. The split (select, transfer, attend, and weights:
+// the rest of the step, every product, norm and append), the bytes sent host to device and the
+// device cache's hit rate are the medians of the timed steps' telemetry; h2d_MB_total and
+// hit_rate_all are over all timed steps. Memory is read after the last step, before the row's
+// sequences are freed: the process's resident and peak resident sizes, the KV pages held and the
+// selector's bytes (page summaries and what it holds beside them). One JSON object per row on
+// stdout, a table on stderr.
 //
 // --busy N: a busy host. A separate process (forked before the model loads) keeps N threads
 // spinning for the whole run, as another program sharing the machine would; N = one per CPU of the
@@ -26,10 +34,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
+#include <map>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "bench/key_maker.hpp"
 #include "common/command_line.hpp"
 #include "common/devils_dictionary.hpp"
 #include "common/exit_codes.hpp"
@@ -64,6 +75,52 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// The names --kv-dtype and --weights take: a storage type the library gains is one line here.
+const std::map<std::string, kvsift_dtype> kKvDtypes{{"f16", KVSIFT_DTYPE_F16},
+                                                    {"bf16", KVSIFT_DTYPE_BF16}};
+const std::map<std::string, kvsift_weights> kWeights{{"bf16", KVSIFT_WEIGHTS_BF16},
+                                                     {"f32", KVSIFT_WEIGHTS_F32},
+                                                     {"quantized", KVSIFT_WEIGHTS_QUANTIZED}};
+
+template <class T>
+std::vector<std::string> names_of(const std::map<std::string, T>& table) {
+  std::vector<std::string> names;
+  for (const auto& entry : table) names.push_back(entry.first);
+  return names;
+}
+
+// A field of /proc/self/status in bytes ("VmRSS", "VmHWM"; the kernel writes them in kB), 0 where
+// there is none.
+uint64_t status_bytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind(field + ":", 0) == 0) return std::stoull(line.substr(field.size() + 1)) * 1024;
+  return 0;
+}
+
+// Tokens per append_kv call of the synthetic fill: a whole number of pages (KeyMaker draws a
+// page's topics at its first token), and small enough that the fill never holds more than a few
+// MB of float K/V whatever the context.
+constexpr uint32_t kFillTokens = 512;
+
+// Fills the first n_tokens positions of every layer of seq with KeyMaker's keys (one maker per
+// layer, its own topics and seed) and uniform random values, chunk by chunk, every layer in turn.
+void fill_synthetic(kvsift_model* model, const kvsift_model_info& info, int32_t seq,
+                    uint64_t n_tokens) {
+  namespace bench = kvsift::bench;
+  const bench::Shape shape{"model", info.n_kv_heads, info.n_heads / info.n_kv_heads, info.head_dim};
+  std::vector<bench::KeyMaker> makers;
+  for (uint32_t l = 0; l < info.n_layers; ++l) makers.emplace_back(shape, bench::kSeed + l);
+  std::vector<float> k, v;
+  for (uint64_t first = 0; first < n_tokens; first += kFillTokens) {
+    const auto n = static_cast<uint32_t>(std::min<uint64_t>(kFillTokens, n_tokens - first));
+    for (uint32_t l = 0; l < info.n_layers; ++l) {
+      makers[l].make(first, n, k, v);
+      check(kvsift_model_sequence_append_kv(model, seq, l, n, k.data(), v.data()), "append_kv");
+    }
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -74,19 +131,34 @@ int main(int argc, char** argv) {
   std::string model_path, device = "cpu";
   std::vector<uint32_t> contexts{1024, 8192}, batches{1, 8};
   std::vector<std::string> selectors{"dense", "locks"};
-  double budget = 0.05;
+  std::vector<double> budgets{0.05};
+  std::string fill = "prompt", kv_dtype = "f16", weights = "bf16";
   uint32_t steps = 32, warmup = 4;
   int threads = 0, busy = 0;
   app.add_option("--model", model_path, "GGUF file")->required();
   app.add_option("--device", device, "cpu or cuda[:N]")->check(apps::device_name());
   app.add_option("--contexts", contexts, "tokens per sequence at the last step")
-      ->check(CLI::Range(1u, 1u << 20));
-  app.add_option("--batches", batches, "sequences decoded together")->check(CLI::Range(1, 256));
+      ->check(CLI::Range(1u, 1u << 20))
+      ->delimiter(',');
+  app.add_option("--batches", batches, "sequences decoded together")
+      ->check(CLI::Range(1, 256))
+      ->delimiter(',');
   app.add_option("--selectors", selectors, "selectors to measure")
-      ->check(CLI::IsMember(apps::selector_list()));
-  app.add_option("--budget", budget,
-                 "budget of every selector but dense: a fraction of the context (<= 1) or a count")
-      ->check(apps::above_and_at_most(0.0, 1 << 20));
+      ->check(CLI::IsMember(apps::selector_list()))
+      ->delimiter(',');
+  app.add_option("--budget,--budgets", budgets,
+                 "budgets of every selector but dense, a row each: a fraction of the context "
+                 "(<= 1) or a count")
+      ->check(apps::above_and_at_most(0.0, 1 << 20))
+      ->delimiter(',');
+  app.add_option("--fill", fill,
+                 "how the context is filled: prompt (a prefill of the book) or synthetic "
+                 "(structured K/V appended to every layer, no prefill)")
+      ->check(CLI::IsMember({"prompt", "synthetic"}));
+  app.add_option("--kv-dtype", kv_dtype, "KV cache storage")
+      ->check(CLI::IsMember(names_of(kKvDtypes)));
+  app.add_option("--weights", weights, "how the weights are kept (kvsift_model_params.weights)")
+      ->check(CLI::IsMember(names_of(kWeights)));
   app.add_option("--steps", steps, "timed decode steps per row")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", warmup, "untimed decode steps first")->check(CLI::Range(0, 100000));
   app.add_option("--threads", threads, "CPU threads (0: all)")->check(CLI::Range(0, 1024));
@@ -133,44 +205,73 @@ int main(int argc, char** argv) {
   params.max_seqs = max_batch;
   params.n_threads = threads;
   params.device = apps::device_index(device);
+  params.kv_dtype = kKvDtypes.at(kv_dtype);
+  params.weights = kWeights.at(weights);
   kvsift_model* model = nullptr;
   check(kvsift_model_load(model_path.c_str(), &params, &model), "load");
   const kvsift::model_runner owner(model);  // frees the model on every way out
+  const kvsift_model_info info = owner.info();
+  const bool synthetic = fill == "synthetic";
 
-  std::string text = kvsift::apps::read_devils_dictionary();
-  std::vector<int32_t> book(text.size());
-  std::size_t n_book = 0;
-  check(kvsift_tokenize(model, text.data(), text.size(), 0, book.data(), book.size(), &n_book),
-        "tokenize");
-  if (n_book < max_context) {
-    std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n", n_book,
-                 max_context);
-    return apps::kExitUsage;  // --contexts asked for more than the book holds
+  std::vector<int32_t> book;
+  if (!synthetic) {
+    const std::string text = kvsift::apps::read_devils_dictionary();
+    book.resize(text.size());
+    std::size_t n_book = 0;
+    check(kvsift_tokenize(model, text.data(), text.size(), 0, book.data(), book.size(), &n_book),
+          "tokenize");
+    if (n_book < max_context) {
+      std::fprintf(stderr, "kvsift-bench-decode: the book has %zu tokens, fewer than %u\n", n_book,
+                   max_context);
+      return apps::kExitUsage;  // --contexts asked for more than the book holds
+    }
   }
 
-  std::fprintf(stderr, "%-6s %-6s %7s %5s %9s %9s %9s %9s %9s %9s %8s %6s\n", "device", "select",
-               "context", "batch", "tok/s", "step_ms", "min_ms", "max_ms", "select_us", "xfer_us",
-               "attend_us", "MB/step");
-  for (const std::string& name : selectors) {
+  // Every selector but dense runs each budget; dense once.
+  std::vector<std::pair<std::string, double>> rows;
+  for (const std::string& name : selectors)
+    if (name == "dense")
+      rows.emplace_back(name, 0.0);
+    else
+      for (const double budget : budgets) rows.emplace_back(name, budget);
+
+  std::fprintf(stderr,
+               "%-6s %-6s %6s %7s %5s %9s %9s %9s %9s %9s %9s %9s %9s %8s %6s %8s %8s %8s %8s\n",
+               "device", "select", "budget", "context", "batch", "tok/s", "step_ms", "min_ms",
+               "max_ms", "weight_ms", "select_us", "xfer_us", "attend_us", "MB/step", "fill_s",
+               "rss_MB", "hwm_MB", "kv_MB", "sel_MB");
+  for (const auto& [name, budget] : rows) {
     kvsift_selector_policy policy;
     kvsift_selector_policy_init(&policy);
     check(kvsift_selector_from_name(name.c_str(), &policy.selector), "--selectors");
-    policy.budget = policy.selector == KVSIFT_SELECTOR_DENSE ? 0.0 : budget;
+    policy.budget = budget;
     for (const uint32_t context : contexts)
       for (const uint32_t batch : batches) {
         check(kvsift_model_set_selector(model, &policy), "selector");
         std::vector<int32_t> seqs(batch);
         check(kvsift_model_sequence_create(model, &seqs[0]), "sequence");
-        check(kvsift_model_prefill(model, seqs[0], book.data(), context - warmup - steps, nullptr,
-                                   nullptr, nullptr),
+        const uint32_t n_fill = context - warmup - steps;
+        const auto f0 = std::chrono::steady_clock::now();
+        if (synthetic)
+          fill_synthetic(model, info, seqs[0], n_fill);
+        else
+          check(
+              kvsift_model_prefill(model, seqs[0], book.data(), n_fill, nullptr, nullptr, nullptr),
               "prefill");
+        const double fill_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - f0).count();
         for (uint32_t b = 1; b < batch; ++b)
           check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
         std::vector<int32_t> next(batch);
-        std::vector<double> step_s, select_us, transfer_us, attend_us, h2d, hit;
+        std::vector<double> step_s, select_us, transfer_us, attend_us, weights_ms, h2d, hit;
         uint64_t h2d_total = 0, hits_total = 0, lookups_total = 0;
         for (uint32_t i = 0; i < warmup + steps; ++i) {
           for (uint32_t b = 0; b < batch; ++b) {
+            // Appended K/V leave no logits: the first step decodes BOS.
+            if (synthetic && i == 0) {
+              next[b] = std::max(info.bos, 0);
+              continue;
+            }
             const float* logits = nullptr;
             std::size_t n = 0;
             check(kvsift_model_logits(model, seqs[b], &logits, &n), "logits");
@@ -187,6 +288,9 @@ int main(int argc, char** argv) {
           select_us.push_back(stats.last_step_select_us);
           transfer_us.push_back(stats.last_step_transfer_us);
           attend_us.push_back(stats.last_step_attend_us);
+          weights_ms.push_back(1e3 * s -
+                               1e-3 * (stats.last_step_select_us + stats.last_step_transfer_us +
+                                       stats.last_step_attend_us));
           h2d.push_back(static_cast<double>(stats.last_step_h2d_bytes));
           const uint64_t lookups = stats.last_step_cache_hits + stats.last_step_cache_misses;
           h2d_total += stats.last_step_h2d_bytes;
@@ -195,6 +299,14 @@ int main(int argc, char** argv) {
           hit.push_back(lookups > 0 ? static_cast<double>(stats.last_step_cache_hits) / lookups
                                     : 1.0);
         }
+        kvsift_model_stats held;
+        check(kvsift_model_get_stats(model, &held), "stats");
+        const uint64_t rss = status_bytes("VmRSS"), hwm = status_bytes("VmHWM");
+        // Summaries exist for sealed pages: floor(length / page_tokens) per (layer, KV head).
+        const uint64_t sealed =
+            uint64_t{batch} * (context / params.page_tokens) * info.n_layers * info.n_kv_heads;
+        const uint64_t selector_bytes =
+            held.summary_bytes_per_page * sealed + held.selector_bytes_held;
         for (int32_t id : seqs) check(kvsift_model_sequence_free(model, id), "free");
         const double step = median(step_s);
         const auto [lo, hi] = std::minmax_element(step_s.begin(), step_s.end());
@@ -204,13 +316,22 @@ int main(int argc, char** argv) {
             {"budget", policy.budget},
             {"context", context},
             {"batch", batch},
+            {"fill", fill},
+            {"kv_dtype", kv_dtype},
+            {"weights", weights},
             {"tok_s", batch / step},
             {"step_ms", 1e3 * step},
             {"step_ms_min", 1e3 * *lo},
             {"step_ms_max", 1e3 * *hi},
+            {"weights_ms", median(weights_ms)},
             {"select_us", median(select_us)},
             {"transfer_us", median(transfer_us)},
             {"attend_us", median(attend_us)},
+            {"fill_s", fill_s},
+            {"vm_rss_bytes", rss},
+            {"vm_hwm_bytes", hwm},
+            {"kv_bytes_held", held.kv_bytes_held},
+            {"selector_bytes", selector_bytes},
             {"h2d_MB", median(h2d) / 1e6},
             {"hit_rate", median(hit)},
             {"h2d_MB_total", h2d_total / 1e6},
@@ -220,10 +341,14 @@ int main(int argc, char** argv) {
             {"busy_threads", busy}};
         std::printf("%s\n", row.dump().c_str());
         std::fflush(stdout);
-        std::fprintf(stderr, "%-6s %-6s %7u %5u %9.1f %9.2f %9.2f %9.2f %9.0f %9.0f %8.0f %6.2f\n",
-                     device.c_str(), name.c_str(), context, batch, batch / step, 1e3 * step,
-                     1e3 * *lo, 1e3 * *hi, median(select_us), median(transfer_us),
-                     median(attend_us), median(h2d) / 1e6);
+        std::fprintf(
+            stderr,
+            "%-6s %-6s %6.3g %7u %5u %9.2f %9.2f %9.2f %9.2f %9.2f %9.0f %9.0f %9.0f %8.2f "
+            "%6.1f %8.0f %8.0f %8.0f %8.1f\n",
+            device.c_str(), name.c_str(), policy.budget, context, batch, batch / step, 1e3 * step,
+            1e3 * *lo, 1e3 * *hi, median(weights_ms), median(select_us), median(transfer_us),
+            median(attend_us), median(h2d) / 1e6, fill_s, rss / 1e6, hwm / 1e6,
+            held.kv_bytes_held / 1e6, selector_bytes / 1e6);
       }
   }
   return apps::kExitOk;

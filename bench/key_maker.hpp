@@ -23,6 +23,9 @@ class KeyMaker {
       : shape_(shape), random_(seed), rotate_(rotate) {
     topics_.resize(std::size_t{shape.n_kv_heads} * kTopics * shape.head_dim);
     for (float& x : topics_) x = 2.0f * random_.uniform();
+    // Filling a long context calls rope() for every key: the frequencies once, not per call.
+    for (uint32_t i = 0; i < shape.head_dim / 2; ++i)
+      inv_freq_.push_back(std::pow(double{kRopeTheta}, -2.0 * i / shape.head_dim));
   }
 
   // K/V of one layer, [n, H, d], for positions [first, first + n) of a sequence.
@@ -45,7 +48,8 @@ class KeyMaker {
           for (uint32_t c = 0; c < d; ++c) row[c] += weight * topic[c];
         }
         for (uint32_t c = 0; c < d; ++c) row[c] += 0.2f * random_.uniform();
-        for (uint32_t c : kOutliers) row[c] += 6.0f;
+        for (uint32_t c : kOutliers)
+          if (c < d) row[c] += 6.0f;  // a head of 64 channels (SmolLM2's) has the first two
         if (rotate_) rope(row, pos);
       }
     }
@@ -55,7 +59,7 @@ class KeyMaker {
   void rope(float* x, uint64_t pos) const {
     const uint32_t d = shape_.head_dim;
     for (uint32_t i = 0; i < d / 2; ++i) {
-      const double angle = static_cast<double>(pos) * std::pow(double{kRopeTheta}, -2.0 * i / d);
+      const double angle = static_cast<double>(pos) * inv_freq_[i];
       const float c = static_cast<float>(std::cos(angle)), s = static_cast<float>(std::sin(angle));
       const float a = x[2 * i], b = x[2 * i + 1];
       x[2 * i] = a * c - b * s;
@@ -66,7 +70,8 @@ class KeyMaker {
   Shape shape_;
   Random random_;
   bool rotate_;
-  std::vector<float> topics_;  // [H, kTopics, d]
+  std::vector<float> topics_;     // [H, kTopics, d]
+  std::vector<double> inv_freq_;  // [d / 2]: theta^(-2i/d)
 };
 
 }  // namespace kvsift::bench
