@@ -139,6 +139,13 @@ kvsift_dtype dtype_of(const std::string& name) {
   invalid("dtype '" + name + "' is not f16 or bf16");
 }
 
+kvsift_weights weights_of(const std::string& name) {
+  if (name == "bf16") return KVSIFT_WEIGHTS_BF16;
+  if (name == "f32") return KVSIFT_WEIGHTS_F32;
+  if (name == "quantized") return KVSIFT_WEIGHTS_QUANTIZED;
+  invalid("weights '" + name + "' is not bf16, f32 or quantized");
+}
+
 kvsift_isa isa_of(const std::string& name) {
   if (name == "auto") return KVSIFT_ISA_AUTO;
   if (name == "scalar") return KVSIFT_ISA_SCALAR;
@@ -474,7 +481,8 @@ class Model {
  public:
   Model(const std::string& path, uint32_t n_ctx, uint32_t max_seqs, uint32_t prefill_chunk,
         bool weights_f32, const std::string& kv_dtype, uint32_t page_tokens, int n_threads,
-        const std::string& isa, int device, uint32_t device_cache_pages) {
+        const std::string& isa, int device, uint32_t device_cache_pages,
+        const std::string& weights) {
     kvsift_model_params p;
     kvsift_model_params_init(&p);
     p.n_ctx = n_ctx;
@@ -487,6 +495,7 @@ class Model {
     p.isa = isa_of(isa);
     p.device = device;
     p.device_cache_pages = device_cache_pages;
+    p.weights = weights_of(weights);
     call([&] { return kvsift_model_load(path.c_str(), &p, &model_); });
     call([&] { return kvsift_model_get_info(model_, &info_); });
   }
@@ -879,11 +888,12 @@ NB_MODULE(_core, m) {
   kvsift_model_params_init(&md);
   nb::class_<Model>(m, "Model", "A Llama-family GGUF model with its KV cache (kvsift_model).")
       .def(nb::init<const std::string&, uint32_t, uint32_t, uint32_t, bool, const std::string&,
-                    uint32_t, int, const std::string&, int, uint32_t>(),
+                    uint32_t, int, const std::string&, int, uint32_t, const std::string&>(),
            "path"_a, nb::kw_only(), "n_ctx"_a = md.n_ctx, "max_seqs"_a = md.max_seqs,
            "prefill_chunk"_a = md.prefill_chunk, "weights_f32"_a = md.weights_f32 != 0,
            "kv_dtype"_a = "f16", "page_tokens"_a = md.page_tokens, "n_threads"_a = md.n_threads,
            "isa"_a = "auto", "device"_a = md.device, "device_cache_pages"_a = md.device_cache_pages,
+           "weights"_a = "bf16",
            "Loads a GGUF file (kvsift_model_load); the fields are kvsift_model_params'.")
       .def("close", &Model::close, "Frees the model now; later calls raise InvalidArgumentError.")
       .def_prop_ro("closed", &Model::closed)

@@ -124,3 +124,36 @@ def test_model_refusals_carry_their_status(model):
             model.prefill(seq, model.tokenize("a b c"), progress=boom)
     finally:
         model.free_sequence(seq)
+
+
+def test_quantized_weights_give_logits_close_to_bf16s(model_path):
+    # The same prompt through the weights kept in the file's blocks (integer products against
+    # 8-bit activations) and through bf16 weights: the logits differ by the two roundings only.
+    text = open(DEVIL, encoding="utf-8").read()[:2000]
+    logits = {}
+    for weights in ("bf16", "quantized"):
+        with kvsift.Model(model_path, n_ctx=1024, n_threads=2, weights=weights) as m:
+            tokens = m.tokenize(text)[:200]
+            seq = m.create_sequence()
+            m.prefill(seq, tokens[:-8])
+            steps = []
+            for t in tokens[-8:]:
+                m.decode([seq], [int(t)])
+                steps.append(m.logits(seq).copy())
+            logits[weights] = np.stack(steps)
+    want, got = logits["bf16"], logits["quantized"]
+    relative = np.linalg.norm(got - want, axis=1) / np.linalg.norm(want, axis=1)
+    print("quantized vs bf16 weights: relative logit differences", np.round(relative, 4))
+    # Measured on SmolLM2's Q4_1 file: 0.005-0.05, and 0.15 at the first step after the prompt.
+    assert np.median(relative) < 0.05 and relative.max() < 0.3
+    # Not the same numbers: the keyword reached the library.
+    assert relative.max() > 1e-4
+    same = np.mean(np.argmax(got, axis=1) == np.argmax(want, axis=1))
+    assert same >= 6 / 8
+
+
+def test_unknown_or_conflicting_weights_are_refused(model_path):
+    with pytest.raises(kvsift.InvalidArgumentError, match="weights 'q4' is not bf16, f32 or"):
+        kvsift.Model(model_path, n_ctx=64, weights="q4")
+    with pytest.raises(kvsift.InvalidArgumentError, match="weights_f32"):
+        kvsift.Model(model_path, n_ctx=64, weights_f32=True, weights="quantized")
