@@ -101,6 +101,42 @@ TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
   }
 }
 
+// Keys another engine rotated (the model runner's append_kv) go into a pre_rope cache as they
+// come, and read back before RoPE like the keys the cache rotated itself.
+TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_elsewhere_as_given) {
+  const CacheGeometry g = small_geometry();
+  CacheOptions pre;
+  pre.key_form = KeyForm::pre_rope;
+  pre.rope_theta = 50000.0f;
+  KvCache cache(g, pre, test::kernels());
+  const int32_t seq = cache.create_sequence();
+  const uint32_t n = 35, H = g.n_kv_heads, d = g.head_dim;
+  const auto k = test::random_floats(n * H * d, 13), v = test::random_floats(n * H * d, 14);
+  std::vector<float> rotated = k;
+  for (uint32_t t = 0; t < n; ++t) rope_reference(rotated.data() + t * H * d, H, d, t, 50000.0);
+  cache.append(seq, 1, 19, rotated.data(), v.data(), KeyForm::post_rope);
+  for (uint32_t t = 19; t < n; ++t)
+    cache.append(seq, 1, 1, rotated.data() + t * H * d, v.data() + t * H * d, KeyForm::post_rope);
+  std::vector<float> k_out(n * d), k_pre(n * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    cache.read_tokens(seq, 1, h, 0, n, k_out.data(), nullptr);
+    cache.read_tokens(seq, 1, h, 0, n, k_pre.data(), nullptr, KeyForm::pre_rope);
+    for (uint32_t t = 0; t < n; ++t)
+      for (uint32_t c = 0; c < d; ++c) {
+        const std::size_t in = (std::size_t{t} * H + h) * d + c;
+        ASSERT_EQ(k_out[t * d + c], simd::f16_to_f32(simd::f32_to_f16(rotated[in])))
+            << "t=" << t << " h=" << h << " c=" << c;
+        ASSERT_NEAR(k_pre[t * d + c], k[in], 2e-3 * (1.0 + std::fabs(k[in])));
+      }
+  }
+  // A post_rope cache has no RoPE to apply: keys before it are refused, and nothing changes.
+  KvCache post(g, CacheOptions{}, test::kernels());
+  const int32_t other = post.create_sequence();
+  test::expect_error([&] { post.append(other, 0, 1, k.data(), v.data(), KeyForm::pre_rope); },
+                     Status::invalid_argument, "keys before RoPE");
+  EXPECT_EQ(post.length(other, 0), 0u);
+}
+
 TEST(KvCache, pre_rope_keys_read_back_only_from_a_pre_rope_cache) {
   const CacheGeometry g = small_geometry();
   KvCache cache(g, CacheOptions{}, test::kernels());
