@@ -23,6 +23,14 @@ CacheGeometry small_geometry() {
   return g;
 }
 
+// A cache that rotates the keys it is given, at the theta the tests' rope_reference calls use.
+CacheOptions pre_rope_options() {
+  CacheOptions o;
+  o.key_form = KeyForm::pre_rope;
+  o.rope_theta = 50000.0f;
+  return o;
+}
+
 struct Recorder : SealListener {
   std::vector<std::tuple<int32_t, uint32_t, uint32_t, uint32_t>> sealed;
   std::vector<float> first_k;  // K of each sealed page's first token, element 0
@@ -73,10 +81,7 @@ void rope_reference(float* x, uint32_t n_heads, uint32_t d, uint64_t pos, double
 
 TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
   const CacheGeometry g = small_geometry();
-  CacheOptions pre;
-  pre.key_form = KeyForm::pre_rope;
-  pre.rope_theta = 50000.0f;
-  KvCache cache(g, pre, test::kernels());
+  KvCache cache(g, pre_rope_options(), test::kernels());
   const int32_t seq = cache.create_sequence();
   const uint32_t n = 41, H = g.n_kv_heads, d = g.head_dim;
   const auto k = test::random_floats(n * H * d, 3), v = test::random_floats(n * H * d, 4);
@@ -105,10 +110,7 @@ TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_at_their_positions) {
 // come, and read back before RoPE like the keys the cache rotated itself.
 TEST(KvCache, a_pre_rope_cache_stores_keys_rotated_elsewhere_as_given) {
   const CacheGeometry g = small_geometry();
-  CacheOptions pre;
-  pre.key_form = KeyForm::pre_rope;
-  pre.rope_theta = 50000.0f;
-  KvCache cache(g, pre, test::kernels());
+  KvCache cache(g, pre_rope_options(), test::kernels());
   const int32_t seq = cache.create_sequence();
   const uint32_t n = 35, H = g.n_kv_heads, d = g.head_dim;
   const auto k = test::random_floats(n * H * d, 13), v = test::random_floats(n * H * d, 14);
