@@ -473,6 +473,26 @@ TEST(CApi, bf16_cache_stores_values_rounded_to_bf16) {
     }
 }
 
+TEST(CApi, q8_cache_stores_each_row_within_half_its_scale) {
+  kvsift_cache_params params = small_params();
+  params.dtype = KVSIFT_DTYPE_Q8;
+  Cache cache = make_cache(params);
+  ASSERT_NE(cache, nullptr);
+  const int32_t seq = make_sequence(cache.get());
+  const Tokens t(3, 6);
+  ASSERT_EQ(kvsift_append(cache.get(), seq, 0, 3, t.k.data(), t.v.data()), KVSIFT_STATUS_OK);
+  std::vector<float> k(3 * kHeadDim), v(3 * kHeadDim);
+  ASSERT_EQ(kvsift_read_tokens(cache.get(), seq, 0, 1, 0, 3, k.data(), v.data()), KVSIFT_STATUS_OK);
+  for (uint32_t i = 0; i < 3; ++i)
+    for (const auto& [in, out] : {std::pair{&t.k, &k}, std::pair{&t.v, &v}}) {
+      const float* row = in->data() + (i * kKvHeads + 1) * kHeadDim;
+      float absmax = 0.0f;
+      for (uint32_t c = 0; c < kHeadDim; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      for (uint32_t c = 0; c < kHeadDim; ++c)
+        EXPECT_NEAR((*out)[i * kHeadDim + c], row[c], absmax / 127.0f * (0.5f + 1e-6f));
+    }
+}
+
 TEST(CApi, cache_free_accepts_null) {
   kvsift_cache_free(nullptr);
 }

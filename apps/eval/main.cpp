@@ -77,6 +77,7 @@ struct Options {
   double min_dense = 0.5;
   int threads = 0;
   uint32_t page_tokens = 16;
+  std::string kv_dtype = "f16";
   uint32_t sink_pages = 1, window_pages = 1;
   double epsilon = 1e-3;
   std::vector<double> compressions = {2.5, 5.0};
@@ -304,12 +305,16 @@ int run(const Options& o, const std::string& command) {
   suite += "; selectors " + join(o.selectors) + " at budgets " + budgets.str() + " (" +
            std::to_string(configs.size()) + " configurations per sample, max " +
            std::to_string(max_new) + " new tokens)";
+  if (o.kv_dtype != "f16") suite += "; KV cache " + o.kv_dtype;
   std::fprintf(stderr, "kvsift-eval: %s\n", suite.c_str());
 
   model::ModelOptions mo;
   mo.n_ctx = static_cast<uint32_t>(n_ctx);
   mo.max_seqs = static_cast<uint32_t>(kept + 1);  // the prompts kept and the fork decoding
   mo.page_tokens = o.page_tokens;
+  mo.kv_dtype = o.kv_dtype == "q8"     ? simd::Dtype::q8
+                : o.kv_dtype == "bf16" ? simd::Dtype::bf16
+                                       : simd::Dtype::f16;
   mo.n_threads = o.threads;
   std::fprintf(stderr, "kvsift-eval: loading %s (context %llu, %zu prompts kept)\n",
                o.model.c_str(), static_cast<unsigned long long>(n_ctx), kept);
@@ -480,6 +485,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
   app.add_option("--page-tokens", o.page_tokens, "tokens per KV page")
       ->check(CLI::IsMember({16u, 32u, 64u}));
+  app.add_option("--kv-dtype", o.kv_dtype, "KV cache storage: f16, bf16 or q8 (int8)")
+      ->check(CLI::IsMember({"f16", "bf16", "q8"}));
   app.add_option("--sink-pages", o.sink_pages, "first pages every selection keeps")
       ->check(CLI::Range(0, 1024));
   app.add_option("--window-pages", o.window_pages, "last pages every selection keeps")

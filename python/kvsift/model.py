@@ -65,7 +65,7 @@ class Model(_core.Model):
 
     Keyword arguments are ``kvsift_model_params``' fields with its defaults: ``n_ctx`` (0: the
     model's training context), ``max_seqs`` (sequences per decode step), ``prefill_chunk``,
-    ``weights_f32``, ``kv_dtype`` ("f16" or "bf16"), ``page_tokens``, ``n_threads``, ``isa``,
+    ``weights_f32``, ``kv_dtype`` ("f16", "bf16" or "q8"), ``page_tokens``, ``n_threads``, ``isa``,
     ``device`` and ``device_cache_pages``. Calls release the GIL; one handle serves one call at
     a time.
     """
