@@ -44,28 +44,26 @@ Model load(uint32_t chunk, int weights_f32 = 0, uint32_t n_ctx = 1024) {
   return Model(model);
 }
 
-Model load_weights(kvsift_weights weights, uint32_t n_ctx = 1024) {
+// The model with a context of 1024, prefill chunks of 64 and what `set` changes.
+template <class Set>
+Model load_with(Set&& set) {
   kvsift_model_params params;
   kvsift_model_params_init(&params);
-  params.n_ctx = n_ctx;
+  params.n_ctx = 1024;
   params.prefill_chunk = 64;
-  params.weights = weights;
+  set(params);
   kvsift_model* model = nullptr;
   EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK)
       << kvsift_last_error();
   return Model(model);
 }
 
+Model load_weights(kvsift_weights weights) {
+  return load_with([&](kvsift_model_params& p) { p.weights = weights; });
+}
+
 Model load_kv(kvsift_dtype kv_dtype) {
-  kvsift_model_params params;
-  kvsift_model_params_init(&params);
-  params.n_ctx = 1024;
-  params.prefill_chunk = 64;
-  params.kv_dtype = kv_dtype;
-  kvsift_model* model = nullptr;
-  EXPECT_EQ(kvsift_model_load(model_path(), &params, &model), KVSIFT_STATUS_OK)
-      << kvsift_last_error();
-  return Model(model);
+  return load_with([&](kvsift_model_params& p) { p.kv_dtype = kv_dtype; });
 }
 
 std::vector<int32_t> tokenize(kvsift_model* model, const std::string& text) {
