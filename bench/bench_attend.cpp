@@ -9,6 +9,9 @@
 // BM_attend_scattered runs the same attention over pages scattered through the pool (as decode
 // appends them), against the same sequential probe: its ratio says what the scatter costs.
 //
+// Each case also runs over a q8 cache (name suffix /kv:q8), whose bytes are its int8 codes and
+// float32 row scales: the filter below times the fp16 and the q8 case side by side.
+//
 //   kvsift-bench-attend --benchmark_filter='dense/llama8b/ctx:131072/batch:1/threads:2'
 //                       --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
@@ -140,6 +143,7 @@ struct CaseKey {
   // prefill leaves them. kPageTokens: every head takes one page per append, as decode leaves
   // them, so no two consecutive pages of a head are adjacent (the BM_attend_scattered cases).
   uint32_t append_tokens;
+  kvsift_dtype dtype;
   bool operator==(const CaseKey&) const = default;
 };
 
@@ -165,7 +169,8 @@ std::string fill_case(const CaseKey& key) {
   held = Filled{};  // frees the previous cache first
   const Shape& shape = *key.shape;
   const uint32_t H = shape.n_kv_heads, d = shape.head_dim;
-  const kvsift_cache_params params = cache_params(shape, key.context, key.batch, key.threads);
+  const kvsift_cache_params params =
+      cache_params(shape, key.context, key.batch, key.threads, key.dtype);
   kvsift::cache cache;
   if (std::string error = create_cache(params, cache); !error.empty()) return error;
 
@@ -255,13 +260,16 @@ void register_benchmarks() {
   }
   auto add = [](const char* family, const Shape& shape, uint64_t context, uint32_t batch,
                 int threads, uint32_t append_tokens) {
-    const std::string name = std::string(family) + "/" + shape.name +
-                             "/ctx:" + std::to_string(context) + "/batch:" + std::to_string(batch) +
-                             "/threads:" + std::to_string(threads);
-    benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
-                                 CaseKey{&shape, context, batch, threads, append_tokens})
-        ->UseRealTime()
-        ->Unit(benchmark::kMillisecond);
+    for (kvsift_dtype dtype : {KVSIFT_DTYPE_F16, KVSIFT_DTYPE_Q8}) {
+      const std::string name =
+          std::string(family) + "/" + shape.name + "/ctx:" + std::to_string(context) +
+          "/batch:" + std::to_string(batch) + "/threads:" + std::to_string(threads) +
+          (dtype == KVSIFT_DTYPE_Q8 ? "/kv:q8" : "");
+      benchmark::RegisterBenchmark(name.c_str(), BM_attend_dense,
+                                   CaseKey{&shape, context, batch, threads, append_tokens, dtype})
+          ->UseRealTime()
+          ->Unit(benchmark::kMillisecond);
+    }
   };
   for (const Shape& shape : kShapes)
     for (uint64_t context : kContexts)

@@ -44,6 +44,7 @@
 #include "common/command_line.hpp"
 #include "common/devils_dictionary.hpp"
 #include "common/exit_codes.hpp"
+#include "common/kv_dtype_names.hpp"
 #include "common/selector_names.hpp"
 #include "kvsift/kvsift.hpp"
 
@@ -75,9 +76,7 @@ double median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-// The names --kv-dtype and --weights take: a storage type the library gains is one line here.
-const std::map<std::string, kvsift_dtype> kKvDtypes{{"f16", KVSIFT_DTYPE_F16},
-                                                    {"bf16", KVSIFT_DTYPE_BF16}};
+// The names --weights takes (--kv-dtype's are common/kv_dtype_names.hpp's).
 const std::map<std::string, kvsift_weights> kWeights{{"bf16", KVSIFT_WEIGHTS_BF16},
                                                      {"f32", KVSIFT_WEIGHTS_F32},
                                                      {"quantized", KVSIFT_WEIGHTS_QUANTIZED}};
@@ -156,7 +155,7 @@ int main(int argc, char** argv) {
                  "(structured K/V appended to every layer, no prefill)")
       ->check(CLI::IsMember({"prompt", "synthetic"}));
   app.add_option("--kv-dtype", kv_dtype, "KV cache storage")
-      ->check(CLI::IsMember(names_of(kKvDtypes)));
+      ->check(CLI::IsMember(apps::kv_dtype_list()));
   app.add_option("--weights", weights, "how the weights are kept (kvsift_model_params.weights)")
       ->check(CLI::IsMember(names_of(kWeights)));
   app.add_option("--steps", steps, "timed decode steps per row")->check(CLI::Range(1, 100000));
@@ -205,7 +204,7 @@ int main(int argc, char** argv) {
   params.max_seqs = max_batch;
   params.n_threads = threads;
   params.device = apps::device_index(device);
-  params.kv_dtype = kKvDtypes.at(kv_dtype);
+  params.kv_dtype = apps::kv_dtype_names().at(kv_dtype);
   params.weights = kWeights.at(weights);
   kvsift_model* model = nullptr;
   check(kvsift_model_load(model_path.c_str(), &params, &model), "load");

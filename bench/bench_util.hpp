@@ -61,14 +61,14 @@ inline std::string create_cache(const kvsift_cache_params& params, kvsift::cache
 
 // Cache parameters for `batch` sequences of `context` tokens in one layer of the shape.
 inline kvsift_cache_params cache_params(const Shape& shape, uint64_t context, uint32_t batch,
-                                        int threads) {
+                                        int threads, kvsift_dtype dtype = KVSIFT_DTYPE_F16) {
   kvsift_cache_params params;
   kvsift_cache_params_init(&params);
   params.n_kv_heads = shape.n_kv_heads;
   params.group_size = shape.group_size;
   params.head_dim = shape.head_dim;
   params.page_tokens = kPageTokens;
-  params.dtype = KVSIFT_DTYPE_F16;
+  params.dtype = dtype;
   params.max_pages =
       uint64_t{batch} * shape.n_kv_heads * ((context + kPageTokens - 1) / kPageTokens);
   params.max_batch = batch;

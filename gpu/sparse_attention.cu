@@ -118,8 +118,18 @@ struct TokenForm {
   }
 };
 
+// A thread's 8 values of a row from its 16-byte stage piece: 8 16-bit values, or for q8 8 codes
+// in .x and .y with the row's scale in .z (issue_copies in sparse_attend).
 template <simd::Dtype D>
 __device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
+  if constexpr (D == simd::Dtype::q8) {
+    const float scale = __uint_as_float(raw.z);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      f[i] =
+          scale * static_cast<float>(static_cast<int8_t>((i < 4 ? raw.x : raw.y) >> (i % 4 * 8)));
+    return;
+  }
   const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
@@ -156,6 +166,14 @@ __device__ __forceinline__ void copy16(uint4* shared, const void* global, bool f
   const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
                "r"(fill ? 16 : 0));
+}
+// 4 or 8 bytes global -> shared, asynchronously, through L1 (cp.async.cg copies only 16): a q8
+// thread's codes and its row's scale.
+template <int kBytes>
+__device__ __forceinline__ void copy_small(void* shared, const void* global, bool fill) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(to), "l"(global),
+               "n"(kBytes), "r"(fill ? kBytes : 0));
 }
 __device__ __forceinline__ void commit_copies() {
   asm volatile("cp.async.commit_group;\n" ::);
@@ -236,7 +254,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   const uint32_t n_tokens = form.count(pair, list_begin);
   const uint32_t first = split * p.tokens_per_split;
   const uint32_t last = min(n_tokens, first + p.tokens_per_split);
-  const simd::PageLayout layout{p.page_tokens, kHeadDim};
+  const simd::PageLayout layout{p.page_tokens, kHeadDim, D};
   const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
 
   float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][8];
@@ -272,8 +290,20 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     for (uint32_t r = 0; r < R; ++r) {
       const std::byte* slot = layout.slot(pool, address[r].slot);
       // Rows past the list: zeros, nothing read.
-      copy16(piece(stage, r, 0), layout.key(slot, address[r].row) + chunk * 8, listed[r]);
-      copy16(piece(stage, r, 1), layout.value(slot, address[r].row) + chunk * 8, listed[r]);
+      if constexpr (D == simd::Dtype::q8) {
+        // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
+        // are read by every lane of the group, from L1 after the first.
+        const uint32_t row = address[r].row;
+        uint4* k = piece(stage, r, 0);
+        uint4* v = piece(stage, r, 1);
+        copy_small<8>(&k->x, layout.key_codes(slot, row) + chunk * 8, listed[r]);
+        copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
+        copy_small<8>(&v->x, layout.value_codes(slot, row) + chunk * 8, listed[r]);
+        copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
+      } else {
+        copy16(piece(stage, r, 0), layout.key(slot, address[r].row) + chunk * 8, listed[r]);
+        copy16(piece(stage, r, 1), layout.value(slot, address[r].row) + chunk * 8, listed[r]);
+      }
     }
     commit_copies();
   };
@@ -487,9 +517,13 @@ KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
 template <class Form>
 KernelInfo<Form> kernel_for(const AttentionShape& shape) {
   const uint32_t block_heads = block_heads_for(shape.group_size);
-  return shape.dtype == simd::Dtype::f16
-             ? kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads)
-             : kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads);
+  switch (shape.dtype) {
+    case simd::Dtype::f16:
+      return kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads);
+    case simd::Dtype::bf16:
+      return kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads);
+    default: return kernel_for_dim<simd::Dtype::q8, Form>(shape.head_dim, block_heads);
+  }
 }
 
 template <class... Parts>
@@ -552,7 +586,9 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
     longest = std::max(longest, tokens);
     plan.tokens += tokens;
   }
-  plan.kv_bytes = plan.tokens * 2 * shape.head_dim * sizeof(uint16_t) * plan.head_blocks;
+  plan.kv_bytes = plan.tokens *
+                  simd::PageLayout{shape.page_tokens, shape.head_dim, shape.dtype}.token_bytes() *
+                  plan.head_blocks;
   const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape);  // tiles alike in both forms
   const uint64_t tile = kernel.tile_tokens;
   const uint64_t units = uint64_t{pairs} * plan.head_blocks;
@@ -660,8 +696,9 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("head_dim=", shape.head_dim, " is not 64, 128 or 256");
   if (shape.page_tokens != 16 && shape.page_tokens != 32 && shape.page_tokens != 64)
     return invalid("page_tokens=", shape.page_tokens, " is not 16, 32 or 64");
-  if (shape.dtype != simd::Dtype::f16 && shape.dtype != simd::Dtype::bf16)
-    return invalid("dtype=", static_cast<int>(shape.dtype), " is not f16 (0) or bf16 (1)");
+  if (shape.dtype != simd::Dtype::f16 && shape.dtype != simd::Dtype::bf16 &&
+      shape.dtype != simd::Dtype::q8)
+    return invalid("dtype=", static_cast<int>(shape.dtype), " is not f16 (0), bf16 (1) or q8 (2)");
   if (max_batch < 1 || max_batch > 65536)
     return invalid("max_batch=", max_batch, " is not in 1..65536");
 

@@ -41,7 +41,7 @@ class SparseDecodeAttention;
 
 // What the kernels are instantiated for: head_dim 64, 128 or 256; page_tokens 16, 32 or 64;
 // group_size 1..64 (groups above 8 are served in blocks of 8 heads, each block reading the pages
-// again); fp16 or bf16.
+// again); fp16, bf16 or q8 (dequantized in the kernel).
 struct AttentionShape {
   uint32_t n_kv_heads = 1;
   uint32_t group_size = 1;
@@ -50,7 +50,7 @@ struct AttentionShape {
   simd::Dtype dtype = simd::Dtype::f16;
 
   std::size_t slot_bytes() const noexcept {
-    return simd::PageLayout{page_tokens, head_dim}.slot_bytes();
+    return simd::PageLayout{page_tokens, head_dim, dtype}.slot_bytes();
   }
   uint32_t n_query_heads() const noexcept { return n_kv_heads * group_size; }
 };

@@ -138,11 +138,28 @@ struct Body {
     }
   }
 
+  // W stored values of a K or V row from value c on, as float32: q8 codes without their scale
+  // (page() applies it per token).
+  template <Dtype D>
+  static batch row_chunk(const std::byte* slot, const PageLayout& layout, bool key, uint32_t t,
+                         uint32_t c) noexcept {
+    if constexpr (D == Dtype::q8) {
+      return Ops::load_i8(reinterpret_cast<const std::byte*>(
+          (key ? layout.key_codes(slot, t) : layout.value_codes(slot, t)) + c));
+    } else {
+      return load<D>((key ? layout.key(slot, t) : layout.value(slot, t)) + c);
+    }
+  }
+
   // One page for a block of NG query heads: logits, online-softmax rescale, V accumulation.
-  // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head.
+  // s: [NG, page_tokens] scratch. q, m, l, acc point at the block's first head. A q8 page's dot
+  // products are taken with the codes and multiplied by the token's K scale once; its
+  // probabilities are multiplied by the token's V scale before the V accumulation (l sums them
+  // unscaled), so the inner loops are the 16-bit ones with a wider conversion.
   template <Dtype D, uint32_t NG, uint32_t d>
-  static void page(const float* q, uint32_t B, const uint16_t* k, const uint16_t* v, uint32_t n,
+  static void page(const float* q, const PageLayout& layout, const std::byte* slot, uint32_t n,
                    float* m, float* l, float* acc, float* s) noexcept {
+    const uint32_t B = layout.page_tokens;
     // Logits: TT tokens share each q load, and W tokens' dot products are reduced together by
     // haddp (one transpose-add tree, not W hadds). The whole page is computed: slots are full-size,
     // and the tail's logits are overwritten with -inf below.
@@ -156,7 +173,7 @@ struct Body {
           for (uint32_t g = 0; g < NG; ++g) a[u][g] = batch(0.0f);
         for (uint32_t c = 0; c < d; c += W) {
           batch kc[TT];
-          for (uint32_t u = 0; u < TT; ++u) kc[u] = load<D>(k + std::size_t{t + u} * d + c);
+          for (uint32_t u = 0; u < TT; ++u) kc[u] = row_chunk<D>(slot, layout, true, t + u, c);
           for (uint32_t g = 0; g < NG; ++g) {
             const batch qg = batch::load_unaligned(q + std::size_t{g} * d + c);
             for (uint32_t u = 0; u < TT; ++u) a[u][g] = xsimd::fma(kc[u], qg, a[u][g]);
@@ -165,7 +182,13 @@ struct Body {
         for (uint32_t u = 0; u < TT; ++u)
           for (uint32_t g = 0; g < NG; ++g) rows[g][haddp_slot(t - t0 + u)] = a[u][g];
       }
-      for (uint32_t g = 0; g < NG; ++g) xsimd::haddp(rows[g]).store_unaligned(s + g * B + t0);
+      if constexpr (D == Dtype::q8) {
+        const batch k_scale = batch::load_unaligned(layout.key_scales(slot) + t0);
+        for (uint32_t g = 0; g < NG; ++g)
+          (xsimd::haddp(rows[g]) * k_scale).store_unaligned(s + g * B + t0);
+      } else {
+        for (uint32_t g = 0; g < NG; ++g) xsimd::haddp(rows[g]).store_unaligned(s + g * B + t0);
+      }
     }
     // Online-softmax update with the heads interleaved, so that their latency chains overlap.
     // The running max rarely rises after the first pages: a lane-wise compare finds that out, and
@@ -197,7 +220,10 @@ struct Body {
       sum[g] = batch(0.0f);
       for (uint32_t t = 0; t < B; t += W) {
         const batch p = xsimd::exp(batch::load_unaligned(sg + t) - shift);
-        p.store_unaligned(sg + t);
+        if constexpr (D == Dtype::q8)
+          (p * batch::load_unaligned(layout.value_scales(slot) + t)).store_unaligned(sg + t);
+        else
+          p.store_unaligned(sg + t);
         sum[g] += p;
       }
     }
@@ -219,7 +245,7 @@ struct Body {
         batch p[NG];
         for (uint32_t g = 0; g < NG; ++g) p[g] = batch(s[g * B + t]);
         for (uint32_t j = 0; j < CB; ++j) {
-          const batch vc = load<D>(v + std::size_t{t} * d + c0 + j * W);
+          const batch vc = row_chunk<D>(slot, layout, false, t, c0 + j * W);
           for (uint32_t g = 0; g < NG; ++g) a[g][j] = xsimd::fma(vc, p[g], a[g][j]);
         }
       }
@@ -241,8 +267,7 @@ struct Body {
     for (uint32_t i = 0; i < job.count; ++i) {
       const uint32_t p = page_of(i);
       const std::size_t slot = job.table ? job.table[p] : p;
-      const uint16_t* k = layout.key(layout.slot(job.pool, slot));
-      const uint16_t* v = layout.value(layout.slot(job.pool, slot));
+      const std::byte* bytes = layout.slot(job.pool, slot);
       const uint64_t left = job.seq_tokens - uint64_t{p} * B;
       const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
       // A next page that is not the adjacent slot starts no hardware prefetch stream: it is
@@ -253,9 +278,9 @@ struct Body {
         const uint32_t next_page = page_of(i + 1);
         const std::size_t next = job.table ? job.table[next_page] : next_page;
         if (next != slot + 1) {
-          const std::byte* bytes = layout.slot(job.pool, next);
+          const std::byte* ahead = layout.slot(job.pool, next);
           for (std::size_t o = 0; o < layout.slot_bytes(); o += 64)
-            __builtin_prefetch(bytes + o, 0, 2);
+            __builtin_prefetch(ahead + o, 0, 2);
         }
       }
       for (uint32_t g0 = 0; g0 < job.group; g0 += kHeadBlock) {
@@ -264,10 +289,10 @@ struct Body {
         float* m = job.m + g0;
         float* l = job.l + g0;
         switch (job.group - g0) {
-          case 1: page<D, 1, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
-          case 2: page<D, 2, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
-          case 3: page<D, 3, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
-          default: page<D, 4, d>(q, B, k, v, n, m, l, acc, job.scratch); break;
+          case 1: page<D, 1, d>(q, layout, bytes, n, m, l, acc, job.scratch); break;
+          case 2: page<D, 2, d>(q, layout, bytes, n, m, l, acc, job.scratch); break;
+          case 3: page<D, 3, d>(q, layout, bytes, n, m, l, acc, job.scratch); break;
+          default: page<D, 4, d>(q, layout, bytes, n, m, l, acc, job.scratch); break;
         }
       }
     }
@@ -281,18 +306,24 @@ struct Body {
       job.l[g] = 0.0f;
     }
     for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
-    // head_dim as a template parameter: the channel loops unroll fully, with no counters.
-    const bool f16 = job.dtype == Dtype::f16;
-    switch (job.layout.head_dim) {
-      case 64: f16 ? attend_dtype<Dtype::f16, 64>(job) : attend_dtype<Dtype::bf16, 64>(job); break;
-      case 128:
-        f16 ? attend_dtype<Dtype::f16, 128>(job) : attend_dtype<Dtype::bf16, 128>(job);
-        break;
-      default:
-        f16 ? attend_dtype<Dtype::f16, 256>(job) : attend_dtype<Dtype::bf16, 256>(job);
-        break;
+    // head_dim and the dtype as template parameters: the channel loops unroll fully, with no
+    // counters and no per-element branch on the dtype.
+    switch (job.layout.dtype) {
+      case Dtype::f16: attend_dim<Dtype::f16>(job); break;
+      case Dtype::bf16: attend_dim<Dtype::bf16>(job); break;
+      default: attend_dim<Dtype::q8>(job); break;
     }
   }
+
+  template <Dtype D>
+  static void attend_dim(const AttendJob& job) noexcept {
+    switch (job.layout.head_dim) {
+      case 64: attend_dtype<D, 64>(job); break;
+      case 128: attend_dtype<D, 128>(job); break;
+      default: attend_dtype<D, 256>(job); break;
+    }
+  }
+
   // ---- LOCKS page scores (docs/methods.md, LOCKS; layout in simd/locks_record.hpp) ----
 
   static constexpr uint32_t kMaxHeadDim = 256;

@@ -36,8 +36,17 @@ void attend(const AttendJob& job) noexcept {
   for (uint32_t i = 0; i < job.count; ++i) {
     const uint32_t page = job.logical ? job.logical[job.first + i] : job.first + i;
     const std::byte* slot = job.layout.slot(job.pool, job.table ? job.table[page] : page);
-    const uint16_t* k = job.layout.key(slot);
-    const uint16_t* v = job.layout.value(slot);
+    const PageLayout& layout = job.layout;
+    // Stored value c of token t's K or V row, as float32 (q8: its row's scale times the code).
+    auto key = [&](uint32_t t, uint32_t c) {
+      return layout.quantized() ? layout.key_scales(slot)[t] * float(layout.key_codes(slot, t)[c])
+                                : to_f32(layout.key(slot, t)[c], layout.dtype);
+    };
+    auto value = [&](uint32_t t, uint32_t c) {
+      return layout.quantized()
+                 ? layout.value_scales(slot)[t] * float(layout.value_codes(slot, t)[c])
+                 : to_f32(layout.value(slot, t)[c], layout.dtype);
+    };
     const uint64_t page_start = uint64_t{page} * B;
     const uint32_t n = static_cast<uint32_t>(std::min<uint64_t>(B, job.seq_tokens - page_start));
     for (uint32_t g = 0; g < G; ++g) {
@@ -46,7 +55,7 @@ void attend(const AttendJob& job) noexcept {
       float page_max = -std::numeric_limits<float>::infinity();
       for (uint32_t t = 0; t < n; ++t) {
         float dot = 0.0f;
-        for (uint32_t c = 0; c < d; ++c) dot += q[c] * to_f32(k[std::size_t{t} * d + c], job.dtype);
+        for (uint32_t c = 0; c < d; ++c) dot += q[c] * key(t, c);
         s[t] = dot;
         page_max = std::max(page_max, dot);
       }
@@ -58,7 +67,7 @@ void attend(const AttendJob& job) noexcept {
       for (uint32_t t = 0; t < n; ++t) {
         const float p = std::exp(s[t] - m_new);
         sum += p;
-        for (uint32_t c = 0; c < d; ++c) acc[c] += p * to_f32(v[std::size_t{t} * d + c], job.dtype);
+        for (uint32_t c = 0; c < d; ++c) acc[c] += p * value(t, c);
       }
       job.l[g] = job.l[g] * alpha + sum;
       job.m[g] = m_new;

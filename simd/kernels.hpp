@@ -12,16 +12,13 @@
 
 namespace kvsift::simd {
 
-enum class Dtype : uint8_t { f16 = 0, bf16 = 1 };
-
 // One unit of decode attention: the G query heads of one KV head over a run of pages of one
 // (sequence, layer, KV head). The kernel starts a fresh online-softmax state and leaves the
 // unnormalised partial result (running max m, sum l, accumulator acc) for the split-K merge.
 struct AttendJob {
-  const float* q;     // [group, head_dim], already multiplied by 1/sqrt(head_dim)
-  uint32_t group;     // query heads sharing this KV head
-  PageLayout layout;  // head_dim 64, 128 or 256; page_tokens 16, 32 or 64
-  Dtype dtype;
+  const float* q;           // [group, head_dim], already multiplied by 1/sqrt(head_dim)
+  uint32_t group;           // query heads sharing this KV head
+  PageLayout layout;        // head_dim 64, 128 or 256; page_tokens 16, 32 or 64; any dtype
   const std::byte* pool;    // base of the slot array (the pool, or a pair's packed row chunks)
   const uint32_t* table;    // slot id of each logical page; nullptr: the slot is the page index
   const uint32_t* logical;  // nullptr: logical pages first .. first+count-1; else logical[first..)
@@ -102,9 +99,10 @@ struct GemmJob {
 
 struct Kernels {
   Level level;
-  // n float32 values to storage dtype (round to nearest even).
+  // n float32 values to a 16-bit dtype (f16 or bf16; round to nearest even). Slots of any dtype
+  // are written and read through simd/page_rows.hpp.
   void (*encode)(const float* src, uint16_t* dst, std::size_t n, Dtype dtype) noexcept;
-  // n storage values to float32.
+  // n f16 or bf16 values to float32.
   void (*decode)(const uint16_t* src, float* dst, std::size_t n, Dtype dtype) noexcept;
   void (*attend)(const AttendJob& job) noexcept;
   // y[m, r] = sum_c w[r, c] * x[m, c] for m < n_vectors (1..kMaxVectors), r < rows: bf16 weights

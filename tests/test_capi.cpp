@@ -454,23 +454,37 @@ TEST(CApi, create_reports_an_isa_the_cpu_lacks_unsupported) {
   expect_create_fails(params, KVSIFT_STATUS_UNSUPPORTED, "isa");
 }
 
-TEST(CApi, bf16_cache_stores_values_rounded_to_bf16) {
+// Appends 3 random tokens to a cache of `dtype` and expects KV head 1's K and V read back within
+// tolerance(x, absmax) of each value x given, absmax being the largest |x| of x's row.
+template <class Tolerance>
+void expect_read_back_within(kvsift_dtype dtype, uint32_t seed, Tolerance&& tolerance) {
   kvsift_cache_params params = small_params();
-  params.dtype = KVSIFT_DTYPE_BF16;
+  params.dtype = dtype;
   Cache cache = make_cache(params);
   ASSERT_NE(cache, nullptr);
   const int32_t seq = make_sequence(cache.get());
-  const Tokens t(3, 5);
+  const Tokens t(3, seed);
   ASSERT_EQ(kvsift_append(cache.get(), seq, 0, 3, t.k.data(), t.v.data()), KVSIFT_STATUS_OK);
   std::vector<float> k(3 * kHeadDim), v(3 * kHeadDim);
   ASSERT_EQ(kvsift_read_tokens(cache.get(), seq, 0, 1, 0, 3, k.data(), v.data()), KVSIFT_STATUS_OK);
   for (uint32_t i = 0; i < 3; ++i)
-    for (uint32_t c = 0; c < kHeadDim; ++c) {
-      const float k_in = t.k[(i * kKvHeads + 1) * kHeadDim + c];
-      const float v_in = t.v[(i * kKvHeads + 1) * kHeadDim + c];
-      EXPECT_NEAR(k[i * kHeadDim + c], k_in, std::abs(k_in) * 0x1p-8f);
-      EXPECT_NEAR(v[i * kHeadDim + c], v_in, std::abs(v_in) * 0x1p-8f);
+    for (const auto& [in, out] : {std::pair{&t.k, &k}, std::pair{&t.v, &v}}) {
+      const float* row = in->data() + (i * kKvHeads + 1) * kHeadDim;
+      float absmax = 0.0f;
+      for (uint32_t c = 0; c < kHeadDim; ++c) absmax = std::max(absmax, std::fabs(row[c]));
+      for (uint32_t c = 0; c < kHeadDim; ++c)
+        EXPECT_NEAR((*out)[i * kHeadDim + c], row[c], tolerance(row[c], absmax));
     }
+}
+
+TEST(CApi, bf16_cache_stores_values_rounded_to_bf16) {
+  expect_read_back_within(KVSIFT_DTYPE_BF16, 5,
+                          [](float x, float) { return std::abs(x) * 0x1p-8f; });
+}
+
+TEST(CApi, q8_cache_stores_each_row_within_half_its_scale) {
+  expect_read_back_within(KVSIFT_DTYPE_Q8, 6,
+                          [](float, float absmax) { return absmax / 127.0f * (0.5f + 1e-6f); });
 }
 
 TEST(CApi, cache_free_accepts_null) {

@@ -143,8 +143,11 @@ struct Geometry {
 };
 
 std::string geometry_text(const Geometry& g) {
-  return std::string("dtype_") + (g.dtype == KVSIFT_DTYPE_F16 ? "f16" : "bf16") + "_group_" +
-         std::to_string(g.group_size) + "_page_" + std::to_string(g.page_tokens);
+  const char* dtype = g.dtype == KVSIFT_DTYPE_F16    ? "f16"
+                      : g.dtype == KVSIFT_DTYPE_BF16 ? "bf16"
+                                                     : "q8";
+  return std::string("dtype_") + dtype + "_group_" + std::to_string(g.group_size) + "_page_" +
+         std::to_string(g.page_tokens);
 }
 
 // The test names, and gtest's print of the parameter (which ctest shows beside them).
@@ -344,7 +347,9 @@ TEST_P(CppWrapperCache, select_matches_kvsift_select_and_attend_selected) {
 INSTANTIATE_TEST_SUITE_P(Geometries, CppWrapperCache,
                          testing::Values(Geometry{KVSIFT_DTYPE_F16, 1, 16},
                                          Geometry{KVSIFT_DTYPE_F16, 4, 32},
-                                         Geometry{KVSIFT_DTYPE_BF16, 2, 16}),
+                                         Geometry{KVSIFT_DTYPE_BF16, 2, 16},
+                                         Geometry{KVSIFT_DTYPE_Q8, 4, 16},
+                                         Geometry{KVSIFT_DTYPE_Q8, 3, 64}),
                          geometry_name);
 
 // ---- Failures

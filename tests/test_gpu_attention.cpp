@@ -23,6 +23,7 @@
 #include "gpu/host_memory.hpp"
 #include "gpu/sparse_attention.hpp"
 #include "simd/half.hpp"
+#include "simd/page_rows.hpp"
 #include "test_util.hpp"
 #include "tests/reference_attention.hpp"
 
@@ -95,7 +96,9 @@ struct Case {
 std::string case_name(const Case& c) {
   std::ostringstream name;
   name << "b" << c.n_seqs << "_g" << c.group_size << "_d" << c.head_dim << "_p" << c.page_tokens
-       << (c.dtype == simd::Dtype::f16 ? "_f16" : "_bf16")
+       << (c.dtype == simd::Dtype::f16    ? "_f16"
+           : c.dtype == simd::Dtype::bf16 ? "_bf16"
+                                          : "_q8")
        << (c.form == Form::pages ? "_pages" : "_tokens");
   return name.str();
 }
@@ -106,7 +109,8 @@ struct Problem {
   gpu::AttentionShape shape;
   uint32_t n_seqs = 0;
   uint64_t n_slots = 0;
-  std::vector<uint16_t> pool;
+  simd::PageLayout layout;
+  std::vector<std::byte> pool;
   std::vector<float> q;
   // Page form.
   std::vector<uint32_t> page_offsets{0}, slots, last_page_tokens;
@@ -120,16 +124,23 @@ struct Problem {
   std::size_t out_elems() const {
     return std::size_t{n_seqs} * shape.n_query_heads() * shape.head_dim;
   }
-  uint16_t encode(float x) const {
-    return shape.dtype == simd::Dtype::f16 ? simd::f32_to_f16(x) : simd::f32_to_bf16(x);
+  // Every value of a slot NaN (q8: NaN scales).
+  void poison(uint32_t slot) {
+    std::byte* s = layout.slot(pool.data(), slot);
+    if (layout.quantized()) {
+      std::fill_n(layout.key_scales(s), 2 * layout.page_tokens, kNaN);
+    } else {
+      const uint16_t nan =
+          shape.dtype == simd::Dtype::f16 ? simd::f32_to_f16(kNaN) : simd::f32_to_bf16(kNaN);
+      std::fill_n(layout.key(s), 2 * layout.page_elems(), nan);
+    }
   }
-  float decode(uint16_t h) const {
-    return shape.dtype == simd::Dtype::f16 ? simd::f16_to_f32(h) : simd::bf16_to_f32(h);
-  }
-  const uint16_t* row(gpu::TokenAddress a, bool value) const {
-    const std::size_t page = std::size_t{shape.page_tokens} * shape.head_dim;
-    return pool.data() + a.slot * 2 * page + (value ? page : 0) +
-           std::size_t{a.row} * shape.head_dim;
+  // The stored K or V row of a token, as float32.
+  std::vector<float> row(gpu::TokenAddress a, bool value) const {
+    std::vector<float> out(shape.head_dim);
+    simd::load_rows(simd::scalar_kernels(), layout, layout.slot(pool.data(), a.slot),
+                    value ? simd::SlotPart::value : simd::SlotPart::key, a.row, 1, out.data());
+    return out;
   }
 };
 
@@ -148,8 +159,9 @@ Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& 
   std::iota(placement.begin(), placement.end(), 0u);
   std::shuffle(placement.begin(), placement.end(), rng);
 
-  const std::size_t slot_elems = 2 * std::size_t{B} * d;
-  p.pool.assign(p.n_slots * slot_elems, p.encode(kNaN));
+  p.layout = simd::PageLayout{B, d, c.dtype};
+  p.pool.assign(p.n_slots * p.layout.slot_bytes(), std::byte{0});
+  for (uint32_t s = 0; s < p.n_slots; ++s) p.poison(s);
   const std::vector<float> k_values = test::random_floats(total_pages * B * d, seed + 1, 2.0f);
   const std::vector<float> v_values = test::random_floats(total_pages * B * d, seed + 2);
   p.q = test::random_floats(p.out_elems(), seed + 3);
@@ -163,13 +175,16 @@ Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& 
       const uint32_t slot = placement[next_page];
       const bool open = page + 1 == context_pages[pair];
       const uint32_t rows = open ? last_tokens[pair] : B;
-      for (uint32_t r = 0; r < rows; ++r)
-        for (uint32_t ch = 0; ch < d; ++ch) {
-          const std::size_t from = (std::size_t{next_page} * B + r) * d + ch;
-          p.pool[slot * slot_elems + std::size_t{r} * d + ch] =
-              p.encode(k_values[from] * (1.0f + c.key_growth * page));
-          p.pool[slot * slot_elems + std::size_t{B + r} * d + ch] = p.encode(v_values[from]);
-        }
+      std::byte* bytes = p.layout.slot(p.pool.data(), slot);
+      for (uint32_t r = 0; r < rows; ++r) {
+        const std::size_t from = (std::size_t{next_page} * B + r) * d;
+        std::vector<float> k_row(k_values.begin() + from, k_values.begin() + from + d);
+        for (float& x : k_row) x *= 1.0f + c.key_growth * page;
+        simd::store_rows(simd::scalar_kernels(), p.layout, bytes, simd::SlotPart::key, r, 1,
+                         k_row.data(), d);
+        simd::store_rows(simd::scalar_kernels(), p.layout, bytes, simd::SlotPart::value, r, 1,
+                         v_values.data() + from, d);
+      }
       // A selector always keeps the open page (docs/methods.md, Budget, sinks and window);
       // others at random.
       if (open || keep(rng)) {
@@ -211,11 +226,11 @@ std::vector<double> reference(const Problem& p) {
   std::vector<double> out(p.out_elems());
   for (uint32_t pair = 0; pair < p.pairs(); ++pair) {
     std::vector<float> k, v;
-    for (const gpu::TokenAddress& a : p.attended[pair])
-      for (uint32_t ch = 0; ch < d; ++ch) {
-        k.push_back(p.decode(p.row(a, false)[ch]));
-        v.push_back(p.decode(p.row(a, true)[ch]));
-      }
+    for (const gpu::TokenAddress& a : p.attended[pair]) {
+      const std::vector<float> k_row = p.row(a, false), v_row = p.row(a, true);
+      k.insert(k.end(), k_row.begin(), k_row.end());
+      v.insert(v.end(), v_row.begin(), v_row.end());
+    }
     reference_attention(p.q.data() + std::size_t{pair} * G * d, k.data(), v.data(),
                         p.attended[pair].size(), G, d, out.data() + std::size_t{pair} * G * d);
   }
@@ -334,7 +349,7 @@ std::vector<Case> all_cases() {
     for (uint32_t G : {1u, 4u})
       for (uint32_t d : {64u, 128u})
         for (uint32_t B : {16u, 64u})
-          for (simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::bf16})
+          for (simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::bf16, simd::Dtype::q8})
             for (Form form : {Form::pages, Form::tokens})
               cases.push_back(Case{n_seqs, G, d, B, dtype, form});
   // Group blocks: 3 in a block of 4 (one head masked), 8 in one block, 12 in two blocks of 8 that
@@ -344,11 +359,23 @@ std::vector<Case> all_cases() {
   cases.push_back(Case{2, 12, 64, 16, simd::Dtype::f16, Form::tokens});
   cases.push_back(Case{3, 4, 256, 16, simd::Dtype::bf16, Form::pages});
   cases.push_back(Case{1, 8, 256, 32, simd::Dtype::f16, Form::tokens});
+  cases.push_back(Case{2, 3, 128, 32, simd::Dtype::q8, Form::pages});
+  cases.push_back(Case{2, 12, 256, 16, simd::Dtype::q8, Form::tokens});
   return cases;
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GpuAttentionCase, ::testing::ValuesIn(all_cases()),
                          [](const auto& info) { return case_name(info.param); });
+
+TEST_F(GpuTest, a_long_q8_context_splits_and_merges) {
+  gpu::SplitPlan plan;
+  const Case c{1, 4, 128, 16, simd::Dtype::q8, Form::pages, 8};
+  run_and_check(make_problem(c, 77, std::vector<uint32_t>(8, 400), std::vector<uint32_t>(8, 9)),
+                Form::pages, &plan);
+  EXPECT_GT(plan.splits_per_pair, 1u);
+  // Codes and scales: 2 * 128 + 8 bytes a token, for each of the one head block.
+  EXPECT_EQ(plan.kv_bytes, plan.tokens * (2 * 128 + 8));
+}
 
 TEST_F(GpuTest, a_long_context_splits_and_merges) {
   // The benchmark's layer shape: 8 KV heads of 1024 pages (16K tokens) each, half of the pages

@@ -37,7 +37,7 @@ struct Recorder : SealListener {
   std::vector<int32_t> freed;
   void on_page_sealed(const SealedPage& p) noexcept override {
     sealed.emplace_back(p.seq_id, p.layer, p.kv_head, p.page);
-    first_k.push_back(simd::f16_to_f32(p.k[0]));
+    first_k.push_back(simd::f16_to_f32(small_geometry().layout().key(p.slot)[0]));
   }
   void on_sequence_freed(int32_t seq_id) noexcept override { freed.push_back(seq_id); }
 };
@@ -228,6 +228,47 @@ TEST(KvCache, bf16_storage_rounds_to_nearest_even) {
   cache.read_tokens(seq, 0, 2, 0, 1, out.data(), nullptr);
   for (uint32_t c = 0; c < g.head_dim; ++c)
     EXPECT_EQ(out[c], simd::bf16_to_f32(simd::f32_to_bf16(k[2 * g.head_dim + c])));
+}
+
+TEST(KvCache, q8_storage_keeps_each_row_within_half_its_scale) {
+  CacheGeometry g = small_geometry();
+  g.dtype = simd::Dtype::q8;
+  // Codes and a float32 scale per row: 2 * 16 * 64 + 8 * 16 bytes, 53% of fp16's slot.
+  EXPECT_EQ(g.slot_bytes(), 2u * 16 * 64 + 8 * 16);
+  EXPECT_EQ(g.slot_bytes() % 64, 0u);
+  KvCache cache(g, CacheOptions{}, test::kernels());
+  const int32_t seq = cache.create_sequence();
+  const uint32_t n = 37, H = g.n_kv_heads, d = g.head_dim;  // a partial last page
+  auto k = test::random_floats(n * H * d, 11, 4.0f), v = test::random_floats(n * H * d, 12);
+  std::fill_n(v.begin() + (5 * H + 1) * d, d, 0.0f);  // a zero row reads back as zeros
+  cache.append(seq, 0, 20, k.data(), v.data());
+  for (uint32_t t = 20; t < n; ++t)
+    cache.append(seq, 0, 1, k.data() + t * H * d, v.data() + t * H * d);
+  std::vector<float> k_out(n * d), v_out(n * d);
+  for (uint32_t h = 0; h < H; ++h) {
+    cache.read_tokens(seq, 0, h, 0, n, k_out.data(), v_out.data());
+    for (uint32_t t = 0; t < n; ++t)
+      for (const auto& [in, out] : {std::pair{&k, &k_out}, std::pair{&v, &v_out}}) {
+        const float* x = in->data() + (std::size_t{t} * H + h) * d;
+        float absmax = 0.0f;
+        for (uint32_t c = 0; c < d; ++c) absmax = std::max(absmax, std::fabs(x[c]));
+        const float scale = absmax / 127.0f;
+        for (uint32_t c = 0; c < d; ++c) {
+          const float got = (*out)[t * d + c];
+          // The code's rounding, and one float32 rounding of scale * code.
+          ASSERT_LE(std::fabs(double(x[c]) - got), 0.5 * scale + 0x1p-24 * std::fabs(got))
+              << "h=" << h << " t=" << t << " c=" << c;
+          // Exactly scale times an integer in [-127, 127].
+          if (scale > 0.0f) {
+            const float code = std::nearbyint(got / scale);
+            ASSERT_LE(std::fabs(code), 127.0f);
+            ASSERT_EQ(got, scale * code);
+          } else {
+            ASSERT_EQ(got, 0.0f);
+          }
+        }
+      }
+  }
 }
 
 TEST(CacheGeometry, rejects_shapes_it_cannot_serve) {

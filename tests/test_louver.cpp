@@ -8,6 +8,7 @@
 #include <limits>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "lib/attend/decode_attention.hpp"
@@ -535,8 +536,13 @@ namespace {
 // independent index over the same keys returns (outside the sink and window pages), attention
 // over them and the mandatory pages equals the float64 reference over the same tokens, and the
 // index follows the cache as decode appends.
-TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends) {
+// In every dtype: a q8 cache's tokens are gathered with their scales, and the reference reads the
+// same dequantized values back.
+class LouverSelectorDtype : public testing::TestWithParam<simd::Dtype> {};
+
+TEST_P(LouverSelectorDtype, attends_exactly_the_range_search_tokens_and_follows_appends) {
   CacheGeometry g;
+  g.dtype = GetParam();
   g.n_kv_heads = 2;
   g.group_size = 3;
   g.head_dim = 64;
@@ -613,6 +619,12 @@ TEST(LouverSelector, attends_exactly_the_range_search_tokens_and_follows_appends
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(LouverSelector, LouverSelectorDtype,
+                         testing::Values(simd::Dtype::f16, simd::Dtype::q8),
+                         [](const testing::TestParamInfo<simd::Dtype>& info) {
+                           return std::string(info.param == simd::Dtype::f16 ? "f16" : "q8");
+                         });
 
 }  // namespace
 }  // namespace kvsift

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <vector>
 
@@ -36,9 +37,10 @@ struct Fixture {
 
   // Keys: Gaussian with a per-page offset along a random direction, so pages differ in mass; with
   // `low_rank`, each page's keys are its own rank-4 mixture plus small noise instead (the local
-  // low rank LOCKS relies on), and channel 3 an outlier.
+  // low rank LOCKS relies on), and channel 3 an outlier. Stored in `dtype`.
   Fixture(uint32_t H, uint32_t G, uint32_t d, uint32_t B, const std::vector<uint64_t>& lengths,
-          uint32_t seed, bool low_rank = false) {
+          uint32_t seed, bool low_rank = false, simd::Dtype dtype = simd::Dtype::f16) {
+    geometry.dtype = dtype;
     geometry.n_kv_heads = H;
     geometry.group_size = G;
     geometry.head_dim = d;
@@ -227,9 +229,9 @@ TEST(Select, dense_chooses_every_page_and_reads_no_index) {
 
 // The chosen selectable pages outrank every left-out one by the float64 combined score, the
 // mandatory pages are there, and the count is what the budget allows.
-void expect_oracle_choice(GqaCombine combine) {
+void expect_oracle_choice(GqaCombine combine, simd::Dtype dtype = simd::Dtype::f16) {
   const uint32_t H = 2, G = 4, d = 64, B = 16;
-  Fixture f(H, G, d, B, {1000, 517}, 7);
+  Fixture f(H, G, d, B, {1000, 517}, 7, false, dtype);
   const double budget_tokens = 160;  // 10 pages: sink + window + 8 chosen
   auto selector = f.selector(policy_of(Kind::oracle, budget_tokens, combine));
   const Selection sel = f.run(*selector);
@@ -280,7 +282,7 @@ void expect_oracle_choice(GqaCombine combine) {
     EXPECT_TRUE(std::isnan(sel.dropped_bound[pair]));
   }
   // The oracle reads every key once per pair.
-  EXPECT_EQ(sel.index_bytes_read, (1000u + 517u) * H * d * 2);
+  EXPECT_EQ(sel.index_bytes_read, (1000u + 517u) * H * f.geometry.layout().key_bytes());
 }
 
 TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_share_avg) {
@@ -291,6 +293,10 @@ TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_nrm) {
 }
 TEST(Select, oracle_keeps_the_best_pages_by_exact_log_mass_max) {
   expect_oracle_choice(GqaCombine::max);
+}
+
+TEST(Select, oracle_keeps_the_best_pages_of_a_q8_cache) {
+  expect_oracle_choice(GqaCombine::share_avg, simd::Dtype::q8);
 }
 
 TEST(Select, budget_counts_sinks_and_window_inside) {
@@ -347,9 +353,13 @@ TEST(Select, equal_scores_choose_the_lower_page_ids) {
   }
 }
 
-TEST(Select, quest_scores_bound_every_logit_of_their_page) {
+// For a q8 cache the bounds are fp16 values rounded outward from the dequantized keys (read back
+// by read_tokens below), so they bound those keys' logits too.
+class QuestBound : public testing::TestWithParam<simd::Dtype> {};
+
+TEST_P(QuestBound, quest_scores_bound_every_logit_of_their_page) {
   const uint32_t H = 2, G = 3, d = 128, B = 16;
-  Fixture f(H, G, d, B, {16 * 40}, 11);
+  Fixture f(H, G, d, B, {16 * 40}, 11, false, GetParam());
   // One page short of everything, so that every selectable page but one is chosen and scored.
   auto selector = f.selector(policy_of(Kind::quest, 16 * 39, GqaCombine::max));
   const Selection sel = f.run(*selector);
@@ -374,6 +384,14 @@ TEST(Select, quest_scores_bound_every_logit_of_their_page) {
   }
   EXPECT_EQ(sel.index_bytes_read, uint64_t{H} * 40 * 2 * d * 2);
 }
+
+INSTANTIATE_TEST_SUITE_P(Select, QuestBound,
+                         testing::Values(simd::Dtype::f16, simd::Dtype::bf16, simd::Dtype::q8),
+                         [](const testing::TestParamInfo<simd::Dtype>& info) {
+                           return std::string(info.param == simd::Dtype::f16    ? "f16"
+                                              : info.param == simd::Dtype::bf16 ? "bf16"
+                                                                                : "q8");
+                         });
 
 TEST(Select, a_nan_query_still_gives_a_valid_selection) {
   Fixture f(1, 2, 64, 16, {16 * 30}, 13);
@@ -452,9 +470,13 @@ double kept_share(const std::vector<std::vector<double>>& lse, const std::vector
   return share / static_cast<double>(lse.size());
 }
 
-TEST(Select, locks_keeps_nearly_the_oracle_mass_on_locally_low_rank_keys) {
+class LocksMass : public testing::TestWithParam<simd::Dtype> {};
+
+// On a q8 cache the records are built from the dequantized keys, and the oracle's masses are
+// over those keys too.
+TEST_P(LocksMass, locks_keeps_nearly_the_oracle_mass_on_locally_low_rank_keys) {
   const uint32_t H = 2, G = 4, d = 128, B = 16;
-  Fixture f(H, G, d, B, {16 * 128}, 21, /*low_rank=*/true);
+  Fixture f(H, G, d, B, {16 * 128}, 21, /*low_rank=*/true, GetParam());
   const double budget = 16 * 16;  // 12.5%
   auto oracle = f.selector(policy_of(Kind::oracle, budget));
   auto locks = f.selector(policy_of(Kind::locks, budget));
@@ -472,6 +494,11 @@ TEST(Select, locks_keeps_nearly_the_oracle_mass_on_locally_low_rank_keys) {
     EXPECT_NEAR(by_locks.kept_estimate[pair], locks_share, 0.05) << "pair " << pair;
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Select, LocksMass, testing::Values(simd::Dtype::f16, simd::Dtype::q8),
+                         [](const testing::TestParamInfo<simd::Dtype>& info) {
+                           return std::string(info.param == simd::Dtype::f16 ? "f16" : "q8");
+                         });
 
 // Checks the certified bound against the exact dropped share for many queries; returns how many
 // (page, head, query) page bounds were exercised.
@@ -512,6 +539,10 @@ TEST(Select, certified_bound_is_never_below_the_true_dropped_mass) {
     Fixture f(3, 3, 64, 16, {16 * 64}, 37);
     checks += expect_certified_bounds_hold(f, 1e-3, 1.0, 12);
     checks += expect_certified_bounds_hold(f, 0.1, 0.1, 12);
+  }
+  {  // q8: the bound is over the dequantized keys, which the records and the truth both read
+    Fixture f(2, 4, 128, 16, {16 * 60 + 9}, 41, /*low_rank=*/true, simd::Dtype::q8);
+    checks += expect_certified_bounds_hold(f, 1e-2, 0.2, 6);
   }
   EXPECT_GT(checks, 20000u);
 }

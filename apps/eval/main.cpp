@@ -21,6 +21,7 @@
 #include "common/command_line.hpp"
 #include "common/devils_dictionary.hpp"
 #include "common/exit_codes.hpp"
+#include "common/kv_dtype_names.hpp"
 #include "common/model_path.hpp"
 #include "common/selector_names.hpp"
 #include "common/sha256.hpp"
@@ -77,6 +78,7 @@ struct Options {
   double min_dense = 0.5;
   int threads = 0;
   uint32_t page_tokens = 16;
+  std::string kv_dtype = "f16";
   uint32_t sink_pages = 1, window_pages = 1;
   double epsilon = 1e-3;
   std::vector<double> compressions = {2.5, 5.0};
@@ -304,12 +306,17 @@ int run(const Options& o, const std::string& command) {
   suite += "; selectors " + join(o.selectors) + " at budgets " + budgets.str() + " (" +
            std::to_string(configs.size()) + " configurations per sample, max " +
            std::to_string(max_new) + " new tokens)";
+  if (o.kv_dtype != "f16") suite += "; KV cache " + o.kv_dtype;
   std::fprintf(stderr, "kvsift-eval: %s\n", suite.c_str());
 
   model::ModelOptions mo;
   mo.n_ctx = static_cast<uint32_t>(n_ctx);
   mo.max_seqs = static_cast<uint32_t>(kept + 1);  // the prompts kept and the fork decoding
   mo.page_tokens = o.page_tokens;
+  // The public storage types and the cache's share their values (kvsift.h, simd/page_layout.hpp).
+  static_assert(static_cast<int>(simd::Dtype::q8) == KVSIFT_DTYPE_Q8 &&
+                static_cast<int>(simd::Dtype::bf16) == KVSIFT_DTYPE_BF16);
+  mo.kv_dtype = static_cast<simd::Dtype>(apps::kv_dtype_names().at(o.kv_dtype));
   mo.n_threads = o.threads;
   std::fprintf(stderr, "kvsift-eval: loading %s (context %llu, %zu prompts kept)\n",
                o.model.c_str(), static_cast<unsigned long long>(n_ctx), kept);
@@ -480,6 +487,8 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "threads (0: all)")->check(CLI::Range(0, 1024));
   app.add_option("--page-tokens", o.page_tokens, "tokens per KV page")
       ->check(CLI::IsMember({16u, 32u, 64u}));
+  app.add_option("--kv-dtype", o.kv_dtype, "KV cache storage: f16, bf16 or q8 (int8)")
+      ->check(CLI::IsMember(apps::kv_dtype_list()));
   app.add_option("--sink-pages", o.sink_pages, "first pages every selection keeps")
       ->check(CLI::Range(0, 1024));
   app.add_option("--window-pages", o.window_pages, "last pages every selection keeps")

@@ -144,6 +144,11 @@ typedef struct kvsift_cache kvsift_cache;
 typedef enum kvsift_dtype {
   KVSIFT_DTYPE_F16 = 0,  /* IEEE half, round to nearest even on store */
   KVSIFT_DTYPE_BF16 = 1, /* bfloat16, round to nearest even on store */
+  /* Symmetric int8, half the bytes of the 16-bit types: each token's K row and its V row (the
+   * head_dim values of one KV head) keep one float32 scale each, scale = max|x| / 127, and codes
+   * round(x / scale) (to nearest even) clamped to [-127, 127], standing for scale * code; a zero
+   * row has scale 0. An element's error is at most scale / 2. */
+  KVSIFT_DTYPE_Q8 = 2,
   KVSIFT_DTYPE_MAX_ENUM = 0x7fffffff
 } kvsift_dtype;
 

@@ -182,7 +182,6 @@ void DecodeAttention::run(const KvCache& cache, const AttendCall& call) noexcept
     job.q = q_scaled_.data() + std::size_t{task.pair} * head_elems;
     job.group = G;
     job.layout = geometry_.layout();
-    job.dtype = geometry_.dtype;
     if (task.rows) {
       job.pool = job.layout.slot(call.rows->chunks, call.rows->chunk_offsets[task.pair]);
       job.table = nullptr;

@@ -15,8 +15,8 @@ void CacheGeometry::validate() const {
     fail(Status::unsupported, "head_dim=", head_dim, " is not supported (64, 128 or 256)");
   if (page_tokens != 16 && page_tokens != 32 && page_tokens != 64)
     fail(Status::unsupported, "page_tokens=", page_tokens, " is not supported (16, 32 or 64)");
-  require(dtype == simd::Dtype::f16 || dtype == simd::Dtype::bf16,
-          "dtype=", static_cast<int>(dtype), " is neither fp16 nor bf16");
+  require(dtype == simd::Dtype::f16 || dtype == simd::Dtype::bf16 || dtype == simd::Dtype::q8,
+          "dtype=", static_cast<int>(dtype), " is not fp16, bf16 or q8");
 }
 
 }  // namespace kvsift

@@ -24,7 +24,13 @@ struct CacheGeometry {
   void validate() const;
 
   uint32_t n_query_heads() const noexcept { return n_kv_heads * group_size; }
-  simd::PageLayout layout() const noexcept { return {page_tokens, head_dim}; }
+  simd::PageLayout layout() const noexcept { return {page_tokens, head_dim, dtype}; }
+  // The 16-bit dtype selectors keep their own key-derived rows in (Quest's bounds, S4R's
+  // coefficients): the cache's own, or fp16 for a q8 cache (fp16's 11-bit significand holds a
+  // dequantized q8 value to within 2^-11 of itself).
+  simd::Dtype row_dtype() const noexcept {
+    return dtype == simd::Dtype::q8 ? simd::Dtype::f16 : dtype;
+  }
   std::size_t page_elems() const noexcept { return layout().page_elems(); }
   std::size_t slot_bytes() const noexcept { return layout().slot_bytes(); }
   std::size_t token_bytes() const noexcept { return layout().token_bytes(); }

@@ -7,6 +7,7 @@
 
 #include "lib/core/error.hpp"
 #include "lib/core/finite.hpp"
+#include "simd/page_rows.hpp"
 
 namespace kvsift {
 
@@ -138,8 +139,8 @@ void KvCache::append(int32_t seq_id, uint32_t layer, uint32_t n_tokens, const fl
       const std::size_t row = static_cast<std::size_t>(pos - before) * H + h;
       std::byte* slot = pool_.slot(table[pos / B]);
       const auto t = static_cast<uint32_t>(pos % B);
-      kernels_->encode(k + row * d, layout.key(slot, t), d, geometry_.dtype);
-      kernels_->encode(v + row * d, layout.value(slot, t), d, geometry_.dtype);
+      simd::store_rows(*kernels_, layout, slot, simd::SlotPart::key, t, 1, k + row * d, d);
+      simd::store_rows(*kernels_, layout, slot, simd::SlotPart::value, t, 1, v + row * d, d);
     }
   }
   seq.tokens[layer] = after;
@@ -151,12 +152,10 @@ void KvCache::notify_sealed(int32_t seq_id, uint32_t layer, uint64_t first_page,
                             uint64_t end_page) const {
   const Sequence& seq = *sequences_[static_cast<std::size_t>(seq_id)];
   const uint32_t H = geometry_.n_kv_heads;
-  const simd::PageLayout layout = geometry_.layout();
   for (uint64_t page = first_page; page < end_page; ++page) {
     for (uint32_t h = 0; h < H; ++h) {
       const std::byte* slot = pool_.slot(seq.tables[std::size_t{layer} * H + h][page]);
-      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), layout.key(slot),
-                              layout.value(slot)};
+      const SealedPage sealed{seq_id, layer, h, static_cast<uint32_t>(page), slot};
       for (SealListener* listener : listeners_) listener->on_page_sealed(sealed);
     }
   }
@@ -211,10 +210,10 @@ void KvCache::read_tokens(int32_t seq_id, uint32_t layer, uint32_t kv_head, uint
     const std::byte* slot = pool_.slot(table[pos / B]);
     const auto t = static_cast<uint32_t>(pos % B);
     if (k_out) {
-      kernels_->decode(layout.key(slot, t), k_out + i * d, d, geometry_.dtype);
+      simd::load_rows(*kernels_, layout, slot, simd::SlotPart::key, t, 1, k_out + i * d);
       if (form == KeyForm::pre_rope) rope_->unrotate(k_out + i * d, 1, pos);
     }
-    if (v_out) kernels_->decode(layout.value(slot, t), v_out + i * d, d, geometry_.dtype);
+    if (v_out) simd::load_rows(*kernels_, layout, slot, simd::SlotPart::value, t, 1, v_out + i * d);
   }
 }
 

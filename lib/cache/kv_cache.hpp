@@ -30,9 +30,9 @@ struct SealedPage {
   int32_t seq_id;
   uint32_t layer;
   uint32_t kv_head;
-  uint32_t page;      // logical page index within the (sequence, layer, KV head)
-  const uint16_t* k;  // [page_tokens, head_dim] storage values
-  const uint16_t* v;  // [page_tokens, head_dim]
+  uint32_t page;          // logical page index within the (sequence, layer, KV head)
+  const std::byte* slot;  // the page's pool slot (simd/page_layout.hpp; read through
+                          // simd/page_rows.hpp)
 };
 
 // Told when pages seal (selectors build their per-page data then, off the decode path), when a

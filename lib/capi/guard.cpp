@@ -56,6 +56,7 @@ simd::Dtype to_dtype(int32_t dtype, const char* name) {
   switch (dtype) {
     case KVSIFT_DTYPE_F16: return simd::Dtype::f16;
     case KVSIFT_DTYPE_BF16: return simd::Dtype::bf16;
+    case KVSIFT_DTYPE_Q8: return simd::Dtype::q8;
     default: break;
   }
   fail(Status::invalid_argument, name, "=", dtype, " is not a kvsift_dtype");

@@ -24,6 +24,10 @@ DeviceForwardPass::DeviceForwardPass(LlamaWeights weights, const LlamaConfig& co
           "the offload mode (device >= 0) runs bf16 weights; weight_type f32 is CPU only");
   require(!weights_.any_quantized(),
           "the offload mode (device >= 0) runs bf16 weights; quantized weights are CPU only");
+  // The device model's prefill scratch and its copy of the cache hold 16-bit K/V.
+  if (kv_dtype == simd::Dtype::q8)
+    fail(Status::unsupported,
+         "the offload mode (device >= 0) keeps K/V in fp16 or bf16; kv_dtype q8 is CPU only");
   x_.resize(std::size_t{max_rows} * config.n_embd);
   gpu::LlamaShape shape;
   shape.n_layers = config.n_layers;

@@ -20,6 +20,11 @@ LocksDevice::LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batc
           "policy.device: certified LOCKS selection runs on the CPU only");
   require(policy.locks.int8_query, "policy.device: the device scores int8 queries only");
   const CacheGeometry& g = cache.geometry();
+  // The device scorer copies the open page's stored keys as they are, in a 16-bit dtype.
+  if (g.dtype == simd::Dtype::q8)
+    fail(Status::unsupported,
+         "policy.device: LOCKS scoring on the device needs an fp16 or bf16 "
+         "cache; a q8 cache is scored on the CPU (policy.device = -1)");
   gpu::LocksScorerShape shape;
   shape.head_dim = g.head_dim;
   shape.page_tokens = g.page_tokens;
@@ -109,7 +114,7 @@ bool LocksDevice::select(const SelectCall& call, const std::byte* records,
     pair.open_keys = open == 0 ? nullptr : g.layout().key(cache_.pool().slot(pair.table[sealed]));
     // What the CPU path reports: the summaries and the open page's keys of the scored pairs.
     if (!gpu::locks_pair_plan(scorer_.shape(), pair.tokens, pair.budget_tokens).whole)
-      bytes += sealed * summary_bytes + open * d * sizeof(uint16_t);
+      bytes += sealed * summary_bytes + open * g.layout().key_bytes();
   }
   if (!scorer_.validate(pairs_.data(), n_pairs).ok || !scorer_.run(pairs_.data(), n_pairs).ok) {
     ++fallbacks_;

@@ -72,12 +72,10 @@ class LocksSelector final : public PageSelector {
     if (device_) device_->summaries_built(slots, n);
   }
 
-  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
-    locks_build(shape_, k, geometry().dtype, records_.data() + std::size_t{slot} * record_bytes_);
+  void summarise(uint32_t slot, const float* keys) noexcept override {
+    locks_build(shape_, keys, records_.data() + std::size_t{slot} * record_bytes_);
     if (!certified()) return;
     const uint32_t B = shape_.page_tokens, d = shape_.head_dim;
-    float keys[64 * 256];  // page_tokens * head_dim at most
-    kernels_.decode(k, keys, std::size_t{B} * d, geometry().dtype);
     float most = 0.0f;
     for (uint32_t t = 0; t < B; ++t) most = std::max(most, l2_norm(keys + std::size_t{t} * d, d));
     key_norms_[slot] = most;

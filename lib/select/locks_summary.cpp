@@ -83,11 +83,10 @@ std::size_t locks_record_bytes(const LocksShape& shape) noexcept {
   return layout_of(shape).bytes;
 }
 
-void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
-                  const LocksFactors& out) noexcept {
+void locks_factor(const LocksShape& shape, const float* keys, const LocksFactors& out) noexcept {
   const uint32_t d = shape.head_dim, B = shape.page_tokens, r = shape.rank;
   float centered[kMaxPageTokens * kMaxHeadDim];  // D, token-major
-  decode(k, std::size_t{B} * d, dtype, centered);
+  std::copy_n(keys, std::size_t{B} * d, centered);
   double mean[kMaxHeadDim];
   std::fill_n(mean, d, 0.0);
   for (uint32_t i = 0; i < B; ++i)
@@ -134,13 +133,26 @@ void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   }
 }
 
+void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
+                  const LocksFactors& out) noexcept {
+  float keys[kMaxPageTokens * kMaxHeadDim];
+  decode(k, std::size_t{shape.page_tokens} * shape.head_dim, dtype, keys);
+  locks_factor(shape, keys, out);
+}
+
 void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                  std::byte* record) noexcept {
+  float keys[kMaxPageTokens * kMaxHeadDim];
+  decode(k, std::size_t{shape.page_tokens} * shape.head_dim, dtype, keys);
+  locks_build(shape, keys, record);
+}
+
+void locks_build(const LocksShape& shape, const float* keys, std::byte* record) noexcept {
   const uint32_t d = shape.head_dim, B = shape.page_tokens, r = shape.rank;
   const simd::LocksRecordLayout layout = layout_of(shape);
   float mu[kMaxHeadDim], coeffs[kMaxPageTokens * kMaxRank], basis[kMaxRank * kMaxHeadDim];
   double eigenvalues[kMaxPageTokens];
-  locks_factor(shape, k, dtype, LocksFactors{mu, coeffs, basis, eigenvalues});
+  locks_factor(shape, keys, LocksFactors{mu, coeffs, basis, eigenvalues});
 
   std::memset(record, 0, layout.bytes);
   auto* v_codes = reinterpret_cast<uint8_t*>(record + layout.v_codes);
@@ -178,8 +190,7 @@ void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
   }
   double worst = 0.0;
   for (uint32_t i = 0; i < B; ++i) {
-    float key[kMaxHeadDim];
-    decode(k + std::size_t{i} * d, d, dtype, key);
+    const float* key = keys + std::size_t{i} * d;
     double residual[kMaxHeadDim];
     for (uint32_t c = 0; c < d; ++c) residual[c] = double(key[c]) - mu[c];
     double magnitude = std::sqrt(mu_norm2);

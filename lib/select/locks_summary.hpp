@@ -54,15 +54,20 @@ struct LocksFactors {
   double* eigenvalues;  // [page_tokens] of D D^T, descending (all of them, not just r)
 };
 
-// Factorises one page. k: [page_tokens, head_dim] keys in the storage dtype (as the cache stores
-// them). The shape must have passed locks_check_shape. No allocation (fixed stack arrays sized for
-// the largest shape: about 200 KB of stack, the eigensolver's included); reentrant.
+// Factorises one page. keys: [page_tokens, head_dim] float32 (the page as the cache reads it
+// back: simd::load_rows). The shape must have passed locks_check_shape. No allocation (fixed
+// stack arrays sized for the largest shape: about 200 KB of stack, the eigensolver's included);
+// reentrant.
+void locks_factor(const LocksShape& shape, const float* keys, const LocksFactors& out) noexcept;
+// The same from k: [page_tokens, head_dim] keys in a 16-bit dtype (f16 or bf16).
 void locks_factor(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                   const LocksFactors& out) noexcept;
 
-// Builds the record of one page: k as for locks_factor; record: out, locks_record_bytes(shape)
+// Builds the record of one page: keys as for locks_factor; record: out, locks_record_bytes(shape)
 // bytes (padding zeroed). No allocation (about 290 KB of stack at the largest shape, so call it
 // on threads with the usual 2-8 MB stacks); reentrant.
+void locks_build(const LocksShape& shape, const float* keys, std::byte* record) noexcept;
+// The same from k: [page_tokens, head_dim] keys in a 16-bit dtype (f16 or bf16).
 void locks_build(const LocksShape& shape, const uint16_t* k, simd::Dtype dtype,
                  std::byte* record) noexcept;
 

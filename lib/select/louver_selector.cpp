@@ -209,8 +209,7 @@ void LouverSelector::select(const SelectCall& call, Selection& out) noexcept {
           if (page < sink_end || page >= window_first) continue;
           const std::byte* from = cache_.pool().slot(table[page]);
           std::byte* to = layout.slot(chunks, rows / B);
-          std::memcpy(layout.key(to, rows % B), layout.key(from, t % B), layout.row_bytes());
-          std::memcpy(layout.value(to, rows % B), layout.value(from, t % B), layout.row_bytes());
+          layout.copy_token(from, t % B, to, rows % B);
           tokens[rows++] = t;
         }
       }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "lib/core/error.hpp"
+#include "simd/page_rows.hpp"
 
 namespace kvsift::select {
 
@@ -63,7 +64,7 @@ void PageSelector::remove_pending(uint32_t slot) noexcept {
 
 void PageSelector::on_page_sealed(const SealedPage& page) noexcept {
   if (!summarises()) return;
-  const std::size_t offset = reinterpret_cast<const std::byte*>(page.k) - cache_.pool().base();
+  const std::size_t offset = page.slot - cache_.pool().base();
   add_pending(static_cast<uint32_t>(offset / cache_.pool().slot_bytes()));
 }
 
@@ -102,7 +103,11 @@ void PageSelector::build_summaries() noexcept {
   pool_.parallel_for(n_pending_, 16, [&](uint64_t begin, uint64_t end, int) noexcept {
     for (uint64_t i = begin; i < end; ++i) {
       const uint32_t slot = pending_[i];
-      summarise(slot, geometry().layout().key(cache_.pool().slot(slot)));
+      const simd::PageLayout layout = geometry().layout();
+      alignas(64) float keys[64 * 256];  // page_tokens * head_dim at most
+      simd::load_rows(kernels_, layout, cache_.pool().slot(slot), simd::SlotPart::key, 0,
+                      layout.page_tokens, keys);
+      summarise(slot, keys);
     }
   });
   summaries_built(pending_.data(), n_pending_);
@@ -116,8 +121,8 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
   const uint32_t B = g.page_tokens, d = g.head_dim;
   const uint64_t left = pair.tokens - uint64_t{page} * B;
   const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
-  const uint16_t* k = g.layout().key(cache_.pool().slot(pair.table[page]));
-  kernels_.decode(k, s.keys.data(), std::size_t{n} * d, g.dtype);
+  simd::load_rows(kernels_, g.layout(), cache_.pool().slot(pair.table[page]), simd::SlotPart::key,
+                  0, n, s.keys.data());
   float key_norm = 0.0f;  // only a certified bound reads the slack
   if (certified())
     for (uint32_t t = 0; t < n; ++t)
@@ -138,7 +143,7 @@ uint64_t PageSelector::exact_page_lse(const PairView& pair, uint32_t page,
     s.head[h * max_pages_ + page] = top + std::log(sum);
     s.slack[h * max_pages_ + page] = scale_ * l2_norm(q, d) * kFloatMargin * key_norm;
   }
-  return uint64_t{n} * d * sizeof(uint16_t);
+  return uint64_t{n} * g.layout().key_bytes();
 }
 
 void PageSelector::select(const SelectCall& call, Selection& out) noexcept {

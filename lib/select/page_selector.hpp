@@ -72,7 +72,8 @@ class PageSelector : public Selector {
   virtual bool selects_everything() const noexcept { return false; }
   // Whether sealed pages need a summary at all.
   virtual bool summarises() const noexcept { return false; }
-  virtual void summarise(uint32_t /*slot*/, const uint16_t* /*k*/) noexcept {}
+  // keys: the slot's [page_tokens, head_dim] keys as float32 (simd::load_rows).
+  virtual void summarise(uint32_t /*slot*/, const float* /*keys*/) noexcept {}
   // Called after each build with the slots just summarised (a device copy follows them).
   virtual void summaries_built(const uint32_t* /*slots*/, std::size_t /*n*/) noexcept {}
   // Scores pages [0, pair.n_pages) for each of the G heads into s.head[g * max_pages + p] (log

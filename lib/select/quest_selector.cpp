@@ -2,6 +2,7 @@
 #include <memory>
 
 #include "lib/select/page_selector.hpp"
+#include "simd/half.hpp"
 
 namespace kvsift::select {
 
@@ -28,22 +29,39 @@ class QuestSelector final : public PageSelector {
   // (kvsift-eval, 2K and 4K: 0 of 4 at every budget with share_avg).
   GqaCombine combine_mode() const noexcept override { return GqaCombine::max; }
 
-  void summarise(uint32_t slot, const uint16_t* k) noexcept override {
+  // The bounds are stored in geometry().row_dtype(): for a 16-bit cache a stored key value
+  // itself (exact); for q8 the dequantized value rounded outward to fp16 (widen below), so that
+  // they still bound every key of the page.
+  void summarise(uint32_t slot, const float* keys) noexcept override {
     const CacheGeometry& g = geometry();
     const uint32_t B = g.page_tokens, d = g.head_dim;
-    float keys[64 * 256];  // page_tokens * head_dim at most
-    kernels_.decode(k, keys, std::size_t{B} * d, g.dtype);
-    uint16_t* lo = bounds_.data() + std::size_t{slot} * 2 * d;
-    uint16_t* hi = lo + d;
+    float bounds[2 * 256];  // min then max, head_dim at most each
     for (uint32_t c = 0; c < d; ++c) {
-      uint32_t arg_lo = 0, arg_hi = 0;
+      float lo = keys[c], hi = keys[c];
       for (uint32_t t = 1; t < B; ++t) {
-        if (keys[t * d + c] < keys[arg_lo * d + c]) arg_lo = t;
-        if (keys[t * d + c] > keys[arg_hi * d + c]) arg_hi = t;
+        lo = std::min(lo, keys[t * d + c]);
+        hi = std::max(hi, keys[t * d + c]);
       }
-      lo[c] = k[arg_lo * d + c];
-      hi[c] = k[arg_hi * d + c];
+      bounds[c] = lo;
+      bounds[d + c] = hi;
     }
+    uint16_t* stored = bounds_.data() + std::size_t{slot} * 2 * d;
+    kernels_.encode(bounds, stored, 2 * std::size_t{d}, g.row_dtype());
+    if (g.dtype == simd::Dtype::q8)
+      for (uint32_t i = 0; i < 2 * d; ++i) stored[i] = widen(stored[i], bounds[i], i >= d);
+  }
+
+  // fp16 bits h, the nearest fp16 to x, moved one step outward (up for a max, down for a min)
+  // when rounding went inward. A step away from zero grows the magnitude bits (to inf past the
+  // largest finite value), a step toward zero shrinks them, through zero to the smallest
+  // subnormal of the other sign.
+  static uint16_t widen(uint16_t h, float x, bool up) noexcept {
+    const float back = simd::f16_to_f32(h);
+    if (up ? back >= x : back <= x) return h;
+    const bool negative = (h & 0x8000u) != 0;
+    if (up != negative) return static_cast<uint16_t>(h + 1);
+    if ((h & 0x7fffu) == 0) return up ? uint16_t{0x0001} : uint16_t{0x8001};
+    return static_cast<uint16_t>(h - 1);
   }
 
   uint64_t score(const PairView& pair, Scratch& s) const noexcept override {
@@ -52,7 +70,7 @@ class QuestSelector final : public PageSelector {
     const auto sealed = static_cast<uint32_t>(pair.tokens / g.page_tokens);
     for (uint32_t p = 0; p < sealed; ++p) {
       kernels_.decode(bounds_.data() + std::size_t{pair.table[p]} * 2 * d, s.keys.data(),
-                      2 * std::size_t{d}, g.dtype);
+                      2 * std::size_t{d}, g.row_dtype());
       const float* lo = s.keys.data();
       const float* hi = lo + d;
       for (uint32_t h = 0; h < G; ++h) {
@@ -66,7 +84,7 @@ class QuestSelector final : public PageSelector {
   }
 
  private:
-  LazyArray<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max
+  LazyArray<uint16_t> bounds_;  // [pool slots, 2, head_dim]: min then max, in row_dtype()
 };
 
 }  // namespace

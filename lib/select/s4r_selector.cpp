@@ -9,6 +9,7 @@
 #include <new>
 
 #include "lib/core/error.hpp"
+#include "simd/page_rows.hpp"
 
 namespace kvsift::select {
 
@@ -152,7 +153,7 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
         basis.singular_values = {};  // diagnostics of the fit; decode needs only the columns
         coeffs.resize(static_cast<std::size_t>(n) * rank);
-        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.dtype, kernels_, &pool_);
+        s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.row_dtype(), kernels_, &pool_);
       }
       unit.queries.assign(std::size_t{W} * G * rank, 0.0f);
     }
@@ -204,9 +205,9 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   const uint64_t recent = std::min<uint64_t>(W, n);
   const uint64_t m =
       std::min(n, std::max(recent, budget > exact_tokens ? budget - exact_tokens : 0));
-  s4r::relevance(unit.queries.data(), unit.n_queries, G, rank, unit.key_coeffs.data(), g.dtype, n,
-                 kPoolKernel, s4r::Pooling::max, s4r::GroupAggregation::mean, kernels,
-                 relevance_ws_.data(), relevance_.data(), false, &pool_);
+  s4r::relevance(unit.queries.data(), unit.n_queries, G, rank, unit.key_coeffs.data(),
+                 g.row_dtype(), n, kPoolKernel, s4r::Pooling::max, s4r::GroupAggregation::mean,
+                 kernels, relevance_ws_.data(), relevance_.data(), false, &pool_);
   const auto top = static_cast<uint32_t>(m - recent);
   s4r::top_k(relevance_.data(), n - recent, top, top_ws_.data(), chosen_.data());
   for (uint64_t r = 0; r < recent; ++r) chosen_[top + r] = static_cast<uint32_t>(n - recent + r);
@@ -227,7 +228,7 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   const simd::PageLayout layout = g.layout();
   for (const bool keys : {true, false}) {
     const s4r::Basis& basis = keys ? unit.keys : unit.values;
-    s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.dtype, basis,
+    s4r::reconstruct(keys ? unit.key_coeffs.data() : unit.value_coeffs.data(), g.row_dtype(), basis,
                      chosen_.data(), rows, rows_.data(), kernels, reconstruct_ws_.data(), &pool_);
     for (uint32_t r = 0; r < rows; ++r) {
       float* row = rows_.data() + std::size_t{r} * dim;
@@ -236,9 +237,8 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
         const uint32_t pair = seq_index * H + h0 + h;
         std::byte* chunk =
             layout.slot(out.row_chunks.data(), std::size_t{out.chunk_offsets[pair]} + r / B);
-        const uint32_t t = r % B;
-        kernels.encode(row + std::size_t{h} * d,
-                       keys ? layout.key(chunk, t) : layout.value(chunk, t), d, g.dtype);
+        simd::store_rows(kernels, layout, chunk, keys ? simd::SlotPart::key : simd::SlotPart::value,
+                         r % B, 1, row + std::size_t{h} * d, d);
       }
     }
   }

@@ -56,7 +56,7 @@ class S4rSelector final : public Selector {
   // One basis and its coefficients: all KV heads of a layer, or one KV head.
   struct Unit {
     s4r::Basis keys, values;
-    std::vector<uint16_t> key_coeffs, value_coeffs;  // [end - first, rank], storage dtype
+    std::vector<uint16_t> key_coeffs, value_coeffs;  // [end - first, rank], row_dtype()
     std::vector<float> queries;                      // [s4r.window, G, rank], oldest first
     uint32_t n_queries = 0;
   };

@@ -142,7 +142,7 @@ class Cache(_core.Cache):
 
     Keyword arguments are ``kvsift_cache_params``' fields with its defaults: ``n_layers``,
     ``n_kv_heads``, ``group_size`` (query heads per KV head), ``head_dim`` (64, 128 or 256),
-    ``page_tokens`` (16, 32 or 64), ``dtype`` ("f16" or "bf16"), ``key_form`` ("post_rope" or
+    ``page_tokens`` (16, 32 or 64), ``dtype`` ("f16", "bf16" or "q8"), ``key_form`` ("post_rope" or
     "pre_rope"), ``rope_theta``, ``max_pages``, ``pinned``, ``max_batch``, ``n_threads`` (0: the
     CPUs of the affinity mask), ``isa`` ("auto", "scalar", "avx2", "avx512", "avx512_vnni"),
     ``device`` (-1: CPU) and ``device_cache_pages``.

@@ -65,10 +65,10 @@ class Model(_core.Model):
 
     Keyword arguments are ``kvsift_model_params``' fields with its defaults: ``n_ctx`` (0: the
     model's training context), ``max_seqs`` (sequences per decode step), ``prefill_chunk``,
-    ``weights_f32``, ``kv_dtype`` ("f16" or "bf16"), ``page_tokens``, ``n_threads``, ``isa``,
-    ``device``, ``device_cache_pages`` and ``weights`` ("bf16", "f32", or "quantized": the linear
-    layers stay in the file's Q8_0/Q4_0/Q4_1 blocks, a fraction of bf16's memory; CPU only).
-    Calls release the GIL; one handle serves one call at a time.
+    ``weights_f32``, ``kv_dtype`` ("f16", "bf16" or "q8"), ``page_tokens``, ``n_threads``,
+    ``isa``, ``device``, ``device_cache_pages`` and ``weights`` ("bf16", "f32", or "quantized":
+    the linear layers stay in the file's Q8_0/Q4_0/Q4_1 blocks, a fraction of bf16's memory; CPU
+    only). Calls release the GIL; one handle serves one call at a time.
     """
 
     def __enter__(self) -> "Model":

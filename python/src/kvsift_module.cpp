@@ -136,7 +136,8 @@ std::vector<int32_t> ids_of(const std::vector<int64_t>& ids, const char* name) {
 kvsift_dtype dtype_of(const std::string& name) {
   if (name == "f16" || name == "float16") return KVSIFT_DTYPE_F16;
   if (name == "bf16" || name == "bfloat16") return KVSIFT_DTYPE_BF16;
-  invalid("dtype '" + name + "' is not f16 or bf16");
+  if (name == "q8" || name == "int8") return KVSIFT_DTYPE_Q8;
+  invalid("dtype '" + name + "' is not f16, bf16 or q8");
 }
 
 kvsift_weights weights_of(const std::string& name) {

@@ -51,6 +51,21 @@ def test_attention_over_every_token_matches_a_float64_reference():
                 assert err < 1e-5, (layer, s, err)
 
 
+def test_a_q8_cache_stores_rows_within_half_a_scale_and_attends_over_them():
+    with kvsift.Cache(**GEOMETRY, dtype="q8") as cache:
+        s = cache.create_sequence()
+        k, v = random_kv(3, 37, 2, 64)
+        cache.append(s, 0, k, v)
+        ks, vs = stored(cache, s, 0, 37)
+        for given, got in ((k, ks), (v, vs)):
+            half_scale = np.abs(given).max(axis=2, keepdims=True) / 127 / 2
+            assert np.all(np.abs(got - given) <= half_scale * (1 + 1e-6))
+        q = rng(4).standard_normal((1, 6, 64), dtype=np.float32)
+        out = cache.attend(0, [s], q)
+        ref = reference_attention(ks, vs, q[0], 3)
+        assert np.linalg.norm(out[0] - ref) / np.linalg.norm(ref) < 1e-5
+
+
 def test_stored_values_are_the_inputs_rounded_to_fp16():
     with kvsift.Cache(**GEOMETRY) as cache:
         s = cache.create_sequence()
