@@ -185,9 +185,9 @@ TEST_P(QuantKernels, each_vector_sums_the_same_whatever_the_batch) {
 }
 
 // The runner splits a projection's rows between threads (lib/model/cpu_forward_pass.cpp): a row's
-// result is the same bit for bit whatever range of rows it is computed in. Kernels may take
-// several rows at once (simd/x86/quant_avx512_vnni.cpp: 8): split at 1, 3 and 5, the 9 rows go
-// through full and partial steps, and cols = 1088 (34 blocks) through a partial group of blocks.
+// result is the same bit for bit whatever range of rows it is computed in, should a kernel take
+// several rows at once. Split at 1, 3 and 5 (9 rows: any step of up to 8 rows is cut somewhere),
+// with cols = 1088 (34 blocks: full and partial groups of 16 blocks).
 TEST_P(QuantKernels, each_row_sums_the_same_whatever_the_split) {
   for (BlockFormat format : {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1}) {
     const std::size_t rows = 9, cols = 1088, n = 2;

@@ -3,7 +3,7 @@
 // -march=x86-64-v4 -mavx512vnni and reached only through the avx512_vnni table
 // (simd/kernels.cpp), which a CPU without VNNI never gets.
 //
-// Q4_0 and Q4_1 take 512-bit registers, 16 blocks of 8 rows at a time (q4_group below); Q8_0 the
+// Q4_0 and Q4_1 take 512-bit registers, 16 blocks of a row at a time (q4_group below); Q8_0 the
 // 256-bit body shared with AVX2 (quant_body.hpp), which already runs it at the read bandwidth on
 // 2 threads (bench/bench_quant.cpp).
 #include <immintrin.h>
@@ -34,7 +34,7 @@ struct DotOps {
 
 #include "simd/x86/quant_body.hpp"
 
-// ---- Q4_0 and Q4_1, 16 blocks and 8 rows at a time -----------------------------------------
+// ---- Q4_0 and Q4_1, 16 blocks at a time ------------------------------------------------------
 //
 // The 256-bit body spends as much per block on its float step (the fp16 scale converted, times the
 // activation scale, broadcast, 8 lanes converted and FMA'd) and on unpacking nibbles as on the dot
@@ -56,17 +56,18 @@ struct DotOps {
 //     The fp16 d (and m) of the 16 blocks are picked out of the blocks' bytes by word permutes.
 // The 16 lanes are summed once at the end of the row. A row's last blocks (cols / 32 not a
 // multiple of 16) go through the same steps from a zero-padded copy, whose zero weights, codes and
-// scales add exact zeros. kRows rows share the activation loads and lane permutes; each row's
-// operations are the same whatever rows a call covers, so a row's result does not depend on how
-// the rows are split between threads.
+// scales add exact zeros. Each row is summed on its own, in the same order whatever rows a call
+// covers.
 //
-// Measured against two other designs (bench/bench_quant.cpp, BM_matvec_l2, Zen 5): each block's
-// codes built by 128-bit inserts ([b, b+1] then the 256-bit half repeated, activations reordered
-// to match) ran 10-20% slower; the 256-bit body taking 4 rows per activation load, its float step
-// per block kept, ran at 20-21 GB/s against this one's 35-42.
+// Measured against three other designs (bench/bench_quant.cpp, Zen 5): building each pair's
+// register by 128-bit inserts ([b, b+1], the 256-bit half repeated, the activations' quarters
+// reordered to match) ran 5-10% slower in L2; the same steps taking 4 or 8 rows per activation
+// load ran 15-25% faster in L2 but 1.5-2x slower with the weights in DRAM, on 2 threads (4 or 8
+// interleaved row streams a core instead of one, software prefetch or not); the 256-bit body
+// taking 4 rows per activation load, its float step per block kept, ran at 20-21 GB/s in L2
+// against this one's 31-34.
 
 constexpr std::size_t kGroup = 16;  // blocks a step takes
-constexpr int kRows = 8;            // rows a step takes (a call's last rows % kRows: one at a time)
 
 // The block (0..15) whose sum lane i of step 2's register holds.
 constexpr int lane_block(int i) { return 8 * (i >> 3) + 2 * (i & 3) + ((i >> 2) & 1); }
@@ -113,16 +114,29 @@ __m512i add_qwords(__m512i a, __m512i b) noexcept {
   return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
 }
 
-// acc[r] + the 16 blocks at w[r] against activation codes q (512 of them), scales and sums, for
-// R rows.
-template <BlockFormat F, int R>
-void q4_group(const std::byte* const (&w)[R], const int8_t* q, const float* scale,
-              const int32_t* sum, __m512 (&acc)[R]) noexcept {
+// acc + the 16 blocks at w against activation codes q (512 of them), scales and sums.
+template <BlockFormat F>
+__m512 q4_group(const std::byte* w, const int8_t* q, const float* scale, const int32_t* sum,
+                __m512 acc) noexcept {
   constexpr std::size_t bytes = block_format_bytes(F), codes = F == BlockFormat::q4_0 ? 2 : 4;
   const __m512i keep = _mm512_broadcast_i64x4(_mm256_set_epi64x(
       -0x0f0f0f0f0f0f0f10, -0x0f0f0f0f0f0f0f10, 0x0f0f0f0f0f0f0f0f, 0x0f0f0f0f0f0f0f0f));
-  __m512i act[8];
-  for (int j = 0; j < 8; ++j) act[j] = _mm512_loadu_si512(q + 64 * j);
+  __m512i pair[8];
+  for (int j = 0; j < 8; ++j) {
+    const auto* p = reinterpret_cast<const __m128i*>(w + 2 * j * bytes + codes);
+    const auto* p1 = reinterpret_cast<const __m128i*>(w + (2 * j + 1) * bytes + codes);
+    const __m512i both = _mm512_mask_broadcast_i32x4(_mm512_broadcast_i32x4(_mm_loadu_si128(p)),
+                                                     0xff00, _mm_loadu_si128(p1));
+    pair[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(both, keep),
+                                  _mm512_loadu_si512(q + 64 * j));
+  }
+  const __m512i u0 = add_qwords(add_dwords(pair[0], pair[1]), add_dwords(pair[2], pair[3]));
+  const __m512i u1 = add_qwords(add_dwords(pair[4], pair[5]), add_dwords(pair[6], pair[7]));
+  // Quarters 0 and 2 of u0 and u1: low-nibble sums; 1 and 3: high-nibble sums times 16.
+  __m512i dot = _mm512_add_epi32(
+      _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+      _mm512_srai_epi32(_mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)), 4));
+
   static constexpr std::array<int32_t, 16> kOrder = [] {
     std::array<int32_t, 16> order{};
     for (int i = 0; i < 16; ++i) order[i] = lane_block(i);
@@ -131,76 +145,51 @@ void q4_group(const std::byte* const (&w)[R], const int8_t* q, const float* scal
   const __m512i order = _mm512_loadu_si512(kOrder.data());
   const __m512i sums = _mm512_permutexvar_epi32(order, _mm512_loadu_si512(sum));
   const __m512 s = _mm512_permutexvar_ps(order, _mm512_loadu_ps(scale));
-  for (int r = 0; r < R; ++r) {
-    __m512i pair[8];
-    for (int j = 0; j < 8; ++j) {
-      const auto* p = reinterpret_cast<const __m128i*>(w[r] + 2 * j * bytes + codes);
-      const __m512i both = _mm512_mask_broadcast_i32x4(
-          _mm512_broadcast_i32x4(_mm_loadu_si128(p)), 0xff00,
-          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w[r] + (2 * j + 1) * bytes + codes)));
-      pair[j] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_and_si512(both, keep), act[j]);
-    }
-    const __m512i u0 = add_qwords(add_dwords(pair[0], pair[1]), add_dwords(pair[2], pair[3]));
-    const __m512i u1 = add_qwords(add_dwords(pair[4], pair[5]), add_dwords(pair[6], pair[7]));
-    // Quarters 0 and 2 of u0 and u1: low-nibble sums; 1 and 3: high-nibble sums times 16.
-    __m512i dot = _mm512_add_epi32(
-        _mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-        _mm512_srai_epi32(_mm512_shuffle_i64x2(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)), 4));
-    if constexpr (F == BlockFormat::q4_0) dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(sums, 3));
-    // The group's bytes (288 or 320), the fifth register masked to the group's end, which may be
-    // the matrix's.
-    __m512i words[5];
-    for (int i = 0; i < 4; ++i) words[i] = _mm512_loadu_si512(w[r] + 64 * i);
-    constexpr auto last = static_cast<__mmask32>((uint64_t{1} << (kGroup * bytes / 2 - 128)) - 1);
-    words[4] = _mm512_maskz_loadu_epi16(last, w[r] + 256);
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                             _mm512_mul_ps(group_field<bytes, 0>(words), s), acc[r]);
-    if constexpr (F == BlockFormat::q4_1)
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
-                               _mm512_mul_ps(group_field<bytes, 2>(words), s), acc[r]);
-  }
+  if constexpr (F == BlockFormat::q4_0) dot = _mm512_sub_epi32(dot, _mm512_slli_epi32(sums, 3));
+  // The group's bytes (288 or 320), the fifth register masked to the group's end, which may be the
+  // matrix's.
+  __m512i words[5];
+  for (int i = 0; i < 4; ++i) words[i] = _mm512_loadu_si512(w + 64 * i);
+  constexpr auto last = static_cast<__mmask32>((uint64_t{1} << (kGroup * bytes / 2 - 128)) - 1);
+  words[4] = _mm512_maskz_loadu_epi16(last, w + 256);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(group_field<bytes, 0>(words), s),
+                        acc);
+  if constexpr (F == BlockFormat::q4_1)
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums),
+                          _mm512_mul_ps(group_field<bytes, 2>(words), s), acc);
+  return acc;
 }
 
-// y[r] for R rows from w, row_bytes apart, against one vector.
-template <BlockFormat F, int R>
-void q4_row_block(const std::byte* w, std::size_t row_bytes, std::size_t blocks, const int8_t* q,
-                  const float* scale, const int32_t* sum, float* y) noexcept {
+template <BlockFormat F>
+float q4_row(const std::byte* w, std::size_t blocks, const int8_t* q, const float* scale,
+             const int32_t* sum) noexcept {
   constexpr std::size_t bytes = block_format_bytes(F);
-  __m512 acc[R];
-  const std::byte* at[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc = _mm512_setzero_ps();
   std::size_t b = 0;
-  for (; b + kGroup <= blocks; b += kGroup) {
-    for (int r = 0; r < R; ++r) at[r] = w + r * row_bytes + b * bytes;
-    q4_group<F, R>(at, q + b * kQuantBlock, scale + b, sum + b, acc);
-  }
+  for (; b + kGroup <= blocks; b += kGroup)
+    acc = q4_group<F>(w + b * bytes, q + b * kQuantBlock, scale + b, sum + b, acc);
   if (const std::size_t left = blocks - b; left > 0) {
-    alignas(64) std::byte w_pad[R][kGroup * bytes] = {};
+    alignas(64) std::byte w_pad[kGroup * bytes] = {};
     alignas(64) int8_t q_pad[kGroup * kQuantBlock] = {};
     alignas(64) float scale_pad[kGroup] = {};
     alignas(64) int32_t sum_pad[kGroup] = {};
-    for (int r = 0; r < R; ++r) {
-      std::memcpy(w_pad[r], w + r * row_bytes + b * bytes, left * bytes);
-      at[r] = w_pad[r];
-    }
+    std::memcpy(w_pad, w + b * bytes, left * bytes);
     std::memcpy(q_pad, q + b * kQuantBlock, left * kQuantBlock);
     std::memcpy(scale_pad, scale + b, left * sizeof(float));
     std::memcpy(sum_pad, sum + b, left * sizeof(int32_t));
-    q4_group<F, R>(at, q_pad, scale_pad, sum_pad, acc);
+    acc = q4_group<F>(w_pad, q_pad, scale_pad, sum_pad, acc);
   }
-  for (int r = 0; r < R; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+  return _mm512_reduce_add_ps(acc);
 }
 
-template <BlockFormat F, int R>
+template <BlockFormat F>
 void q4_rows(const std::byte* w, std::size_t rows, std::size_t cols, const QuantizedVectors& x,
              std::size_t n_vectors, float* y, std::size_t y_stride) noexcept {
   const std::size_t blocks = cols / kQuantBlock, row_bytes = blocks * block_format_bytes(F);
-  for (std::size_t r = 0; r + R <= rows; r += R)
+  for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t m = 0; m < n_vectors; ++m)
-      q4_row_block<F, R>(w + r * row_bytes, row_bytes, blocks, x.q + m * cols,
-                         x.scale + m * blocks, x.sum + m * blocks, y + m * y_stride + r);
-  if (const std::size_t done = rows / R * R; R > 1 && done < rows)
-    q4_rows<F, 1>(w + done * row_bytes, rows - done, cols, x, n_vectors, y + done, y_stride);
+      y[m * y_stride + r] = q4_row<F>(w + r * row_bytes, blocks, x.q + m * cols,
+                                      x.scale + m * blocks, x.sum + m * blocks);
 }
 
 }  // namespace
@@ -211,10 +200,10 @@ void matvec_quant_avx512_vnni(BlockFormat format, const std::byte* w, std::size_
   switch (format) {
     case BlockFormat::q8_0: matvec_quant(format, w, rows, cols, x, n_vectors, y, y_stride); return;
     case BlockFormat::q4_0:
-      q4_rows<BlockFormat::q4_0, kRows>(w, rows, cols, x, n_vectors, y, y_stride);
+      q4_rows<BlockFormat::q4_0>(w, rows, cols, x, n_vectors, y, y_stride);
       return;
     case BlockFormat::q4_1:
-      q4_rows<BlockFormat::q4_1, kRows>(w, rows, cols, x, n_vectors, y, y_stride);
+      q4_rows<BlockFormat::q4_1>(w, rows, cols, x, n_vectors, y, y_stride);
       return;
   }
 }
