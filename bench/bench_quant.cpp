@@ -17,13 +17,14 @@
 // core (Q8_0 41, bf16 73).
 // With it (same VM, shared with other builds: load average 2-7; the previous kernel,
 // quant_body.hpp's, which the avx2 table still uses, run back to back): Q4_0's ceiling 33-41 GB/s a
-// core, the previous kernel 15-16 in the same runs (Q8_0 36-41, bf16 61-69). On 2 threads, K=4096
-// -> N=4096 / 1024 / 14336, K=14336 -> N=4096, K=4096 -> N=128256, the median of five runs'
-// medians: Q4_0 21.0 / 17.2 / 19.9 / 15.1 / 21.6 GB/s, the previous kernel 16.2 / 13.5 / 16.3 /
-// 11.7 / 15.3 (read bandwidth 22.7 and 22.2). The busy host moved the read bandwidth from 17 to 32
-// GB/s run to run and single runs from 11 to 35 GB/s (new) and 8 to 28 (previous): the 2-thread
-// figures are the contention's more than the kernels'; a quiet host should show Q4_0 at the read
-// bandwidth, now that a core's ceiling is well above half of it.
+// core, the previous kernel 15-17 in the same runs (Q8_0 36-41, bf16 61-69). On 2 threads, K=4096
+// -> N=4096 / 1024 / 14336, K=14336 -> N=4096, K=4096 -> N=128256, the median of seven runs'
+// medians: Q4_0 20.7 / 16.9 / 20.2 / 15.1 / 25.0 GB/s, the previous kernel 14.8 / 13.5 / 16.1 /
+// 11.2 / 15.3 (1.25-1.6x; read bandwidth 22.7 and 20.1). The busy host moved the read bandwidth
+// from 15 to 32 GB/s run to run and single runs from 11 to 35 GB/s (new) and 8 to 28 (previous):
+// the 2-thread figures are the contention's more than the kernels'; in the two quietest (read
+// bandwidth 22.8) Q4_0 ran at 90-115% of it for K=4096 -> N=4096, 14336 and 128256, 55-80% for
+// N=1024 (2.4 MB a product) and K=14336 (bf16 and Q8_0 are slower there too).
 //
 //   kvsift-bench-quant --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>

@@ -182,16 +182,6 @@ float q4_row(const std::byte* w, std::size_t blocks, const int8_t* q, const floa
   return _mm512_reduce_add_ps(acc);
 }
 
-template <BlockFormat F>
-void q4_rows(const std::byte* w, std::size_t rows, std::size_t cols, const QuantizedVectors& x,
-             std::size_t n_vectors, float* y, std::size_t y_stride) noexcept {
-  const std::size_t blocks = cols / kQuantBlock, row_bytes = blocks * block_format_bytes(F);
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t m = 0; m < n_vectors; ++m)
-      y[m * y_stride + r] = q4_row<F>(w + r * row_bytes, blocks, x.q + m * cols,
-                                      x.scale + m * blocks, x.sum + m * blocks);
-}
-
 }  // namespace
 
 void matvec_quant_avx512_vnni(BlockFormat format, const std::byte* w, std::size_t rows,
@@ -200,10 +190,12 @@ void matvec_quant_avx512_vnni(BlockFormat format, const std::byte* w, std::size_
   switch (format) {
     case BlockFormat::q8_0: matvec_quant(format, w, rows, cols, x, n_vectors, y, y_stride); return;
     case BlockFormat::q4_0:
-      q4_rows<BlockFormat::q4_0>(w, rows, cols, x, n_vectors, y, y_stride);
+      matvec_rows<BlockFormat::q4_0, q4_row<BlockFormat::q4_0>>(w, rows, cols, x, n_vectors, y,
+                                                              y_stride);
       return;
     case BlockFormat::q4_1:
-      q4_rows<BlockFormat::q4_1>(w, rows, cols, x, n_vectors, y, y_stride);
+      matvec_rows<BlockFormat::q4_1, q4_row<BlockFormat::q4_1>>(w, rows, cols, x, n_vectors, y,
+                                                              y_stride);
       return;
   }
 }
