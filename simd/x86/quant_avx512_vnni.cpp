@@ -62,10 +62,10 @@ struct DotOps {
 // Measured against three other designs (bench/bench_quant.cpp, Zen 5): building each pair's
 // register by 128-bit inserts ([b, b+1], the 256-bit half repeated, the activations' quarters
 // reordered to match) ran 5-10% slower in L2; the same steps taking 4 or 8 rows per activation
-// load ran 15-25% faster in L2 but 1.5-2x slower with the weights in DRAM, on 2 threads (4 or 8
+// load ran 15-25% faster in L2 but 1.7-2.5x slower with the weights in DRAM, on 2 threads (4 or 8
 // interleaved row streams a core instead of one, software prefetch or not); the 256-bit body
 // taking 4 rows per activation load, its float step per block kept, ran at 20-21 GB/s in L2
-// against this one's 31-34.
+// against this one's 33 in the same runs.
 
 constexpr std::size_t kGroup = 16;  // blocks a step takes
 
