@@ -10,13 +10,21 @@
 //
 // BM_matvec_l2 is each kernel's compute ceiling on one core (the matrix in L2).
 //
-// Measured (AMD EPYC Zen 5, 2 vCPUs, 23.6 GB/s read bandwidth on 2 threads; medians of 9, the
-// K=4096 -> N=4096 / 1024 / 14336 and K=14336 -> N=4096 cases): bf16 21.8 / 22.5 / 24.7 / 16.9
-// GB/s of weights; Q8_0 26.1 / 21.6 / 26.6 / 21.9 GB/s (2.3 / 1.8 / 2.0 / 2.4x faster than bf16);
-// Q4_0 16.5 / 14.8 / 17.3 / 14.2 GB/s (2.7 / 2.3 / 2.5 / 3.0x faster). bf16 and Q8_0 run at the
-// read bandwidth; Q4_0 at 60-74% of it: its kernel's own ceiling is 17.8 GB/s a core (Q8_0 41,
-// bf16 73), so on 2 threads unpacking nibbles and applying scales per block of 32 overlap the
-// reads only in part.
+// Measured before the Q4 kernel of simd/x86/quant_avx512_vnni.cpp (AMD EPYC Zen 5, 2 vCPUs, 23.6
+// GB/s read bandwidth on 2 threads, quiet; medians of 9; K=4096 -> N=4096 / 1024 / 14336 and
+// K=14336 -> N=4096): bf16 21.8 / 22.5 / 24.7 / 16.9 GB/s of weights; Q8_0 26.1 / 21.6 / 26.6 /
+// 21.9; Q4_0 16.5 / 14.8 / 17.3 / 14.2, 60-74% of the read bandwidth: its ceiling was 17.8 GB/s a
+// core (Q8_0 41, bf16 73).
+// With it (same VM, shared with other builds: load average 2-7; the previous kernel,
+// quant_body.hpp's, which the avx2 table still uses, run back to back): Q4_0's ceiling 33-41 GB/s a
+// core, the previous kernel 15-17 in the same runs (Q8_0 36-41, bf16 61-69). On 2 threads, K=4096
+// -> N=4096 / 1024 / 14336, K=14336 -> N=4096, K=4096 -> N=128256, the median of seven runs'
+// medians: Q4_0 20.7 / 16.9 / 20.2 / 15.1 / 25.0 GB/s, the previous kernel 14.8 / 13.5 / 16.1 /
+// 11.2 / 15.3 (1.25-1.6x; read bandwidth 22.7 and 20.1). The busy host moved the read bandwidth
+// from 15 to 32 GB/s run to run and single runs from 11 to 35 GB/s (new) and 8 to 28 (previous):
+// the 2-thread figures are the contention's more than the kernels'; in the two quietest (read
+// bandwidth 22.8) Q4_0 ran at 90-115% of it for K=4096 -> N=4096, 14336 and 128256, 55-80% for
+// N=1024 (2.4 MB a product) and K=14336 (bf16 and Q8_0 are slower there too).
 //
 //   kvsift-bench-quant --benchmark_repetitions=9 --benchmark_report_aggregates_only=true
 #include <benchmark/benchmark.h>
@@ -202,6 +210,8 @@ void shapes(benchmark::internal::Benchmark* b) {
     b->Args({f, 4096, 14336});  // gate, up
     b->Args({f, 14336, 4096});  // down
   }
+  // The output projection (vocabulary 128256): 1.05 GB in bf16, more than the arena holds.
+  for (int f : {q8_0, q4_0}) b->Args({f, 4096, 128256});
 }
 BENCHMARK(BM_matvec)->Name("matvec/threads:2")->Apply(shapes)->UseRealTime()->Unit(benchmark::kMicrosecond);
 

@@ -115,7 +115,9 @@ struct Kernels {
   // `format`, rows of cols / 32 blocks back to back from w (cols a multiple of 32), x~ the
   // quantized vectors of x (each block's weight codes times its activation codes summed exactly in
   // int32, then scaled in float32), y rows y_stride apart. Each vector's sum is taken in the same
-  // order whatever n_vectors is. The decode-step projection for weights kept in the file's blocks.
+  // order whatever n_vectors is, and each row's whatever rows the call covers (results are
+  // bit-identical for any split of the rows between threads); the order of the block terms is the
+  // level's own. The decode-step projection for weights kept in the file's blocks.
   void (*matvec_quant)(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
                        const QuantizedVectors& x, std::size_t n_vectors, float* y,
                        std::size_t y_stride) noexcept;

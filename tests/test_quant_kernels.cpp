@@ -184,6 +184,29 @@ TEST_P(QuantKernels, each_vector_sums_the_same_whatever_the_batch) {
   }
 }
 
+// The runner splits a projection's rows between threads (lib/model/cpu_forward_pass.cpp): a row's
+// result is the same bit for bit whatever range of rows it is computed in, should a kernel take
+// several rows at once. Split at 1, 3 and 5 (9 rows: any step of up to 8 rows is cut somewhere),
+// with cols = 1088 (34 blocks: full and partial groups of 16 blocks).
+TEST_P(QuantKernels, each_row_sums_the_same_whatever_the_split) {
+  for (BlockFormat format : {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1}) {
+    const std::size_t rows = 9, cols = 1088, n = 2;
+    const std::size_t row_bytes = cols / kBlock * simd::block_format_bytes(format);
+    const Weights w(format, rows, cols, 91);
+    const Vectors x(n, cols, 92);
+    std::vector<float> whole(n * rows);
+    k().matvec_quant(format, w.bytes.data(), rows, cols, x.view(), n, whole.data(), rows);
+    for (std::size_t split : {1u, 3u, 5u}) {
+      std::vector<float> parts(n * rows);
+      k().matvec_quant(format, w.bytes.data(), split, cols, x.view(), n, parts.data(), rows);
+      k().matvec_quant(format, w.bytes.data() + split * row_bytes, rows - split, cols, x.view(), n,
+                       parts.data() + split, rows);
+      for (std::size_t i = 0; i < n * rows; ++i)
+        EXPECT_EQ(parts[i], whole[i]) << format_name(format) << " split " << split << " " << i;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Levels, QuantKernels, ::testing::ValuesIn(simd::kLevels),
                          test::isa_test_name);
 

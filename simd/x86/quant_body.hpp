@@ -70,14 +70,19 @@ float row_dot(const std::byte* w, std::size_t blocks, const int8_t* q, const flo
   return _mm_cvtss_f32(h) + m_acc;
 }
 
-template <BlockFormat F>
+// One row (blocks of F from w) against one quantized vector (codes, block scales, block sums).
+using RowDot = float (*)(const std::byte* w, std::size_t blocks, const int8_t* q,
+                         const float* scale, const int32_t* sum) noexcept;
+
+// Every row against every vector, each by `dot` (the including file may bring its own).
+template <BlockFormat F, RowDot dot = row_dot<F>>
 void matvec_rows(const std::byte* w, std::size_t rows, std::size_t cols, const QuantizedVectors& x,
                  std::size_t n_vectors, float* y, std::size_t y_stride) noexcept {
   const std::size_t blocks = cols / kQuantBlock, row_bytes = blocks * block_format_bytes(F);
   for (std::size_t r = 0; r < rows; ++r)
     for (std::size_t m = 0; m < n_vectors; ++m)
-      y[m * y_stride + r] = row_dot<F>(w + r * row_bytes, blocks, x.q + m * cols,
-                                       x.scale + m * blocks, x.sum + m * blocks);
+      y[m * y_stride + r] = dot(w + r * row_bytes, blocks, x.q + m * cols, x.scale + m * blocks,
+                                x.sum + m * blocks);
 }
 
 void matvec_quant(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
