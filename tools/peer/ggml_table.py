@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""Formats kvsift-bench-ggml's JSON (bench/ggml/bench_ggml.cpp) as markdown tables.
+
+    tools/peer/ggml_table.py RUN.json [RUN.json ...] --json-out ALL.json --md-out TABLE.md \
+        --cpu "$(lscpu | sed -n 's/^Model name: *//p')" --command 'the command that ran'
+
+Several runs (for example the 128K attention case run alone on a quieter machine) are merged into
+one document, their cases in the order given. Times are medians over the samples with (min-max);
+a ratio is the ratio of the medians, with the range of the per-round ratios in brackets (the
+variants of one round ran back to back, so each round's ratio saw the same machine).
+Standard library only.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+
+
+def per_round_ratios(timings, a, b):
+    xs, ys = timings[a]["samples_ms"], timings[b]["samples_ms"]
+    return [x / y for x, y in zip(xs, ys)]
+
+
+def fmt_ms(t):
+    return f"{t['median_ms']:.3g} ({t['min_ms']:.3g}-{t['max_ms']:.3g})"
+
+
+def fmt_ratio(timings, a, b):
+    r = timings[a]["median_ms"] / timings[b]["median_ms"]
+    rounds = per_round_ratios(timings, a, b)
+    return f"{r:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]"
+
+
+def attention_table(cases):
+    out = [
+        "| context | ggml FA, llama.cpp layout | ggml FA, head-major | kvsift dense "
+        "| kvsift LOCKS 2% | kvsift LOCKS 5% | FA llama / dense | FA head-major / dense "
+        "| FA llama / LOCKS 2% | FA llama / LOCKS 5% | check |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        t = c["timings"]
+        worst = max(v["worst_error_over_tolerance"] for v in c["checks"].values())
+        out.append(
+            f"| {c['context'] // 1024}K | {fmt_ms(t['ggml_fa_llama'])} | "
+            f"{fmt_ms(t['ggml_fa_heads'])} | {fmt_ms(t['kvsift_dense'])} | "
+            f"{fmt_ms(t['kvsift_locks_2'])} | {fmt_ms(t['kvsift_locks_5'])} | "
+            f"{fmt_ratio(t, 'ggml_fa_llama', 'kvsift_dense')} | "
+            f"{fmt_ratio(t, 'ggml_fa_heads', 'kvsift_dense')} | "
+            f"{fmt_ratio(t, 'ggml_fa_llama', 'kvsift_locks_2')} | "
+            f"{fmt_ratio(t, 'ggml_fa_llama', 'kvsift_locks_5')} | {worst:.2f} |"
+        )
+    return out
+
+
+def matvec_table(cases):
+    out = [
+        "| format | projection | K -> N | weights MB | ggml_mul_mat ms | kvsift matvec_quant ms "
+        "| ggml / kvsift | ggml GB/s | kvsift GB/s | check |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        t = c["timings"]
+        g = c["weight_GBps"]
+        out.append(
+            f"| {c['format']} | {c['projection']} | {c['K']} -> {c['N']} | "
+            f"{c['weight_MB']:.1f} | {fmt_ms(t['ggml_mul_mat'])} | "
+            f"{fmt_ms(t['kvsift_matvec_quant'])} | "
+            f"{fmt_ratio(t, 'ggml_mul_mat', 'kvsift_matvec_quant')} | "
+            f"{g['ggml_mul_mat']:.1f} | {g['kvsift_matvec_quant']:.1f} | "
+            f"{c['checks']['worst_error_over_tolerance']:.2f} |"
+        )
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", help="kvsift-bench-ggml JSON files")
+    ap.add_argument("--json-out", required=True)
+    ap.add_argument("--md-out", required=True)
+    ap.add_argument("--cpu", default="unknown")
+    ap.add_argument("--command", action="append", default=[], help="a command that ran (repeat)")
+    args = ap.parse_args()
+
+    runs = []
+    for path in args.runs:
+        with open(path) as f:
+            runs.append(json.load(f))
+    doc = {"cpu": args.cpu, "commands": args.command, "runs": runs}
+    with open(args.json_out, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+
+    attention = [c for r in runs for c in r["cases"] if c["op"] == "attention"]
+    matvec = [c for r in runs for c in r["cases"] if c["op"] == "matvec"]
+    first = runs[0]
+    lines = [
+        "# kvsift beside ggml's CPU kernels",
+        "",
+        "Written by `tools/peer/ggml_table.py` from `ggml-side-by-side.json` "
+        "(`scripts/bench_vs_ggml.sh`; what is measured: `bench/ggml/bench_ggml.cpp`).",
+        "",
+        f"- CPU: {args.cpu}",
+        f"- threads: {first['threads']} per library; samples per variant: {first['reps']}, "
+        f"each at least {first['min_sample_ms']} ms of back-to-back calls, variants in turns",
+        f"- ggml {first['ggml_version']} ({first['ggml_commit']}), CPU features "
+        + ", ".join(k for k, v in first["ggml_cpu"].items() if v)
+        + f"; kvsift {first['kvsift_version']}",
+        "- load average (1, 5, 15 min) at start and end of each run: "
+        + "; ".join(f"{r['load_average_start']} / {r['load_average_end']}" for r in runs),
+    ]
+    lines += ["- commands:"] + [f"  - `{c}`" for c in args.command]
+    if attention:
+        lines += [
+            "",
+            "## Decode attention, Llama-3.1-8B layer (32 query heads, 8 KV heads, d = 128, f16 "
+            "K/V, one query, batch 1)",
+            "",
+            "Milliseconds per call, median (min-max); ratios of medians [range of per-round "
+            "ratios]; check: the largest error over its tolerance (must be <= 1).",
+            "",
+        ] + attention_table(attention)
+    if matvec:
+        lines += [
+            "",
+            "## Quantized matrix-vector products, Llama-3.1-8B shapes (weights from DRAM)",
+            "",
+            "Milliseconds per product, median (min-max); GB/s of weights at the median.",
+            "",
+        ] + matvec_table(matvec)
+    with open(args.md_out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
