@@ -46,6 +46,7 @@ cmd=("$build/bench/ggml/kvsift-bench-ggml" --threads "${THREADS:-2}" --reps "${R
 "${cmd[@]}" --out "$raw"
 python3 tools/peer/ggml_table.py "$raw" \
   --json-out "$results/ggml-side-by-side.json" --md-out "$results/ggml-side-by-side.md" \
-  --cpu "$(lscpu | sed -n 's/^Model name: *//p' | head -1), $(nproc) CPUs" \
+  --cpu "$(lscpu | awk -F': *' '/^Model name/ {n = $2} /^CPU family/ {f = $2} /^Model:/ {m = $2}
+                             END {printf "%s (family %s, model %s)", n, f, m}'), $(nproc) CPUs" \
   --command "${cmd[*]}"
 echo "bench_vs_ggml: wrote $results/ggml-side-by-side.{json,md}" >&2
