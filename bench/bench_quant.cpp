@@ -153,15 +153,9 @@ void BM_matvec(benchmark::State& state) {
     arena.filled_for[2] = state.range(2);
   }
   const simd::Kernels& k = kernels();
-  std::vector<float> x(K);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& v : x) v = dist(rng);
+  bench::MatvecInput input(K);
   AlignedVector<float> y(N), x_rounded(K);
   AlignedVector<uint16_t> x_bf16(K);
-  AlignedVector<int8_t> codes(K);
-  AlignedVector<float> scales(K / simd::kQuantBlock);
-  AlignedVector<int32_t> sums(K / simd::kQuantBlock);
   const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
   const std::size_t row_bytes = bytes / N;
   std::size_t copy = 0;
@@ -169,15 +163,14 @@ void BM_matvec(benchmark::State& state) {
     const std::byte* w = arena.data() + copy * bytes;
     copy = copy + 1 == copies ? 0 : copy + 1;
     if (f == bf16) {
-      k.encode(x.data(), x_bf16.data(), K, simd::Dtype::bf16);
+      k.encode(input.x.data(), x_bf16.data(), K, simd::Dtype::bf16);
       k.decode(x_bf16.data(), x_rounded.data(), K, simd::Dtype::bf16);
       const auto* wb = reinterpret_cast<const uint16_t*>(w);
       pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
         k.matvec_bf16(wb + first * K, last - first, K, x_rounded.data(), 1, y.data() + first, N);
       });
     } else {
-      simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
-      const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
+      const simd::QuantizedVectors xq = input.quantize();
       pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
         k.matvec_quant(bf, w + first * row_bytes, last - first, K, xq, 1, y.data() + first, N);
       });

@@ -1,5 +1,5 @@
 // Weights in ggml's block formats (simd/kernels.hpp, BlockFormat) for the matrix-vector
-// benchmarks: bench_quant.cpp and bench/ggml/bench_ggml.cpp fill their arenas with them.
+// benchmarks (bench_quant.cpp, bench/ggml/bench_ggml.cpp), and the input they multiply.
 #pragma once
 
 #include <cstddef>
@@ -8,8 +8,10 @@
 #include <random>
 #include <vector>
 
+#include "lib/core/aligned.hpp"
 #include "simd/half.hpp"
 #include "simd/kernels.hpp"
+#include "simd/quant.hpp"
 
 namespace kvsift::bench {
 
@@ -28,5 +30,26 @@ inline void fill_quant_blocks(simd::BlockFormat format, std::byte* data, std::si
   for (std::size_t i = 0; i + block <= bytes; i += block)
     std::memcpy(data + i, pattern.data() + i % pattern.size() / block * block, block);
 }
+
+// One decode-step input x of `cols` values (normal, fixed seed) and the buffers quantize_vectors
+// fills from it, as the runner keeps them (CpuForwardPass::matvec_quantized).
+struct MatvecInput {
+  explicit MatvecInput(std::size_t cols)
+      : x(cols), codes(cols), scales(cols / simd::kQuantBlock), sums(cols / simd::kQuantBlock) {
+    std::mt19937 rng(3);
+    std::normal_distribution<float> dist(0.0f, 1.0f);
+    for (float& v : x) v = dist(rng);
+  }
+  // Quantizes x per block of 32 (the product's first step, timed with it).
+  simd::QuantizedVectors quantize() noexcept {
+    simd::quantize_vectors(x.data(), 1, x.size(), codes.data(), scales.data(), sums.data());
+    return {codes.data(), scales.data(), sums.data()};
+  }
+
+  std::vector<float> x;
+  AlignedVector<int8_t> codes;
+  AlignedVector<float> scales;
+  AlignedVector<int32_t> sums;
+};
 
 }  // namespace kvsift::bench

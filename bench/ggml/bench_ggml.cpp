@@ -680,22 +680,16 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
   if (bytes > arena.size()) fail("matrix larger than the arena");
   fill_quant_blocks(format, arena.data(), copies * bytes);
 
-  std::vector<float> x(K);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& v : x) v = dist(rng);
+  MatvecInput input(K);
+  std::vector<float>& x = input.x;
   AlignedVector<float> y_kvsift(N), y_ggml(N);
-  AlignedVector<int8_t> codes(K);
-  AlignedVector<float> scales(K / simd::kQuantBlock);
-  AlignedVector<int32_t> sums(K / simd::kQuantBlock);
   const simd::Kernels& kernels = simd::kernels_for(simd::resolve_level(simd::Level::best));
   const std::size_t row_bytes = bytes / N;
   std::size_t kvsift_copy = 0, ggml_copy = 0;
   // The runner's decode path (CpuForwardPass::matvec_quantized): quantize x, split the rows.
   auto kvsift_call = [&](std::size_t copy) {
     const std::byte* w = arena.data() + copy * bytes;
-    simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
-    const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
+    const simd::QuantizedVectors xq = input.quantize();
     pool.parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
       kernels.matvec_quant(format, w + first * row_bytes, last - first, K, xq, 1,
                            y_kvsift.data() + first, N);
