@@ -37,6 +37,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -146,7 +147,7 @@ double median_of(const json& timings, const std::string& name) {
 // ---- ggml --------------------------------------------------------------------------------------
 
 // A ggml context that holds tensor metadata and graphs only: tensor data lives in buffers this
-// program owns (ggml never allocates or frees it).
+// program owns, or in a backend buffer allocated for the context's tensors (GgmlRepacked).
 class GgmlContext {
  public:
   GgmlContext(std::size_t n_tensors, std::size_t n_graphs,
@@ -757,6 +758,15 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
   return result;
 }
 
+// How OpenMP threads (ggml's) wait: libgomp spins first by default, which on a host whose cores are
+// busy with other work stalls a thread that waits at a barrier for its descheduled partner.
+json openmp_environment() {
+  json env = json::object();
+  for (const char* name : {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_PROC_BIND"})
+    if (const char* value = std::getenv(name)) env[name] = value;
+  return env;
+}
+
 std::string load_average() {
   std::ifstream in("/proc/loadavg");
   std::string a, b, c;
@@ -799,6 +809,7 @@ int main(int argc, char** argv) {
                   {"avx512_bf16", ggml_cpu_has_avx512_bf16()},
                   {"f16c", ggml_cpu_has_f16c()},
                   {"llamafile", ggml_cpu_has_llamafile()}}},
+                {"openmp_environment", openmp_environment()},
                 {"load_average_start", load_average()}};
     json cases = json::array();
     if (options.attention)

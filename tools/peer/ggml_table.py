@@ -4,8 +4,8 @@
     tools/peer/ggml_table.py RUN.json [RUN.json ...] --json-out ALL.json --md-out TABLE.md \
         --cpu "$(lscpu | sed -n 's/^Model name: *//p')" --command 'the command that ran'
 
-Several runs (for example the 128K attention case run alone on a quieter machine) are merged into
-one document, their cases in the order given. Times are medians over the samples with (min-max);
+Several runs (another thread count or OpenMP setting, or the 128K attention case run alone on a
+quieter machine) go into one document, a section per run in the order given. Times are medians over the samples with (min-max);
 a ratio is the ratio of the medians, with the range of the per-round ratios in brackets (the
 variants of one round ran back to back, so each round's ratio saw the same machine).
 Standard library only.
@@ -80,61 +80,74 @@ def matvec_table(cases):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("runs", nargs="+", help="kvsift-bench-ggml JSON files")
+    ap.add_argument("runs", nargs="+",
+                    help="kvsift-bench-ggml JSON files, or a document of this script to extend")
     ap.add_argument("--json-out", required=True)
     ap.add_argument("--md-out", required=True)
     ap.add_argument("--cpu", default="unknown")
     ap.add_argument("--command", action="append", default=[], help="a command that ran (repeat)")
     args = ap.parse_args()
 
-    runs = []
+    runs, commands = [], []
     for path in args.runs:
         with open(path) as f:
-            runs.append(json.load(f))
-    doc = {"cpu": args.cpu, "commands": args.command, "runs": runs}
+            loaded = json.load(f)
+        if "runs" in loaded:  # a document this script wrote: extend it
+            runs += loaded["runs"]
+            commands += loaded.get("commands", [])
+        else:
+            runs.append(loaded)
+    commands += args.command
+    doc = {"cpu": args.cpu, "commands": commands, "runs": runs}
     with open(args.json_out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
 
-    attention = [c for r in runs for c in r["cases"] if c["op"] == "attention"]
-    matvec = [c for r in runs for c in r["cases"] if c["op"] == "matvec"]
-    first = runs[0]
     lines = [
         "# kvsift beside ggml's CPU kernels",
         "",
         "Written by `tools/peer/ggml_table.py` from `ggml-side-by-side.json` "
         "(`scripts/bench_vs_ggml.sh`; what is measured: `bench/ggml/bench_ggml.cpp`).",
         "",
-        f"- CPU: {args.cpu}",
-        f"- threads: {first['threads']} per library; samples per variant: {first['reps']}, "
-        f"each at least {first['min_sample_ms']} ms of back-to-back calls, variants in turns",
-        f"- ggml {first['ggml_version']} ({first['ggml_commit']}), CPU features "
-        + ", ".join(k for k, v in first["ggml_cpu"].items() if v)
-        + f"; kvsift {first['kvsift_version']}",
-        "- load average (1, 5, 15 min) at start and end of each run: "
-        + "; ".join(f"{r['load_average_start']} / {r['load_average_end']}" for r in runs),
-    ]
-    lines += ["- commands:"] + [f"  - `{c}`" for c in args.command]
-    if attention:
+        f"CPU: {args.cpu}. Commands, in the order run:",
+        "",
+    ] + [f"{i + 1}. `{c}`" for i, c in enumerate(commands)]
+    for i, run in enumerate(runs):
+        attention = [c for c in run["cases"] if c["op"] == "attention"]
+        matvec = [c for c in run["cases"] if c["op"] == "matvec"]
+        env = run.get("openmp_environment") or {}
         lines += [
             "",
-            "## Decode attention, Llama-3.1-8B layer (32 query heads, 8 KV heads, d = 128, f16 "
-            "K/V, one query, batch 1)",
+            f"## Run {i + 1}: {run['threads']} thread(s) per library"
+            + (", " + ", ".join(f"{k}={v}" for k, v in env.items()) if env else ""),
             "",
-            "Milliseconds per call, median (min-max); ratios of medians [range of per-round "
-            "ratios]; check: the largest error over its tolerance (must be <= 1).",
-            "",
-        ] + attention_table(attention)
-    if matvec:
-        lines += [
-            "",
-            "## Quantized matrix-vector products, Llama-3.1-8B shapes (weights from DRAM)",
-            "",
-            "Milliseconds per product, median (min-max); GB/s of weights at the median. "
-            "Repacked: the weights in ggml's CPU_REPACK buffer type, as llama.cpp loads them by "
-            "default (on x86 it interleaves Q4_0 rows for its own kernels; Q8_0 it leaves alone).",
-            "",
-        ] + matvec_table(matvec)
+            f"- samples per variant: {run['reps']}, each at least {run['min_sample_ms']} ms of "
+            "back-to-back calls, the variants in turns",
+            f"- ggml {run['ggml_version']} ({run['ggml_commit']}), CPU features "
+            + ", ".join(k for k, v in run["ggml_cpu"].items() if v)
+            + f"; kvsift {run['kvsift_version']}",
+            f"- load average (1, 5, 15 min) at start / end: {run['load_average_start']} / "
+            f"{run['load_average_end']}",
+        ]
+        if attention:
+            lines += [
+                "",
+                "Decode attention, Llama-3.1-8B layer (32 query heads, 8 KV heads, d = 128, f16 "
+                "K/V, one query, batch 1). Milliseconds per call, median (min-max); ratios of "
+                "medians [range of per-round ratios]; check: the largest error over its "
+                "tolerance (must be <= 1).",
+                "",
+            ] + attention_table(attention)
+        if matvec:
+            lines += [
+                "",
+                "Quantized matrix-vector products at Llama-3.1-8B shapes, weights from DRAM. "
+                "Milliseconds per product, median (min-max); GB/s of weights at the median. "
+                "Repacked: the weights in ggml's CPU_REPACK buffer type, as llama.cpp loads "
+                "them by default (on x86 it interleaves Q4_0 rows for its own kernels; Q8_0 it "
+                "leaves alone).",
+                "",
+            ] + matvec_table(matvec)
     with open(args.md_out, "w") as f:
         f.write("\n".join(lines) + "\n")
     return 0
