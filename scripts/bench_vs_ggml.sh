@@ -23,7 +23,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 version="$(sed -n 's/^llama-cpp-python==//p' tools/peer/requirements.txt)"
-[ -n "$version" ] || { echo "bench_vs_ggml: no llama-cpp-python pin in tools/peer/requirements.txt" >&2; exit 1; }
+if [ -z "$version" ]; then
+  echo "bench_vs_ggml: no llama-cpp-python pin in tools/peer/requirements.txt" >&2
+  exit 1
+fi
 cache="${KVSIFT_PEER_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/kvsift-peer}"
 sdist="$cache/llama_cpp_python-$version.tar.gz"
 ggml="$cache/llama_cpp_python-$version/vendor/llama.cpp/ggml"

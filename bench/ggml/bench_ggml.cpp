@@ -5,8 +5,8 @@
 // d = 128, one query token, batch 1) over f16 K/V, at each context:
 //   ggml_fa_llama   ggml_flash_attn_ext over K/V as llama.cpp's KV cache holds them (one
 //                   [n_kv_heads * d, kv_size] tensor each, rows of all KV heads per token, viewed
-//                   4-D with strides and permuted as src/llama-kv-cache.cpp get_k/get_v and
-//                   src/llama-graph.cpp build_attn_mha do), with llama.cpp's f16 KQ mask and
+//                   4-D with strides and permuted as llama.cpp's llama_kv_cache::get_k/get_v
+//                   and llm_graph_context::build_attn_mha do), with llama.cpp's f16 KQ mask and
 //                   its F32 precision request;
 //   ggml_fa_heads   the same operator over head-major contiguous K/V, no mask: ggml's best case;
 //   kvsift_dense    kvsift_attend over every page;
@@ -15,7 +15,8 @@
 // for a few stored keys (add_needle_queries): the same values, rounded once to f16, in both.
 //
 // Matvec: one decode-step projection y = W x with Q4_0 or Q8_0 weights at the 8B shapes:
-// ggml_mul_mat against the model runner's path (quantize_vectors, then the kernel table's
+// ggml_mul_mat (on the bytes as stored, and repacked as llama.cpp loads them: GgmlRepacked)
+// against the model runner's path (quantize_vectors, then the kernel table's
 // matvec_quant split over a ThreadPool, lib/model/cpu_forward_pass.cpp), both reading the same
 // weight bytes (kvsift keeps ggml's block formats, simd/kernels.hpp), cycling through copies
 // that fill 1 GiB so that weights come from DRAM as a model's do (bench_quant.cpp does the same).
@@ -205,7 +206,7 @@ struct Reference {
 
 // Float64 attention of each query head over the runs of its KV head, from the f16 values stored
 // head-major ([n_kv_heads, kv_size, d]), with how far a float kernel may be from it. ggml's CPU
-// kernel (ggml-cpu/ops.cpp, the f16 V path) rounds q to f16 (checked against a reference given the
+// flash-attention kernel (its f16 V path) rounds q to f16 (checked against a reference given the
 // same rounded q) and keeps the running sum of p_i v_i in f16: each multiply-add and each rescale
 // rounds by up to u = 2^-11 times the new magnitude. Summed as worst cases those bounds grow with
 // the context past any use (beyond 1 at 8K tokens), so the tolerance is 6 standard deviations of
@@ -615,7 +616,7 @@ json check_matvec(const std::string& what, ggml_type type, const std::byte* w, u
 
 // The weights as llama.cpp holds them by default on the CPU (use_extra_bufts): in the CPU
 // backend's CPU_REPACK buffer type, whose ggml_backend_tensor_set interleaves the blocks of 8 rows
-// for its own product kernels (ggml-cpu/repack.cpp; on x86 with AVX2 it does this for Q4_0, not
+// for its own product kernels (ggml's CPU repack code; on x86 with AVX2 it does this for Q4_0, not
 // for Q8_0). One repacked tensor and one planned graph per copy of the arena.
 class GgmlRepacked {
  public:

@@ -5,9 +5,10 @@
         --cpu "$(lscpu | sed -n 's/^Model name: *//p')" --command 'the command that ran'
 
 Several runs (another thread count or OpenMP setting, or the 128K attention case run alone on a
-quieter machine) go into one document, a section per run in the order given. Times are medians over the samples with (min-max);
-a ratio is the ratio of the medians, with the range of the per-round ratios in brackets (the
-variants of one round ran back to back, so each round's ratio saw the same machine).
+quieter machine) go into one document, a section per run in the order given. Times are medians
+over the samples with (min-max); a ratio is the ratio of the medians, with the range of the
+per-round ratios in brackets (the variants of one round ran back to back, so each round's ratio
+saw the same machine).
 Standard library only.
 """
 
