@@ -36,6 +36,7 @@
 #include <random>
 #include <vector>
 
+#include "bench/quant_blocks.hpp"
 #include "lib/core/aligned.hpp"
 #include "lib/core/thread_pool.hpp"
 #include "simd/half.hpp"
@@ -63,8 +64,8 @@ const simd::Kernels& kernels() {
 class Arena {
  public:
   Arena() {
-    void* p = mmap(nullptr, kArenaBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1,
-                   0);
+    void* p =
+        mmap(nullptr, kArenaBytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p != MAP_FAILED) data_ = static_cast<std::byte*>(p);
   }
   ~Arena() {
@@ -113,7 +114,10 @@ void BM_read_bandwidth(benchmark::State& state) {
   state.counters["read_GBps"] = benchmark::Counter(
       static_cast<double>(kArenaBytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
 }
-BENCHMARK(BM_read_bandwidth)->Name("read_bandwidth/threads:2")->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_read_bandwidth)
+    ->Name("read_bandwidth/threads:2")
+    ->UseRealTime()
+    ->Unit(benchmark::kMillisecond);
 
 // ---- The products ------------------------------------------------------------------------------
 
@@ -128,23 +132,16 @@ std::size_t weight_bytes(Format f, std::size_t rows, std::size_t cols) {
 // Fills the arena with valid weights of the format: random codes, fp16 scales near 0.01 (bf16:
 // random values near 0.01).
 void fill(Format f, std::byte* data, std::size_t bytes) {
-  std::mt19937 rng(7);
-  std::uniform_int_distribution<int> byte_dist(0, 255);
   if (f == bf16) {
+    std::mt19937 rng(7);
     auto* w = reinterpret_cast<uint16_t*>(data);
     std::normal_distribution<float> dist(0.0f, 0.01f);
     for (std::size_t i = 0; i < 4096; ++i) w[i] = simd::f32_to_bf16(dist(rng));
     for (std::size_t i = 4096; i < bytes / 2; ++i) w[i] = w[i % 4096 ^ (i / 4096 % 7)];
     return;
   }
-  const std::size_t block = f == q8_0 ? 34 : 18;
-  std::vector<std::byte> pattern(block * 509);
-  for (std::byte& b : pattern) b = static_cast<std::byte>(byte_dist(rng));
-  const uint16_t scale = simd::f32_to_f16(0.01f);
-  for (std::size_t b = 0; b < pattern.size() / block; ++b)
-    std::memcpy(pattern.data() + b * block, &scale, 2);
-  for (std::size_t i = 0; i + block <= bytes; i += block)
-    std::memcpy(data + i, pattern.data() + i % pattern.size() / block * block, block);
+  bench::fill_quant_blocks(f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0, data,
+                           bytes);
 }
 
 // Args: format, K (cols), N (rows).
@@ -164,15 +161,9 @@ void BM_matvec(benchmark::State& state) {
     arena.filled_for[2] = state.range(2);
   }
   const simd::Kernels& k = kernels();
-  std::vector<float> x(K);
-  std::mt19937 rng(3);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  for (float& v : x) v = dist(rng);
+  bench::MatvecInput input(K);
   AlignedVector<float> y(N), x_rounded(K);
   AlignedVector<uint16_t> x_bf16(K);
-  AlignedVector<int8_t> codes(K);
-  AlignedVector<float> scales(K / simd::kQuantBlock);
-  AlignedVector<int32_t> sums(K / simd::kQuantBlock);
   const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
   const std::size_t row_bytes = bytes / N;
   std::size_t copy = 0;
@@ -180,15 +171,14 @@ void BM_matvec(benchmark::State& state) {
     const std::byte* w = arena.data() + copy * bytes;
     copy = copy + 1 == copies ? 0 : copy + 1;
     if (f == bf16) {
-      k.encode(x.data(), x_bf16.data(), K, simd::Dtype::bf16);
+      k.encode(input.x.data(), x_bf16.data(), K, simd::Dtype::bf16);
       k.decode(x_bf16.data(), x_rounded.data(), K, simd::Dtype::bf16);
       const auto* wb = reinterpret_cast<const uint16_t*>(w);
       pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
         k.matvec_bf16(wb + first * K, last - first, K, x_rounded.data(), 1, y.data() + first, N);
       });
     } else {
-      simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
-      const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
+      const simd::QuantizedVectors xq = input.quantize();
       pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
         k.matvec_quant(bf, w + first * row_bytes, last - first, K, xq, 1, y.data() + first, N);
       });
@@ -213,7 +203,11 @@ void shapes(benchmark::internal::Benchmark* b) {
   // The output projection (vocabulary 128256): 1.05 GB in bf16, more than the arena holds.
   for (int f : {q8_0, q4_0}) b->Args({f, 4096, 128256});
 }
-BENCHMARK(BM_matvec)->Name("matvec/threads:2")->Apply(shapes)->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_matvec)
+    ->Name("matvec/threads:2")
+    ->Apply(shapes)
+    ->UseRealTime()
+    ->Unit(benchmark::kMicrosecond);
 
 // The kernels' compute ceiling: one thread, one 4096 x 64 matrix read over and over from L2
 // (bf16 512 KB, Q8_0 279 KB, Q4_0 147 KB), no input preparation. Args: format.
@@ -244,7 +238,13 @@ void BM_matvec_l2(benchmark::State& state) {
       static_cast<double>(bytes) * state.iterations() / 1e9, benchmark::Counter::kIsRate);
   state.SetLabel(simd::level_name(k.level));
 }
-BENCHMARK(BM_matvec_l2)->Name("matvec_l2/threads:1")->ArgName("fmt")->Arg(bf16)->Arg(q8_0)->Arg(q4_0)->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_matvec_l2)
+    ->Name("matvec_l2/threads:1")
+    ->ArgName("fmt")
+    ->Arg(bf16)
+    ->Arg(q8_0)
+    ->Arg(q4_0)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 

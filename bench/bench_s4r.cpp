@@ -44,7 +44,6 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int kThreads = 2;
 constexpr double kBudget = 0.1;
-constexpr uint32_t kNeedles = 3;  // stored keys each query looks for
 
 double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -85,18 +84,7 @@ std::string fill(uint64_t context, Pair& p) {
   // Each query head looks for a few stored (rotated) keys of its KV head, plus noise.
   Random random(kSeed + 1);
   p.q.assign(std::size_t{H} * G * d, 0.0f);
-  std::vector<float> needle(d);
-  for (uint32_t h = 0; h < H; ++h)
-    for (uint32_t g = 0; g < G; ++g) {
-      float* q = p.q.data() + (std::size_t{h} * G + g) * d;
-      for (uint32_t j = 0; j < kNeedles; ++j) {
-        const auto at = std::min<uint64_t>(
-            static_cast<uint64_t>((random.uniform() + 1.0f) * 0.5f * context), context - 1);
-        kvsift_read_tokens(p.dense.get(), p.dense_seq, 0, h, at, 1, needle.data(), nullptr);
-        for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * needle[c];
-      }
-      for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * random.uniform();
-    }
+  add_needle_queries(p.dense.get(), p.dense_seq, shape, context, random, p.q.data());
   p.out.resize(p.q.size());
   return "";
 }
@@ -163,8 +151,7 @@ struct ProductCase {
   uint32_t rank;
   kvsift::select::s4r::Basis basis;
   explicit ProductCase(double compression)
-      : rank(kvsift::select::s4r::solve_rank(dim, 32768, 0, kLlama8b.group_size, 32,
-                                              compression)) {
+      : rank(kvsift::select::s4r::solve_rank(dim, 32768, 0, kLlama8b.group_size, 32, compression)) {
     basis.dim = dim;
     basis.rank = rank;
     basis.columns.resize(std::size_t{dim} * rank);
@@ -202,8 +189,8 @@ void BM_s4r_reconstruct(benchmark::State& state, double compression) {
   runtime.kernels().encode(floats.data(), coeffs.data(), floats.size(), kvsift::simd::Dtype::bf16);
   std::vector<uint32_t> ids(kChosen);
   for (uint32_t i = 0; i < kChosen; ++i) ids[i] = static_cast<uint32_t>(i * 10 % kTokens);
-  std::vector<float> out(std::size_t{kChosen} * c.dim), workspace(
-                                                           s4r::reconstruct_workspace_floats(c.basis));
+  std::vector<float> out(std::size_t{kChosen} * c.dim),
+      workspace(s4r::reconstruct_workspace_floats(c.basis));
   kvsift::ThreadPool pool(kThreads);
   for (auto _ : state)
     s4r::reconstruct(coeffs.data(), kvsift::simd::Dtype::bf16, c.basis, ids.data(), kChosen,

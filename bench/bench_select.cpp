@@ -44,7 +44,6 @@ constexpr uint32_t kBatches[] = {1, 8};
 constexpr int kThreads = 2;
 constexpr double kBudget = 0.02;
 constexpr uint64_t kMaxKvBytes = uint64_t{8} << 30;  // 24 GiB box: drops 512K at batch 8
-constexpr uint32_t kNeedles = 3;                     // tokens each query looks for
 
 struct Case {
   kvsift_selector selector;
@@ -90,19 +89,8 @@ std::string fill(uint64_t context, uint32_t batch) {
       if (kvsift_append(cache.get(), id, 0, n, k.data(), v.data()) != KVSIFT_STATUS_OK)
         return kvsift_last_error();
     }
-    // Each query head looks for kNeedles stored keys (its group's KV head), plus noise.
-    std::vector<float> needle(d);
-    for (uint32_t h = 0; h < H; ++h)
-      for (uint32_t g = 0; g < G; ++g) {
-        float* q = f.q.data() + ((std::size_t{b} * H + h) * G + g) * d;
-        for (uint32_t j = 0; j < kNeedles; ++j) {
-          const auto pos = static_cast<uint64_t>((random.uniform() + 1.0f) * 0.5f * context);
-          const uint64_t at = std::min(pos, context - 1);
-          kvsift_read_tokens(cache.get(), id, 0, h, at, 1, needle.data(), nullptr);
-          for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * needle[c];
-        }
-        for (uint32_t c = 0; c < d; ++c) q[c] += 0.3f * random.uniform();
-      }
+    add_needle_queries(cache.get(), id, shape, context, random,
+                       f.q.data() + std::size_t{b} * H * G * d);
   }
   f.out.resize(f.q.size());
   f.context = context;

@@ -74,4 +74,27 @@ class KeyMaker {
   std::vector<double> inv_freq_;  // [d / 2]: theta^(-2i/d)
 };
 
+inline constexpr uint32_t kNeedles = 3;  // stored tokens each query looks for
+
+// Queries that attend to a few needle tokens, so that a selector has pages worth finding: each
+// query head of one sequence adds 0.3 times kNeedles stored keys of its KV head (read back from
+// layer 0 of the cache, positions drawn from `random` over the context), plus noise.
+//   q: [n_kv_heads * group_size, head_dim], added to.
+inline void add_needle_queries(kvsift_cache* cache, int32_t seq_id, const Shape& shape,
+                               uint64_t context, Random& random, float* q) {
+  const uint32_t d = shape.head_dim;
+  std::vector<float> needle(d);
+  for (uint32_t h = 0; h < shape.n_kv_heads; ++h)
+    for (uint32_t g = 0; g < shape.group_size; ++g) {
+      float* row = q + (std::size_t{h} * shape.group_size + g) * d;
+      for (uint32_t j = 0; j < kNeedles; ++j) {
+        const auto pos = static_cast<uint64_t>((random.uniform() + 1.0f) * 0.5f * context);
+        const uint64_t at = pos < context ? pos : context - 1;
+        kvsift_read_tokens(cache, seq_id, 0, h, at, 1, needle.data(), nullptr);
+        for (uint32_t c = 0; c < d; ++c) row[c] += 0.3f * needle[c];
+      }
+      for (uint32_t c = 0; c < d; ++c) row[c] += 0.3f * random.uniform();
+    }
+}
+
 }  // namespace kvsift::bench
