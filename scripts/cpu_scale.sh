@@ -8,7 +8,8 @@
 # take hours); every decode step is the whole model's.
 #
 # Memory: the KV cache of one 8B sequence takes 128 KiB a token in f16 (32 layers, 8 KV heads,
-# 128 channels, K and V): 4.3 GB at 32K, 17.2 GB at 128K, beside 4.5 GB of Q4_0 weights.
+# 128 channels, K and V: 17.2 GB at 128K) and 66 KiB in q8 (int8 codes and a float32 scale per
+# row, simd/page_layout.hpp: 8.9 GB at 128K), beside 4.5 GB of Q4_0 weights.
 #
 # Environment:
 #   MODEL_DIR  where the GGUF is written (default /tmp); reused when it exists
@@ -17,7 +18,7 @@
 #   SELECTORS  default dense,locks,louver       BUDGETS  default 0.02,0.05
 #   STEPS      timed steps per row (default 16)  WARMUP   untimed steps first (default 2)
 #   WEIGHTS    bf16, f32 or quantized (default quantized: the file's Q4_0 blocks)
-#   KV_DTYPE   f16 or bf16 (default f16)         THREADS  0: every CPU (default)
+#   KV_DTYPE   f16, bf16 or q8 (default q8)      THREADS  0: every CPU (default)
 #   PYTHON     a Python with the gguf pin (default .venv/bin/python, which `make` builds)
 #   BUILD      the build folder with bench/kvsift-bench-decode (default build)
 #   OUT_DIR    default docs/results/cpu-scale
@@ -32,7 +33,7 @@ budgets=${BUDGETS:-0.02,0.05}
 steps=${STEPS:-16}
 warmup=${WARMUP:-2}
 weights=${WEIGHTS:-quantized}
-kv_dtype=${KV_DTYPE:-f16}
+kv_dtype=${KV_DTYPE:-q8}
 threads=${THREADS:-0}
 python=${PYTHON:-.venv/bin/python}
 build=${BUILD:-build}
