@@ -107,7 +107,9 @@ struct Config {
 
 std::string describe(const Config& c) {
   return "G=" + std::to_string(c.group) + " d=" + std::to_string(c.head_dim) +
-         (c.dtype == simd::Dtype::bf16 ? " bf16" : c.dtype == simd::Dtype::q8 ? " q8" : " f16");
+         (c.dtype == simd::Dtype::bf16 ? " bf16"
+          : c.dtype == simd::Dtype::q8 ? " q8"
+                                       : " f16");
 }
 
 // A cache of H = 2 KV heads holding one sequence per context, one layer.

@@ -64,8 +64,8 @@ class LocksDevice {
   std::vector<uint8_t> upload_marked_;
   std::size_t n_upload_ = 0;
   std::vector<gpu::LocksPair> pairs_;
-  std::vector<uint16_t> open_keys_;  // q8 only: [max_pairs, page_tokens, head_dim]
-  std::vector<float> open_rows_;     // q8 only: [page_tokens, head_dim]
+  std::vector<uint16_t> open_keys_;    // q8 only: [max_pairs, page_tokens, head_dim]
+  std::vector<float> open_rows_;       // q8 only: [page_tokens, head_dim]
   std::vector<uint64_t> table_names_;  // per sequence id: table_name()'s, 0 until named
   uint64_t next_table_name_ = 1;
   uint64_t fallbacks_ = 0;
