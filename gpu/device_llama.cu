@@ -174,6 +174,59 @@ __global__ void __launch_bounds__(kRowThreads)
   for (uint32_t c = threadIdx.x; c < kv_dim; c += kRowThreads) v_out[c] = to_kv<kBf16>(v[c]);
 }
 
+// One head's row under the q8 rule of simd/page_rows.cpp (quantize_q8_row), held by a warp, each
+// lane kValues of its values: every value becomes scale * code rounded once to fp32, the value
+// load_rows reads back from the host cache (scale = max|x| / 127, code = x / scale to nearest
+// even, clamped to +-127; the integer code makes a zero +0, as the cache's int8 does).
+template <uint32_t kValues>
+__device__ __forceinline__ void q8_round_row(float (&x)[kValues]) {
+  float absmax = 0.0f;
+  for (uint32_t e = 0; e < kValues; ++e) absmax = fmaxf(absmax, fabsf(x[e]));
+  for (int offset = 16; offset > 0; offset /= 2)
+    absmax = fmaxf(absmax, __shfl_xor_sync(0xffffffffu, absmax, offset));
+  const float scale = __fdiv_rn(absmax, 127.0f);
+  for (uint32_t e = 0; e < kValues; ++e) {
+    const int code = scale > 0.0f ? min(max(__float2int_rn(__fdiv_rn(x[e], scale)), -127), 127) : 0;
+    x[e] = __fmul_rn(scale, __int2float_rn(code));
+  }
+}
+
+// store_kv_kernel for a q8 cache, one warp per (chunk row r, KV head): the key rotated to position
+// pos0 + r, key and value rounded as the cache stores them (q8_round_row), then to the fp16
+// scratch, which holds them to within 2^-11 (relative) of the values the CPU's prefill attention
+// reads from the cache (lib/model/prefill_attention.cpp).
+template <uint32_t kHeadDim>
+__global__ void __launch_bounds__(32)
+    store_kv_q8_kernel(const float* __restrict__ qkv, uint32_t qkv_stride, uint32_t q_dim,
+                       uint32_t kv_dim, uint64_t pos0, const float* __restrict__ cos_table,
+                       const float* __restrict__ sin_table, uint16_t* __restrict__ k_scratch,
+                       uint16_t* __restrict__ v_scratch) {
+  constexpr uint32_t kPairs = kHeadDim / 64;  // adjacent (2i, 2i + 1) pairs per lane
+  const uint64_t pos = pos0 + blockIdx.x;
+  const std::size_t head = std::size_t{blockIdx.y} * kHeadDim;
+  const float* k = qkv + static_cast<std::size_t>(blockIdx.x) * qkv_stride + q_dim + head;
+  const float* v = k + kv_dim;
+  const std::size_t table_row = pos * (kHeadDim / 2);
+  float kx[2 * kPairs], vx[2 * kPairs];
+  for (uint32_t j = 0; j < kPairs; ++j) {
+    const uint32_t i = threadIdx.x + 32 * j;
+    float a = k[2 * i], b = k[2 * i + 1];
+    rotate_pair(a, b, cos_table[table_row + i], sin_table[table_row + i]);
+    kx[2 * j] = a, kx[2 * j + 1] = b;
+    vx[2 * j] = v[2 * i], vx[2 * j + 1] = v[2 * i + 1];
+  }
+  q8_round_row(kx);
+  q8_round_row(vx);
+  uint16_t* k_out = k_scratch + pos * kv_dim + head;
+  uint16_t* v_out = v_scratch + pos * kv_dim + head;
+  for (uint32_t j = 0; j < kPairs; ++j)
+    for (uint32_t e = 0; e < 2; ++e) {
+      const uint32_t c = 2 * (threadIdx.x + 32 * j) + e;
+      k_out[c] = to_kv<false>(kx[2 * j + e]);
+      v_out[c] = to_kv<false>(vx[2 * j + e]);
+    }
+}
+
 // n values fp32 -> the cache's dtype (a restored prefix: already rotated).
 template <bool kBf16>
 __global__ void __launch_bounds__(kFlatThreads)
@@ -691,8 +744,9 @@ Result check_shape(const LlamaShape& s) {
   if (s.max_prefill_tokens > s.max_positions)
     return refuse("max_prefill_tokens=" + std::to_string(s.max_prefill_tokens) +
                   " exceeds max_positions=" + std::to_string(s.max_positions));
-  if (s.kv_dtype != simd::Dtype::f16 && s.kv_dtype != simd::Dtype::bf16)
-    return refuse("kv_dtype is neither f16 nor bf16");
+  if (s.kv_dtype != simd::Dtype::f16 && s.kv_dtype != simd::Dtype::bf16 &&
+      s.kv_dtype != simd::Dtype::q8)
+    return refuse("kv_dtype is not f16, bf16 or q8");
   return Result{};
 }
 
@@ -872,17 +926,22 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
   const uint32_t qdim = shape_.q_dim(), kvdim = shape_.kv_dim(), stride = qdim + 2 * kvdim;
   const uint32_t group = shape_.n_heads / shape_.n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
-  const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;
+  const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;  // else fp16, a q8 cache's too
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
-    if (bf16)
+    if (shape_.kv_dtype == simd::Dtype::q8) {
+      const auto store = shape_.head_dim == 64 ? store_kv_q8_kernel<64> : store_kv_q8_kernel<128>;
+      store<<<dim3(rows, shape_.n_kv_heads), 32, 0, d.stream.get()>>>(
+          d.qkv, stride, qdim, kvdim, pos0, d.cos_table, d.sin_table, L.k_scratch, L.v_scratch);
+    } else if (bf16) {
       store_kv_kernel<true><<<rows, kRowThreads, 0, d.stream.get()>>>(
           d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0, d.cos_table, d.sin_table, L.k_scratch,
           L.v_scratch);
-    else
+    } else {
       store_kv_kernel<false><<<rows, kRowThreads, 0, d.stream.get()>>>(
           d.qkv, stride, qdim, kvdim, shape_.head_dim, pos0, d.cos_table, d.sin_table, L.k_scratch,
           L.v_scratch);
+    }
     KVSIFT_TRY(launched("store_kv"));
     const dim3 grid(rows, shape_.n_heads);
     auto launch =
@@ -920,7 +979,7 @@ Result DeviceLlama::load_prefix(uint32_t layer, uint64_t first, const float* k_p
   Device& d = *device_;
   const Device::Layer& L = d.layers[layer];
   const uint32_t kvdim = shape_.kv_dim();
-  const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;
+  const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;  // else fp16, a q8 cache's too
   // Through the prefix staging, max_rows positions at a time: a cold path (a prefill that
   // continues an older sequence), so simplicity over overlap.
   const Result r = [&]() -> Result {

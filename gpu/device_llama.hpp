@@ -38,7 +38,9 @@
 // lib/cache/rope.cpp (angles in float64, rounded once) and no fused multiply-add, so q matches the
 // CPU's bit for bit given the same input; SwiGLU = silu(gate) * up in fp32. The prefill scratch
 // stores post-RoPE keys and values rounded to the host cache's dtype, as the cache stores them,
-// so the device prefill attention reads the values the CPU's prefill attention reads.
+// so the device prefill attention reads the values the CPU's prefill attention reads; for a q8
+// cache, the cache's dequantized values (simd/page_rows.hpp's rule, per KV head and row) held in
+// fp16, within 2^-11 (relative) of them (and within fp16's range, as an fp16 cache is).
 //
 // Data layouts (row-major throughout; q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim):
 // - weights [out, in] bf16 (the raw uint16_t bits), rows in the order the header lists;
@@ -46,7 +48,7 @@
 //   head h / (n_heads / n_kv_heads) (GQA);
 // - k_host, v_host: [rows, kv_dim] fp32, KV head h at h * head_dim;
 // - the prefill scratch: per layer [max_prefill_tokens, kv_dim] K then the same for V, position
-//   p at row p, in kv_dtype.
+//   p at row p, in kv_dtype (fp16 for q8).
 //
 // Threading and streams: one non-blocking stream owns all the work, in issue order. The calls that
 // hand data to the host (attention_inputs, logits, read_hidden, read_attention) wait for the
@@ -84,7 +86,7 @@ struct LlamaShape {
   // K/V positions the prefill scratch holds for one sequence, 0..max_positions; 0: no device
   // prefill attention (prefill_attention and load_prefix are refused).
   uint32_t max_prefill_tokens = 0;
-  simd::Dtype kv_dtype = simd::Dtype::f16;  // the host cache's storage dtype
+  simd::Dtype kv_dtype = simd::Dtype::f16;  // the host cache's storage dtype: f16, bf16 or q8
   // finish_layer(l, true) replays CUDA graphs (see the top of this file); false: never.
   bool decode_graphs = true;
 
@@ -185,9 +187,9 @@ class DeviceLlama {
   // Restores scratch positions [first, first + n) of a layer from the host cache, when a prefill
   // continues a sequence whose positions the scratch lacks (another sequence was prefilled since,
   // or it decoded since). k_post_rope, v: host, [n, kv_dim] fp32, keys after RoPE (what the host
-  // cache stores); copied before the call returns. Requires first <= prefill_held(layer) and
-  // first + n <= max_prefill_tokens; afterwards prefill_held(layer) == first + n. Allowed between
-  // passes and inside one (it does not disturb the layer in flight).
+  // cache stores, a q8 cache's dequantized); copied before the call returns. Requires first <=
+  // prefill_held(layer) and first + n <= max_prefill_tokens; afterwards prefill_held(layer) ==
+  // first + n. Allowed between passes and inside one (it does not disturb the layer in flight).
   Result load_prefix(uint32_t layer, uint64_t first, const float* k_post_rope, const float* v,
                      uint64_t n);
   // Forgets every layer's scratch positions (before prefilling another sequence from 0).

@@ -107,7 +107,9 @@ struct Config {
 
 std::string describe(const Config& c) {
   return "G=" + std::to_string(c.group) + " d=" + std::to_string(c.head_dim) +
-         (c.dtype == simd::Dtype::bf16 ? " bf16" : " f16");
+         (c.dtype == simd::Dtype::bf16 ? " bf16"
+          : c.dtype == simd::Dtype::q8 ? " q8"
+                                       : " f16");
 }
 
 // A cache of H = 2 KV heads holding one sequence per context, one layer.
@@ -255,6 +257,17 @@ const std::vector<Config>& configs() {
       {1, 64, simd::Dtype::f16, {999, 4096, 20000}},
       {4, 64, simd::Dtype::bf16, {1000, 6000, 20000}},
   };
+  return all;
+}
+
+// The selectors' configurations: configs() and a q8 cache, whose records both sides build from
+// the dequantized keys and whose open pages the device reads in fp16 (lib/select/locks_device.hpp).
+const std::vector<Config>& selector_configs() {
+  static const std::vector<Config> all = [] {
+    std::vector<Config> c = configs();
+    c.push_back({4, 128, simd::Dtype::q8, {1000, 7001, 20000}});
+    return c;
+  }();
   return all;
 }
 
@@ -602,7 +615,7 @@ TEST(LocksScorer, keeps_named_tables_and_takes_only_their_new_entries) {
 // prepare()) and a freed sequence whose slots are reused.
 TEST(LocksSelectorDevice, chooses_the_cpu_s_pages_but_at_near_ties) {
   KVSIFT_SKIP_WITHOUT_DEVICE();
-  for (const Config& c : configs()) {
+  for (const Config& c : selector_configs()) {
     Fixture f(c, 40, 29);
     const uint32_t n_seqs = static_cast<uint32_t>(f.seqs.size());
     for (select::GqaCombine combine :

@@ -377,9 +377,10 @@ TEST_F(ModelTest, the_dense_policy_is_accepted_and_a_budget_for_it_is_refused) {
 // Offload mode (skips without a usable device). Sequence a is prefilled in two parts with decode
 // steps and another sequence's prefill between them, so its second part's device prefill attention
 // reads positions the device scratch must reload from the host cache (the device forward pass's
-// prefill_begin); a's logits then match the CPU runner's within the modes' bf16 differences.
-TEST_F(ModelTest, a_device_prefill_after_decode_and_another_prefill_matches_the_cpu) {
-  KVSIFT_SKIP_WITHOUT_DEVICE();
+// prefill_begin); a's logits then match the CPU runner's within the modes' bf16 differences, over
+// an fp16 and over a q8 KV cache (whose values the device's prefill scratch holds in fp16, within
+// 2^-11 of them: far below those differences, so the same bound).
+void expect_device_prefill_matches_the_cpu(kvsift_dtype kv_dtype) {
   std::vector<float> logits[2];
   std::vector<int32_t> ids;
   for (int device : {-1, 0}) {
@@ -388,6 +389,7 @@ TEST_F(ModelTest, a_device_prefill_after_decode_and_another_prefill_matches_the_
     params.n_ctx = 512;
     params.prefill_chunk = 16;
     params.device = device;
+    params.kv_dtype = kv_dtype;
     kvsift_model* raw = nullptr;
     ASSERT_EQ(kvsift_model_load(model_path(), &params, &raw), KVSIFT_STATUS_OK)
         << kvsift_last_error();
@@ -418,6 +420,16 @@ TEST_F(ModelTest, a_device_prefill_after_decode_and_another_prefill_matches_the_
             5e-2);
   EXPECT_EQ(std::max_element(logits[0].begin(), logits[0].end()) - logits[0].begin(),
             std::max_element(logits[1].begin(), logits[1].end()) - logits[1].begin());
+}
+
+TEST_F(ModelTest, a_device_prefill_after_decode_and_another_prefill_matches_the_cpu) {
+  KVSIFT_SKIP_WITHOUT_DEVICE();
+  expect_device_prefill_matches_the_cpu(KVSIFT_DTYPE_F16);
+}
+
+TEST_F(ModelTest, a_device_prefill_over_a_q8_cache_matches_the_cpu) {
+  KVSIFT_SKIP_WITHOUT_DEVICE();
+  expect_device_prefill_matches_the_cpu(KVSIFT_DTYPE_Q8);
 }
 
 namespace {

@@ -246,6 +246,8 @@ INSTANTIATE_TEST_SUITE_P(
         // Evictions: the cache holds 4/3 of a step's pages; a sequence replaced midway.
         Case{"locks_bf16_b2", Kind::locks, simd::Dtype::bf16, 2, 2, 4, 4096, 2, 6, 16, 4},
         Case{"oracle_f16_b3", Kind::oracle, simd::Dtype::f16, 1, 2, 2, 2048, 3, 5, 8, 0},
+        // A q8 cache (the offload model's decode attention over one: tests/test_model.cpp).
+        Case{"locks_q8_b2", Kind::locks, simd::Dtype::q8, 2, 2, 4, 2048, 2, 4, 16, 3},
         // One Llama-3.1-8B layer (8 KV heads, G = 4, d = 128) at 32K, LOCKS at 5%.
         Case{"locks_llama_32k", Kind::locks, simd::Dtype::bf16, 1, 8, 4, 32768, 1, 8, 128, 0}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });

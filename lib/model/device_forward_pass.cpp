@@ -24,10 +24,6 @@ DeviceForwardPass::DeviceForwardPass(LlamaWeights weights, const LlamaConfig& co
           "the offload mode (device >= 0) runs bf16 weights; weight_type f32 is CPU only");
   require(!weights_.any_quantized(),
           "the offload mode (device >= 0) runs bf16 weights; quantized weights are CPU only");
-  // The device model's prefill scratch and its copy of the cache hold 16-bit K/V.
-  if (kv_dtype == simd::Dtype::q8)
-    fail(Status::unsupported,
-         "the offload mode (device >= 0) keeps K/V in fp16 or bf16; kv_dtype q8 is CPU only");
   x_.resize(std::size_t{max_rows} * config.n_embd);
   gpu::LlamaShape shape;
   shape.n_layers = config.n_layers;
@@ -85,7 +81,9 @@ void DeviceForwardPass::prefill_begin(int32_t seq_id, uint64_t pos0) {
   for (uint32_t l = 0; l < config_.n_layers; ++l) {
     const uint64_t held = std::min(device_.prefill_held(l), pos0);
     if (held == pos0) continue;
-    // Positions appended since (decode steps) or never held (another sequence's prefill since).
+    // Positions appended since (decode steps) or never held (another sequence's prefill since),
+    // as the cache reads them back (a q8 cache's rows dequantized; the device rounds them to its
+    // scratch's dtype).
     const uint64_t n = pos0 - held;
     k.resize(n * kvdim);
     v.resize(n * kvdim);

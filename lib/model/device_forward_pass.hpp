@@ -23,9 +23,9 @@ namespace kvsift::model {
 class DeviceForwardPass final : public ForwardPass {
  public:
   // Copies the weights (bf16) to `device` for passes of up to max_rows tokens at positions below
-  // n_ctx, whose prefill scratch stores K/V in kv_dtype; `cache` (borrowed: it must outlive the
-  // pass) is where the scratch is reloaded from. Throws Error: invalid_argument (f32 weights),
-  // unsupported (no usable device), internal (a device failure).
+  // n_ctx, whose prefill scratch stores K/V as kv_dtype rounds them (gpu/device_llama.hpp); `cache`
+  // (borrowed: it must outlive the pass) is where the scratch is reloaded from. Throws Error:
+  // invalid_argument (f32 weights), unsupported (no usable device), internal (a device failure).
   DeviceForwardPass(LlamaWeights weights, const LlamaConfig& config, const KvCache& cache,
                     int device, uint32_t max_rows, uint32_t n_ctx, simd::Dtype kv_dtype);
 

@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "lib/core/error.hpp"
+#include "simd/page_rows.hpp"
 
 namespace kvsift::select {
 
@@ -14,23 +15,20 @@ static_assert(static_cast<int>(gpu::LocksCombine::share_avg) ==
               static_cast<int>(gpu::LocksCombine::max) == static_cast<int>(GqaCombine::max));
 
 LocksDevice::LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batch,
-                         uint64_t max_pages, uint32_t rank, GqaCombine combine, float scale)
-    : cache_(cache), policy_(policy) {
+                         uint64_t max_pages, uint32_t rank, GqaCombine combine, float scale,
+                         const simd::Kernels& kernels)
+    : cache_(cache), policy_(policy), kernels_(kernels) {
   require(policy.kind != Kind::locks_certified,
           "policy.device: certified LOCKS selection runs on the CPU only");
   require(policy.locks.int8_query, "policy.device: the device scores int8 queries only");
   const CacheGeometry& g = cache.geometry();
-  // The device scorer copies the open page's stored keys as they are, in a 16-bit dtype.
-  if (g.dtype == simd::Dtype::q8)
-    fail(Status::unsupported,
-         "policy.device: LOCKS scoring on the device needs an fp16 or bf16 "
-         "cache; a q8 cache is scored on the CPU (policy.device = -1)");
   gpu::LocksScorerShape shape;
   shape.head_dim = g.head_dim;
   shape.page_tokens = g.page_tokens;
   shape.rank = rank;
   shape.group = g.group_size;
-  shape.dtype = g.dtype;
+  // The open pages' keys travel in a 16-bit dtype: a q8 cache's as fp16 (see open_keys()).
+  shape.dtype = g.row_dtype();
   shape.combine = static_cast<gpu::LocksCombine>(combine);
   shape.scale = scale;
   const uint64_t slots = cache.pool().capacity();
@@ -49,6 +47,22 @@ LocksDevice::LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batc
   upload_slots_.resize(slots);
   upload_marked_.assign(slots, 0);
   pairs_.resize(shape.max_pairs);
+  if (g.dtype == simd::Dtype::q8) {
+    open_keys_.resize(std::size_t{shape.max_pairs} * g.page_elems());
+    open_rows_.resize(g.page_elems());
+  }
+}
+
+const uint16_t* LocksDevice::open_keys(uint32_t i, uint32_t slot, uint32_t open) noexcept {
+  const CacheGeometry& g = cache_.geometry();
+  const std::byte* page = cache_.pool().slot(slot);
+  if (g.dtype != simd::Dtype::q8) return g.layout().key(page);
+  // fp16 holds a dequantized q8 value to within 2^-11 of itself; the open page feeds only the
+  // kept-mass estimate.
+  uint16_t* out = open_keys_.data() + std::size_t{i} * g.page_elems();
+  simd::load_rows(kernels_, g.layout(), page, simd::SlotPart::key, 0, open, open_rows_.data());
+  kernels_.encode(open_rows_.data(), out, std::size_t{open} * g.head_dim, g.row_dtype());
+  return out;
 }
 
 void LocksDevice::summaries_built(const uint32_t* slots, std::size_t n) noexcept {
@@ -111,7 +125,8 @@ bool LocksDevice::select(const SelectCall& call, const std::byte* records,
     pair.tokens = cache_.length_unchecked(seq, call.layer);
     pair.budget_tokens = policy_.budget_tokens(pair.tokens);
     const uint64_t sealed = pair.tokens / B, open = pair.tokens % B;
-    pair.open_keys = open == 0 ? nullptr : g.layout().key(cache_.pool().slot(pair.table[sealed]));
+    pair.open_keys =
+        open == 0 ? nullptr : open_keys(i, pair.table[sealed], static_cast<uint32_t>(open));
     // What the CPU path reports: the summaries and the open page's keys of the scored pairs.
     if (!gpu::locks_pair_plan(scorer_.shape(), pair.tokens, pair.budget_tokens).whole)
       bytes += sealed * summary_bytes + open * g.layout().key_bytes();

@@ -23,8 +23,9 @@ class LocksDevice {
   // The scorer on policy.device for pages of `rank`, combined by `combine`. Throws Error
   // (unsupported without CUDA or the device, invalid_argument for a policy the device does not
   // serve).
+  // kernels: the handle's, which dequantize a q8 cache's open pages.
   LocksDevice(const Policy& policy, KvCache& cache, uint32_t max_batch, uint64_t max_pages,
-              uint32_t rank, GqaCombine combine, float scale);
+              uint32_t rank, GqaCombine combine, float scale, const simd::Kernels& kernels);
 
   // Marks slots whose records were (re)built: the next upload sends them.
   void summaries_built(const uint32_t* slots, std::size_t n) noexcept;
@@ -49,14 +50,22 @@ class LocksDevice {
   // (unnamed: sent whole) for an id prepare() did not see.
   uint64_t table_name(int32_t seq) noexcept;
 
+  // The open page's keys of pair i for the scorer: the slot's own for a 16-bit cache; for a q8
+  // cache, its dequantized rows (simd/page_rows.hpp) in fp16 (CacheGeometry::row_dtype) in
+  // open_keys_ at i * page_tokens * head_dim, through open_rows_.
+  const uint16_t* open_keys(uint32_t i, uint32_t slot, uint32_t open) noexcept;
+
   KvCache& cache_;
   Policy policy_;
+  const simd::Kernels& kernels_;
   gpu::LocksScorer scorer_;
   // The slots summarised since the last upload (each listed once), the call's pairs.
   AlignedVector<uint32_t> upload_slots_;
   std::vector<uint8_t> upload_marked_;
   std::size_t n_upload_ = 0;
   std::vector<gpu::LocksPair> pairs_;
+  std::vector<uint16_t> open_keys_;    // q8 only: [max_pairs, page_tokens, head_dim]
+  std::vector<float> open_rows_;       // q8 only: [page_tokens, head_dim]
   std::vector<uint64_t> table_names_;  // per sequence id: table_name()'s, 0 until named
   uint64_t next_table_name_ = 1;
   uint64_t fallbacks_ = 0;

@@ -29,7 +29,7 @@ class LocksSelector final : public PageSelector {
     locks_check_shape(shape_);
     if (policy.device >= 0)
       device_ = std::make_unique<LocksDevice>(policy, cache, max_batch, max_pages, shape_.rank,
-                                              combine_mode(), scale_);
+                                              combine_mode(), scale_, kernels);
   }
 
   std::size_t summary_bytes_per_page() const noexcept override {
