@@ -21,10 +21,10 @@ constexpr CudaErrors from_cuda{"offload"};
 // once after a sequence was freed), so one page per CTA keeps the grid simple at no cost.
 __global__ void __launch_bounds__(kRefreshThreads)
     refresh_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool, const uint2* moves,
-                   uint32_t vec_shift) {
+                   uint32_t slot_vecs) {
   const uint2 m = moves[blockIdx.x];
-  const uint64_t src = uint64_t{m.x} << vec_shift, dst = uint64_t{m.y} << vec_shift;
-  for (uint32_t v = threadIdx.x; v < (1u << vec_shift); v += kRefreshThreads)
+  const uint64_t src = uint64_t{m.x} * slot_vecs, dst = uint64_t{m.y} * slot_vecs;
+  for (uint32_t v = threadIdx.x; v < slot_vecs; v += kRefreshThreads)
     pool[dst + v] = host[src + v];
 }
 
@@ -123,10 +123,10 @@ Result StepStream::copy_to_host(void* host_dst, const void* device_src,
 Result StepStream::refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
                                  const PageMove* moves, uint32_t n) noexcept {
   if (n == 0) return Result{};
-  const auto vec_shift = static_cast<uint32_t>(__builtin_ctzll(slot_bytes / 16));
+  const auto slot_vecs = static_cast<uint32_t>(slot_bytes / 16);
   refresh_kernel<<<n, kRefreshThreads, 0, device_->stream.get()>>>(
       static_cast<const uint4*>(host_pool), static_cast<uint4*>(device_pool),
-      reinterpret_cast<const uint2*>(moves), vec_shift);
+      reinterpret_cast<const uint2*>(moves), slot_vecs);
   return from_cuda.launched("page refresh launch");
 }
 

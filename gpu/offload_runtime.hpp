@@ -54,7 +54,7 @@ class StepStream {
   Result copy_to_device(void* device_dst, const void* host_src, std::size_t bytes) noexcept;
   Result copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) noexcept;
 
-  // Copies slot_bytes (a power of two, >= 16) from host_pool + moves[i].host_slot * slot_bytes to
+  // Copies slot_bytes (a multiple of 16) from host_pool + moves[i].host_slot * slot_bytes to
   // device_pool + moves[i].device_slot * slot_bytes for i < n, one CTA per page with 16-byte
   // loads. host_pool and moves are device views of mapped pinned memory (mapped_device_pointer):
   // the kernel reads them over PCIe, so the host must not change them until the stream passes.

@@ -1,8 +1,9 @@
 // The device half of DevicePageCache on CUDA, the backend's PagePool (gpu/backend.hpp;
 // gpu/page_transfer.hpp has the contract and the two paths).
 //
-// Both kernels move 16-byte vectors; slot_bytes is a power of two, so a vector's page and offset
-// are a shift and a mask. The mapped kernel reads host memory over PCIe: each CTA takes a
+// Both kernels move 16-byte vectors; a vector's page and offset are a quotient and a remainder by
+// the slot's vector count (slots are not powers of two: a q8 slot of simd/page_layout.hpp holds
+// its rows' scales after the codes). The division costs nothing next to PCIe. The mapped kernel reads host memory over PCIe: each CTA takes a
 // contiguous range of the step's vectors, first fetches its few (host, device) slot pairs from the
 // mapped move list into shared memory (one PCIe round trip), then streams its range with kUnroll
 // loads in flight per thread before their stores, so that a wave of CTAs keeps megabytes of reads
@@ -45,30 +46,29 @@ constexpr CudaErrors from_cuda{"page cache"};
 
 __global__ void __launch_bounds__(kThreads)
     gather_mapped_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool,
-                         const uint2* moves, uint32_t n_pages, uint32_t vec_shift,
+                         const uint2* moves, uint32_t n_pages, uint32_t slot_vecs,
                          uint64_t vecs_per_cta) {
   __shared__ uint2 s_moves[kMaxCtaPages];
-  const uint64_t total = uint64_t{n_pages} << vec_shift;
+  const uint64_t total = uint64_t{n_pages} * slot_vecs;
   const uint64_t begin = uint64_t{blockIdx.x} * vecs_per_cta;
   const uint64_t end = min(total, begin + vecs_per_cta);
-  const uint32_t first = static_cast<uint32_t>(begin >> vec_shift);
-  const uint32_t last = static_cast<uint32_t>((end - 1) >> vec_shift);
+  const uint32_t first = static_cast<uint32_t>(begin / slot_vecs);
+  const uint32_t last = static_cast<uint32_t>((end - 1) / slot_vecs);
   for (uint32_t p = first + threadIdx.x; p <= last; p += kThreads) s_moves[p - first] = moves[p];
   __syncthreads();
-  const uint64_t mask = (uint64_t{1} << vec_shift) - 1;
   for (uint64_t v0 = begin + threadIdx.x; v0 < end; v0 += kThreads * kUnroll) {
     uint4 r[kUnroll];
 #pragma unroll
     for (uint32_t u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * kThreads;
       if (v < end)
-        r[u] = host[(uint64_t{s_moves[(v >> vec_shift) - first].x} << vec_shift) | (v & mask)];
+        r[u] = host[uint64_t{s_moves[v / slot_vecs - first].x} * slot_vecs + v % slot_vecs];
     }
 #pragma unroll
     for (uint32_t u = 0; u < kUnroll; ++u) {
       const uint64_t v = v0 + u * kThreads;
       if (v < end)
-        pool[(uint64_t{s_moves[(v >> vec_shift) - first].y} << vec_shift) | (v & mask)] = r[u];
+        pool[uint64_t{s_moves[v / slot_vecs - first].y} * slot_vecs + v % slot_vecs] = r[u];
     }
   }
 }
@@ -76,13 +76,11 @@ __global__ void __launch_bounds__(kThreads)
 // One staging chunk on the device: n_pages pages, then their device slots (n_pages uint32).
 __global__ void __launch_bounds__(kThreads)
     scatter_kernel(const uint4* __restrict__ staging, uint4* __restrict__ pool, uint32_t n_pages,
-                   uint32_t vec_shift) {
-  const auto* slots = reinterpret_cast<const uint32_t*>(staging + (uint64_t{n_pages} << vec_shift));
-  const uint32_t total = n_pages << vec_shift;
-  const uint32_t mask = (1u << vec_shift) - 1;
+                   uint32_t slot_vecs) {
+  const auto* slots = reinterpret_cast<const uint32_t*>(staging + uint64_t{n_pages} * slot_vecs);
+  const uint32_t total = n_pages * slot_vecs;
   for (uint32_t v = blockIdx.x * kThreads + threadIdx.x; v < total; v += gridDim.x * kThreads)
-    pool[(uint64_t{__ldg(slots + (v >> vec_shift))} << vec_shift) | (v & mask)] =
-        __ldcs(staging + v);
+    pool[uint64_t{__ldg(slots + v / slot_vecs)} * slot_vecs + v % slot_vecs] = __ldcs(staging + v);
 }
 
 }  // namespace
@@ -111,7 +109,7 @@ class PagePool final : public backend::PagePool {
   PinnedBuffer<PageMove> moves_host_;  // pinned, mapped: the mapped kernel's list [capacity]
   const void* moves_device_ = nullptr;
   uint32_t multiprocessors_ = 0;
-  uint32_t vec_shift_ = 0;
+  uint32_t slot_vecs_ = 0;  // 16-byte vectors of a slot
   PageCacheConfig config_{};
 };
 
@@ -131,7 +129,7 @@ Result PagePool::init(const PageCacheConfig& config) {
       !r.ok)
     return r;
   multiprocessors_ = static_cast<uint32_t>(sms);
-  vec_shift_ = static_cast<uint32_t>(__builtin_ctzll(config.slot_bytes / 16));
+  slot_vecs_ = static_cast<uint32_t>(config.slot_bytes / 16);
 
   // Pinned (cudaHostAlloc, cudaHostRegister) memory reports its device view; pageable memory
   // reports none and takes the staged path only.
@@ -195,11 +193,11 @@ Result PagePool::move_staged(const PageMove* moves, std::size_t n, void* stream_
             "staged copy (cudaMemcpyAsync)");
         !r.ok)
       return r;
-    const uint32_t vecs = static_cast<uint32_t>(k) << vec_shift_;
+    const uint32_t vecs = static_cast<uint32_t>(k) * slot_vecs_;
     const uint32_t grid = std::min((vecs + kThreads - 1) / kThreads, multiprocessors_ * kCtasPerSm);
     scatter_kernel<<<grid, kThreads, 0, stream>>>(
         reinterpret_cast<const uint4*>(staging_device_[c].get()), static_cast<uint4*>(pool_.get()),
-        static_cast<uint32_t>(k), vec_shift_);
+        static_cast<uint32_t>(k), slot_vecs_);
     if (Result r = from_cuda.launched("scatter launch"); !r.ok) return r;
     if (Result r = from_cuda(cudaEventRecord(chunk_free_[c].get(), stream), "event"); !r.ok)
       return r;
@@ -215,8 +213,8 @@ Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_
     return r;
   std::memcpy(moves_host_.get(), moves, n * sizeof(PageMove));
   const auto n_pages = static_cast<uint32_t>(n);
-  const uint64_t total = uint64_t{n_pages} << vec_shift_;
-  const uint64_t slot_vecs = uint64_t{1} << vec_shift_;
+  const uint64_t total = uint64_t{n_pages} * slot_vecs_;
+  const uint64_t slot_vecs = slot_vecs_;
   // One wave of CTAs when there is enough work, at least a block's worth of vectors each, and
   // few enough pages per CTA that its pairs fit in shared memory (a range of r vectors touches at
   // most r / slot_vecs + 2 pages).
@@ -226,7 +224,7 @@ Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_
   const uint64_t grid = (total + per_cta - 1) / per_cta;
   gather_mapped_kernel<<<static_cast<uint32_t>(grid), kThreads, 0, stream>>>(
       static_cast<const uint4*>(host_pool_device_), static_cast<uint4*>(pool_.get()),
-      static_cast<const uint2*>(moves_device_), n_pages, vec_shift_, per_cta);
+      static_cast<const uint2*>(moves_device_), n_pages, slot_vecs_, per_cta);
   if (Result r = from_cuda.launched("mapped gather launch"); !r.ok) return r;
   return from_cuda(cudaEventRecord(moves_free_.get(), stream), "event");
 }

@@ -47,7 +47,7 @@ enum class TransferPath : uint8_t { automatic, staged, mapped };
 const char* transfer_path_name(TransferPath path) noexcept;
 
 struct PageCacheConfig {
-  std::size_t slot_bytes = 0;  // bytes of one page: a power of two, >= 16
+  std::size_t slot_bytes = 0;  // bytes of one page: a multiple of 16
   uint32_t capacity = 0;       // device slots, 1..2^31 - 1
   // Device slots after the cache's capacity that it allocates in the same pool but never manages:
   // the caller's per-step staging (token rows the offload step attends besides pages), so that

@@ -30,9 +30,9 @@ Result validate(const PageCacheConfig& c) {
   auto invalid = [](const std::string& message) {
     return Result::invalid("page cache: " + message);
   };
-  if (c.slot_bytes < 16 || c.slot_bytes > kMaxSlotBytes || (c.slot_bytes & (c.slot_bytes - 1)) != 0)
+  if (c.slot_bytes < 16 || c.slot_bytes > kMaxSlotBytes || c.slot_bytes % 16 != 0)
     return invalid("slot_bytes " + std::to_string(c.slot_bytes) +
-                   " is not a power of two in 16..1 MiB");
+                   " is not a multiple of 16 in 16..1 MiB");
   if (c.capacity == 0 || c.capacity >= (uint32_t{1} << 31))
     return invalid("capacity " + std::to_string(c.capacity) + " slots is outside 1..2^31 - 1");
   if (c.reserved_slots > (uint64_t{1} << 31) - c.capacity)

@@ -433,7 +433,12 @@ INSTANTIATE_TEST_SUITE_P(
                       TransferCase{gpu::TransferPath::mapped, 8192, gpu::EvictionPolicy::clock},
                       TransferCase{gpu::TransferPath::automatic, 8192, gpu::EvictionPolicy::clock},
                       TransferCase{gpu::TransferPath::staged, 16, gpu::EvictionPolicy::lru},
-                      TransferCase{gpu::TransferPath::mapped, 16, gpu::EvictionPolicy::clock}),
+                      TransferCase{gpu::TransferPath::mapped, 16, gpu::EvictionPolicy::clock},
+                      // A q8 slot (simd/page_layout.hpp: 2 * 16 * 128 codes + 8 * 16 scale
+                      // bytes) is no power of two; the 2176-byte one ends mid-CTA range.
+                      TransferCase{gpu::TransferPath::staged, 4224, gpu::EvictionPolicy::lru},
+                      TransferCase{gpu::TransferPath::mapped, 4224, gpu::EvictionPolicy::clock},
+                      TransferCase{gpu::TransferPath::mapped, 2176, gpu::EvictionPolicy::lru}),
     transfer_case_name);
 
 TEST_F(GpuTransferTest, staged_path_reads_a_pageable_pool_and_mapped_refuses_it) {
