@@ -903,6 +903,8 @@ TEST_F(GpuLlama, refuses_out_of_order_calls_and_bad_arguments) {
           "max_prefill_tokens");
   refused(llama.load_prefix(shape.n_layers, 0, kv.data(), kv.data(), 1), "n_layers");
   ASSERT_OK(llama.load_prefix(0, 0, kv.data(), kv.data(), shape.max_prefill_tokens - 2));
+  // A count whose sum with first wraps around 2^64 is still out of bounds.
+  refused(llama.load_prefix(0, 2, kv.data(), kv.data(), ~uint64_t{0} - 1), "max_prefill_tokens");
   std::vector<uint64_t> tail(4);
   std::iota(tail.begin(), tail.end(), uint64_t{shape.max_prefill_tokens - 2});
   ASSERT_OK(llama.embed(tokens.data(), 4));
