@@ -54,14 +54,19 @@
 // 16-bit dtype (fp16 for a q8 cache), and the normalizer sums the rounded P. Bound, against
 // float64 attention over the scratch's keys and values (w_j the exact softmax weights, o the
 // exact output, u the dtype's unit roundoff: 2^-11 fp16, 2^-8 bf16): every output channel c obeys
-//   |o'_c - o_c| <= (rho^2 - 1) * sum_j w_j |v_jc - o_c| + (fp32 sums: ~1e-5 sum_j w_j |v_jc|),
-//   rho = 2^eta (1 + u) (1 + 2^-22),  eta = (u + head_dim 2^-24) log2(e) / sqrt(head_dim) *
-//   max_j sum_i |q_i k_ji|,
-// first order 2 (u + eta ln 2) times the values' spread: the weights are the exact ones perturbed
-// by the rounded logits (eta) and the rounded P (u), and a convex combination moves by at most
-// that. Random roundings average out: the relative L2 error over unit-variance q, k, v is about
-// u / 2 (a float64 emulation of the kernel's roundings: 0.3u to 0.8u at head_dim 64 and 128,
-// 1 to 100 rows, 1 to 137 keys; the tests bound it by 2u), where an fp32 kernel gave 1e-6.
+//   |o'_c - o_c| <= (rho^2 - 1) sum_j w_j |v_jc - o_c| + (n + 4) 2^-22 sum_j w_j |v_jc|
+//                   + n 2^-24 max_j |v_jc|,
+//   rho = 2^eta (1 + u) (1 + 2^-22),  eta = (u + head_dim 2^-23) log2(e) / sqrt(head_dim)
+//                                           * max_j sum_i |q_i k_ji|,
+// n the row's visible keys. The first term, about 2 (u + eta ln 2) times the values' spread: each
+// weight is the exact one times a factor within [1 / rho, rho] (the rounded q moves a base-2 logit
+// by at most eta, the fp32 dot product's error included; P's rounding and ex2.approx by 1 + u and
+// 1 + 2^-22), so after normalization within [rho^-2, rho^2], and a convex combination moves by at
+// most that. The others: the fp32 sums of O and of the normalizer, and P flushed or subnormal in
+// fp16, as worst cases (random, they grow as sqrt(n)). Random roundings average out: the relative
+// L2 error over unit-variance q, k, v is about u / 2 (a float64 emulation of the kernel's
+// roundings: 0.3u to 0.8u at head_dim 64 and 128, 1 to 100 rows, 1 to 137 keys; the tests bound
+// it by 2u), where an fp32 kernel gave 1e-6.
 //
 // Data layouts (row-major throughout; q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim):
 // - weights [out, in] bf16 (the raw uint16_t bits), rows in the order the header lists;
