@@ -33,13 +33,14 @@
 
 namespace kvsift::gpu::backend {
 
-inline constexpr uint32_t kInterfaceVersion = 1;
+inline constexpr uint32_t kInterfaceVersion = 2;
 
 // gpu/sparse_attention.hpp states the contract of every call.
 class SparseDecodeAttention {
  public:
   virtual ~SparseDecodeAttention() = default;
-  virtual Result init(const AttentionShape& shape, uint32_t max_batch) = 0;
+  virtual Result init(const AttentionShape& shape, uint32_t max_batch,
+                      const AttendTuning& tuning) = 0;
   virtual Result validate(const PageAttendCall& call) const = 0;
   virtual Result validate(const TokenAttendCall& call) const = 0;
   virtual Result run(const PageAttendCall& call) noexcept = 0;
