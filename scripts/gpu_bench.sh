@@ -14,7 +14,8 @@
 # Environment (run mode):
 #   BENCH_CONTEXTS  tokens per sequence, default "32768 131072 524288 1048576"
 #   BENCH_BATCHES   sequences per step, default "1 8"
-#   BENCH_ARGS      more kvsift-bench-offload flags (--c-steps 32 --b-steps 3 --a-reps 20 ...)
+#   BENCH_ARGS      more kvsift-bench-offload flags (--c-steps 32 --b-steps 3 --a-reps 20
+#                   --a-tunings 0:2:1,8:2:1 --locks-device 0 ...)
 #   BENCH_TIMEOUT   seconds for kvsift-bench-offload (default 270); rows finish smallest first and
 #                   each is in the CSV as soon as it is done, so a cut run keeps its early rows
 #   SDPA_TIMEOUT    seconds for the torch baseline (default 75)
@@ -132,6 +133,8 @@ for r in ours:
     # show both against a plain copy).
     if T in (131072, 1048576):
         label = "1M" if T == 1048576 else f"{T // 1024}K"
+        v = ratio(g["a_us"], a_t)
+        goal(f"(a ours)/(a torch) <= 1.05 at {label}, B={B}", v, v is not None and v <= 1.05)
         share = ratio(g["b_gbps"], GATHERED_GBPS)
         goal(f"(b) >= 0.8 x gathered 40 GB/s, {label} B={B}", share,
              (share or 0) >= 0.8)
@@ -155,4 +158,10 @@ for n in notes:
 if not ours:
     print("no rows from kvsift-bench-offload (see offload.log)")
 PY
+# (a)'s sweep over the kernel's tuning (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per
+# row, one line per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us, spread and TB/s.
+echo
+echo "(a) kernel tuning sweep (pick the default from the fastest at 128K and 1M, batch 1 and 8):"
+grep -E '^\[.*\] (row context|  \(a\) (ours|sweep))' "$out/offload.log" |
+  tee -a "$out/table.txt" || true
 exit $status
