@@ -110,7 +110,8 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
     return invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
   const std::vector<PageMove>& misses = residency_.moves();
   if (n_extra > 0 && extra == nullptr) return invalid("extra moves are NULL");
-  if (misses.size() + n_extra > moves_.capacity())
+  // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu).
+  if (misses.size() + n_extra > capacity())
     return invalid(std::to_string(misses.size()) + " misses and " + std::to_string(n_extra) +
                    " extra moves are more than the cache's " + std::to_string(capacity()) +
                    " slots");
