@@ -9,7 +9,8 @@
 //       bytes, the ceiling of any dense offload;
 //   (c) kvsift offload: OffloadAttention::step with a 2% LOCKS selector over decode steps that
 //       append one token per sequence and drift the query, so the device cache sees hits and
-//       misses; select, transfer and attend timed by the step's own telemetry.
+//       misses; select, transfer and attend timed by the step's own telemetry; then the kernel
+//       alone on the last call's lists under each tuning of --a-tunings.
 // A plain driver with its own timing loop, not Google Benchmark: a row is one cache of up to
 // 32 GiB filled once and measured in three ways, with per-step telemetry Google Benchmark has no
 // place for. scripts/gpu_bench.sh runs it and prints the table; the columns are written to --csv,
@@ -554,6 +555,66 @@ void dense_phase(const Config& cfg, Host& host, Row& row, const std::vector<floa
       row.copy_b_us, row.copy_b_gbps);
 }
 
+// (c)'s kernel alone, under each tuning of --a-tunings, on the lists of the step's last call (its
+// last part: the batch's last sequences), in the device cache's slots where the step read them:
+// what (c)'s attend column would be with each tuning, for picking the default of selective calls.
+void selective_sweep(const Config& cfg, const Host& host, const OffloadAttention& offload,
+                     uint32_t batch) {
+  const auto offsets = offload.attended_offsets();
+  const auto host_slots = offload.attended_host_slots();
+  const auto slots = offload.attended_device_slots();
+  const auto pairs = static_cast<uint32_t>(offsets.size() - 1);
+  const uint32_t n_seqs = pairs / kKvHeads;
+  const uint32_t first_seq = batch - n_seqs;
+  // The last listed page of a pair holds the sequence's open tokens when it is the open page.
+  std::vector<uint32_t> lists(offsets.begin(), offsets.end());
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    const int32_t id = host.ids[first_seq + pair / kKvHeads];
+    const uint64_t length = host.cache->length(id, 0);
+    const uint64_t pages = host.geometry.pages_for(length);
+    const uint32_t open = host.cache->page_table(id, 0, pair % kKvHeads)[pages - 1];
+    const bool ends_open =
+        offsets[pair + 1] > offsets[pair] && host_slots[offsets[pair + 1] - 1] == open;
+    lists.push_back(ends_open ? static_cast<uint32_t>(length - (pages - 1) * kPageTokens)
+                              : kPageTokens);
+  }
+  lists.insert(lists.end(), slots.begin(), slots.end());
+  const std::size_t q_elems = std::size_t{n_seqs} * kKvHeads * kGroup * kHeadDim;
+  const std::size_t q_bytes = q_elems * sizeof(float);
+  DevicePtr buffer = device(2 * q_bytes + lists.size() * 4, "(c) sweep: device buffers");
+  auto* q_dev = static_cast<float*>(buffer.get());
+  auto* lists_dev =
+      reinterpret_cast<uint32_t*>(static_cast<std::byte*>(buffer.get()) + 2 * q_bytes);
+  gpu::StepStream stream;
+  check(stream.init(), "(c) sweep: stream");
+  check(stream.copy_to_device(q_dev, host.q.data() + std::size_t{first_seq} * q_elems / n_seqs,
+                              q_bytes),
+        "(c) sweep: q");
+  check(stream.copy_to_device(lists_dev, lists.data(), lists.size() * 4), "(c) sweep: lists");
+  const gpu::DevicePageCache& cache = offload.device_cache(0);
+  gpu::PageAttendCall call;
+  call.target = {n_seqs, cache.device_pool(), cache.capacity(),
+                 q_dev,  q_dev + q_elems,     stream.handle()};
+  call.host = {lists.data(), lists.data() + 2 * pairs + 1, lists.data() + pairs + 1};
+  call.device = {lists_dev, lists_dev + 2 * pairs + 1, lists_dev + pairs + 1};
+  const gpu::AttentionShape shape{kKvHeads, kGroup, kHeadDim, kPageTokens, simd::Dtype::bf16};
+  for (const TuningPoint& point : cfg.a_points) {
+    try {
+      gpu::SparseDecodeAttention tuned;
+      check(tuned.init(shape, n_seqs, point.tuning), "(c) sweep: attention workspace");
+      check(tuned.validate(call), "(c) sweep: lists");
+      const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
+      const gpu::SplitPlan& plan = tuned.last_plan();
+      say("  (c) attend sweep %s (ctas_per_sm:min_tiles:chunks), %u pairs, %u pages: %u splits x "
+          "%u tokens, %lu CTAs: %.1f us (%.1f..%.1f over %d)",
+          point.text.c_str(), pairs, offsets[pairs], plan.splits_per_pair, plan.tokens_per_split,
+          static_cast<unsigned long>(plan.ctas), t.median, t.min, t.max, cfg.a_reps);
+    } catch (const std::exception& e) {
+      say("  (c) attend sweep %s: %s", point.text.c_str(), e.what());
+    }
+  }
+}
+
 // (c): the library's offload step with a LOCKS selector, appending and drifting each step.
 void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   KvCache& cache = *host.cache;
@@ -662,6 +723,13 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
       host_s.max, row.c_lists_us, row.c_plan_us, xfer_s.median, xfer_s.min, xfer_s.max,
       att_s.median, att_s.min, att_s.max, row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb,
       row.c_h2d_mb, row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
+  if (!cfg.a_points.empty()) {
+    try {
+      selective_sweep(cfg, host, offload, batch);
+    } catch (const std::exception& e) {  // (c)'s numbers above stand
+      say("  (c) attend sweep failed: %s", e.what());
+    }
+  }
   if (const auto* page = dynamic_cast<const select::PageSelector*>(host.selector.get());
       page != nullptr && policy.device >= 0)
     say("  (c) device selection: %lu steps fell back to the CPU",

@@ -162,10 +162,11 @@ for n in notes:
 if not ours:
     print("no rows from kvsift-bench-offload (see offload.log)")
 PY
-# (a)'s sweep over the kernel's tuning (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per
-# row, one line per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us, spread and TB/s.
+# The kernel tuning sweeps (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per row, one line
+# per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us and spread, for (a) (every page, TB/s) and
+# for (c)'s last call (the selective lists in the device cache).
 echo
-echo "(a) kernel tuning sweep (pick the default from the fastest at 128K and 1M, batch 1 and 8):"
-grep -E '^\[.*\] (row context|  \(a\) (ours|sweep))' "$out/offload.log" |
+echo "kernel tuning sweeps (dense: (a), fastest at 128K and 1M, B 1 and 8; selective: (c) attend):"
+grep -E '^\[.*\] (row context|  \(a\) (ours|sweep)|  \(c\) attend sweep)' "$out/offload.log" |
   tee -a "$out/table.txt" || true
 exit $status
