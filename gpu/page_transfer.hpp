@@ -5,7 +5,9 @@
 // (gpu/backend.hpp's PagePool, gpu/page_transfer.cu); where the backend is absent init() returns
 // Result{unsupported} saying why. One DevicePageCache per layer: the model's step asks each layer's
 // cache for that layer's pages, then hands device_pool() and the returned slots to
-// SparseDecodeAttention.
+// SparseDecodeAttention. ensure() is plan() (the bookkeeping) then move() (the transfer), and a
+// caller that has pages of its own to send again (the offload step's refreshes) sends them in
+// move() with the misses, one transfer for both.
 //
 // Data layout: host and device slots are alike, slot_bytes each (K [page_tokens, head_dim] then V,
 // lib/cache/geometry.hpp), so a page moves as one unit. The host pool is one contiguous region of
