@@ -133,9 +133,10 @@ class DevicePageCache {
   Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots) noexcept;
   // move(): enqueues the last successful plan()'s misses, then extra[0..n_extra) (host memory,
   // read before the call returns), by one path, and records the step's statistics (bytes_moved
-  // counts the misses only). Refused with nothing enqueued: a second move() for one plan(), an
-  // extra move outside the pools, more moves than the capacity, or the mapped path on an unmapped
-  // pool; when the enqueue fails the plan's misses are forgotten (misses again next time).
+  // counts the misses only). Refused with nothing enqueued: a move() without a plan() of its own
+  // (a second one for one plan()), an extra move outside the pools, more moves than the capacity,
+  // the mapped path on an unmapped pool. A refused or failed move() ends its plan and forgets the
+  // plan's misses (misses again at the next plan()).
   Result move(void* stream, const PageMove* extra = nullptr, std::size_t n_extra = 0,
               TransferPath path = TransferPath::automatic) noexcept;
 

@@ -100,27 +100,30 @@ Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n,
 
 Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_extra,
                              TransferPath path) noexcept {
-  const auto invalid = [](const std::string& message) {
+  if (!device_) return Result::invalid("page cache: move() before a successful init()");
+  if (!planned_) return Result::invalid("page cache: move() without a plan() of its own");
+  planned_ = false;
+  // A refused move ends its plan: the plan's misses were mapped to slots that will not be
+  // filled, so they are forgotten (misses again next time), as when the transfer fails.
+  const auto refuse = [this](const std::string& message) {
+    residency_.forget_moves();
     return Result::invalid("page cache: " + message);
   };
-  if (!device_) return invalid("move() before a successful init()");
-  if (!planned_) return invalid("move() without a plan() of its own");
   if (path == TransferPath::automatic) path = config_.path;
   if (path == TransferPath::mapped && !device_->host_pool_mapped())
-    return invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
+    return refuse("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
   const std::vector<PageMove>& misses = residency_.moves();
-  if (n_extra > 0 && extra == nullptr) return invalid("extra moves are NULL");
+  if (n_extra > 0 && extra == nullptr) return refuse("extra moves are NULL");
   // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu).
   if (misses.size() + n_extra > capacity())
-    return invalid(std::to_string(misses.size()) + " misses and " + std::to_string(n_extra) +
-                   " extra moves are more than the cache's " + std::to_string(capacity()) +
-                   " slots");
+    return refuse(std::to_string(misses.size()) + " misses and " + std::to_string(n_extra) +
+                  " extra moves are more than the cache's " + std::to_string(capacity()) +
+                  " slots");
   for (std::size_t i = 0; i < n_extra; ++i)
     if (extra[i].host_slot >= config_.host_slots || extra[i].device_slot >= capacity())
-      return invalid("extra move " + std::to_string(i) + " (host slot " +
-                     std::to_string(extra[i].host_slot) + ", device slot " +
-                     std::to_string(extra[i].device_slot) + ") is outside the pools");
-  planned_ = false;
+      return refuse("extra move " + std::to_string(i) + " (host slot " +
+                    std::to_string(extra[i].host_slot) + ", device slot " +
+                    std::to_string(extra[i].device_slot) + ") is outside the pools");
   const StepCounts& counts = residency_.last_counts();
   const uint64_t bytes = counts.misses * config_.slot_bytes;
   const uint64_t sent = (misses.size() + n_extra) * config_.slot_bytes;

@@ -526,7 +526,8 @@ TEST_F(GpuTransferTest, refuses_bad_ids_and_oversized_steps_then_carries_on) {
   const std::vector<uint32_t> fine = {5, 1, 2, 3};
   ASSERT_OK(cache.ensure(fine.data(), fine.size(), slots.data(), stream_));
   EXPECT_EQ(cache.last_step().misses, 4u);
-  // plan() and move(): one move per plan, extra moves inside the pools and the capacity.
+  // plan() and move(): one move per plan, extra moves inside the pools and the capacity; a
+  // refused move ends its plan and forgets its misses.
   r = cache.move(stream_);
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.message.find("without a plan()"), std::string::npos) << r.message;
@@ -535,12 +536,19 @@ TEST_F(GpuTransferTest, refuses_bad_ids_and_oversized_steps_then_carries_on) {
   r = cache.move(stream_, outside, 2);
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.message.find("extra move 1 (host slot 64"), std::string::npos) << r.message;
-  const gpu::PageMove too_many[] = {{5, 0}, {1, 1}, {2, 2}, {3, 3}, {5, 0}};
-  r = cache.move(stream_, too_many, 5);
+  r = cache.move(stream_, outside, 1);
+  EXPECT_FALSE(r.ok) << "a refused move() ended its plan";
+  const std::vector<uint32_t> other = {5, 1, 2, 6};  // 6 is new: a miss, forgotten when refused
+  ASSERT_OK(cache.plan(other.data(), other.size(), slots.data()));
+  EXPECT_EQ(cache.residency().moves().size(), 1u);
+  const gpu::PageMove too_many[] = {{5, 0}, {1, 1}, {2, 2}, {3, 3}};
+  r = cache.move(stream_, too_many, 4);
   EXPECT_FALSE(r.ok);
   EXPECT_NE(r.message.find("more than the cache's 4 slots"), std::string::npos) << r.message;
-  ASSERT_OK(cache.move(stream_, outside, 1));
-  EXPECT_EQ(cache.last_step().misses, 0u);
+  EXPECT_EQ(cache.residency().find(6), kNone);
+  ASSERT_OK(cache.plan(other.data(), other.size(), slots.data()));
+  ASSERT_OK(cache.move(stream_, outside, 1));  // page 5 sent again with the miss
+  EXPECT_EQ(cache.last_step().misses, 1u);
   EXPECT_EQ(cache.last_step().mapped_steps + cache.last_step().staged_steps, 1u);
   r = cache.move(stream_);
   EXPECT_FALSE(r.ok) << "a second move() for one plan()";
