@@ -3,9 +3,13 @@
 //
 // Shape: one Llama-3.1-8B layer (32 query heads, 8 KV heads, head_dim 128, 16-token pages, bf16).
 // Cases: contexts 32K and 128K, batch 1 and 8, 2% and 100% of each (sequence, KV head)'s pages
-// listed in the page form, and the 2% selections also as token lists. Each case draws 8 page lists
-// at random from one 4 GiB pool (far past the 60 MB L2, so a call streams from HBM as a decode
-// step would) and times one CUDA graph of the 8 calls with events; the time shown is per call.
+// listed in the page form, and the 2% selections also as token lists. The page-form cases run
+// under each tuning of kTunings (gpu::AttendTuning, `/tune:<ctas_per_sm>x<min_tiles>x<chunks>` in
+// the name; 0 CTAs per multiprocessor is the kernel's occupancy; 0x2x1 is the default), so that
+// one run shows which split and row layout serve selective and dense calls best. Each case draws 8
+// page lists at random from one 4 GiB pool (far past the 60 MB L2, so a call streams from HBM as a
+// decode step would) and times one CUDA graph of the 8 calls with events; the time shown is per
+// call.
 //
 // A call reads each listed K/V byte once, so its ceiling is HBM bandwidth. Each case reports
 // `TBps` (K+V bytes of the listed tokens per second; q, out, lists and split partials are not
@@ -51,6 +55,9 @@ constexpr Shape kShape = kLlama8b;
 constexpr uint64_t kContexts[] = {32768, 131072};
 constexpr uint32_t kBatches[] = {1, 8};
 constexpr double kSelections[] = {0.02, 1.0};
+// (ctas_per_sm, min_tiles_per_split, chunks_per_lane): the default first; longer splits; several
+// waves; two pieces a lane, alone and with longer splits.
+constexpr gpu::AttendTuning kTunings[] = {{0, 2, 1}, {0, 8, 1}, {8, 2, 1}, {0, 2, 2}, {0, 8, 2}};
 constexpr int kListsPerGraph = 8;
 constexpr std::size_t kSlotBytes = std::size_t{2} * kPageTokens * 128 * sizeof(uint16_t);
 // 4 GiB of slots: every page of the largest case (batch 8 at 128K) once.
@@ -124,6 +131,9 @@ struct CaseKey {
   uint32_t batch;
   double selection;
   bool tokens;
+  uint32_t ctas_per_sm;  // gpu::AttendTuning's fields
+  uint32_t min_tiles;
+  uint32_t chunks;
   bool operator==(const CaseKey&) const = default;
 };
 
@@ -204,7 +214,8 @@ struct Prepared {
 std::string Prepared::build(Device& dev) {
   const gpu::AttentionShape shape{kShape.n_kv_heads, kShape.group_size, kShape.head_dim,
                                   kPageTokens, simd::Dtype::bf16};
-  if (gpu::Result r = attention.init(shape, key.batch); !r.ok) return r.message;
+  const gpu::AttendTuning tuning{key.ctas_per_sm, key.min_tiles, key.chunks};
+  if (gpu::Result r = attention.init(shape, key.batch, tuning); !r.ok) return r.message;
   std::vector<float> q(std::size_t{key.batch} * shape.n_query_heads() * shape.head_dim);
   Random random(kSeed + 1);
   random.fill(q);
@@ -321,6 +332,7 @@ void BM_gpu_attend(benchmark::State& state, CaseKey key) {
   state.counters["MB_per_call"] = bytes_per_call * 1e-6;
   state.counters["splits"] = prep.plan.splits_per_pair;
   state.counters["ctas"] = static_cast<double>(prep.plan.ctas);
+  state.counters["device_ctas"] = prep.plan.device_ctas;
 }
 
 // The copy probe alone, so its spread shows beside the attention cases.
@@ -509,20 +521,26 @@ void register_benchmarks() {
   for (uint64_t context : kContexts)
     for (uint32_t batch : kBatches)
       for (double selection : kSelections)
-        for (bool tokens : {false, true}) {
-          if (tokens && selection > 0.5) continue;  // token lists are for selective calls
-          const std::string name = std::string("BM_gpu_attend/") + kShape.name +
-                                   "/ctx:" + std::to_string(context) +
-                                   "/batch:" + std::to_string(batch) +
-                                   "/sel_pct:" + std::to_string(static_cast<int>(selection * 100)) +
-                                   (tokens ? "/tokens" : "/pages");
-          benchmark::RegisterBenchmark(name.c_str(), BM_gpu_attend,
-                                       CaseKey{context, batch, selection, tokens})
-              ->UseManualTime()
-              ->Unit(benchmark::kMicrosecond)
-              ->ComputeStatistics("min", min_of)
-              ->ComputeStatistics("max", max_of);
-        }
+        for (bool tokens : {false, true})
+          for (const gpu::AttendTuning& tuning : kTunings) {
+            if (tokens && selection > 0.5) continue;          // token lists are for selective calls
+            if (tokens && &tuning != &kTunings[0]) continue;  // the sweep is over the page form
+            const std::string name =
+                std::string("BM_gpu_attend/") + kShape.name + "/ctx:" + std::to_string(context) +
+                "/batch:" + std::to_string(batch) +
+                "/sel_pct:" + std::to_string(static_cast<int>(selection * 100)) +
+                (tokens ? "/tokens" : "/pages") + "/tune:" + std::to_string(tuning.ctas_per_sm) +
+                "x" + std::to_string(tuning.min_tiles_per_split) + "x" +
+                std::to_string(tuning.chunks_per_lane);
+            benchmark::RegisterBenchmark(
+                name.c_str(), BM_gpu_attend,
+                CaseKey{context, batch, selection, tokens, tuning.ctas_per_sm,
+                        tuning.min_tiles_per_split, tuning.chunks_per_lane})
+                ->UseManualTime()
+                ->Unit(benchmark::kMicrosecond)
+                ->ComputeStatistics("min", min_of)
+                ->ComputeStatistics("max", max_of);
+          }
 }
 
 std::string device_name() {

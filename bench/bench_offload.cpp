@@ -1,13 +1,16 @@
 // The offload step end to end on one Llama-3.1-8B layer (8 KV heads, G = 4, head_dim 128, 16-token
 // pages, bf16 K/V), per row (context, batch):
 //   (a) ours: SparseDecodeAttention over every page, all of them already in device memory: the
-//       HBM-resident speed ceiling of our kernel (tools/sdpa_baseline.py gives torch's);
+//       HBM-resident speed ceiling of our kernel (tools/sdpa_baseline.py gives torch's, timed the
+//       same way: back-to-back calls between events); then the same over a sweep of kernel
+//       tunings (--a-tunings), one log line each, for picking the kernel's default;
 //   (b) dense offload: every page moved host to device each step by the transfer engine (the
 //       device cache cleared first), then the same kernel; and a plain pinned copy of the same
 //       bytes, the ceiling of any dense offload;
 //   (c) kvsift offload: OffloadAttention::step with a 2% LOCKS selector over decode steps that
 //       append one token per sequence and drift the query, so the device cache sees hits and
-//       misses; select, transfer and attend timed by the step's own telemetry.
+//       misses; select, transfer and attend timed by the step's own telemetry; then the kernel
+//       alone on the last call's lists under each tuning of --a-tunings.
 // A plain driver with its own timing loop, not Google Benchmark: a row is one cache of up to
 // 32 GiB filled once and measured in three ways, with per-step telemetry Google Benchmark has no
 // place for. scripts/gpu_bench.sh runs it and prints the table; the columns are written to --csv,
@@ -31,6 +34,7 @@
 #include <future>
 #include <memory>
 #include <new>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -217,12 +221,41 @@ DevicePtr device(std::size_t bytes, const char* what) {
   return DevicePtr(p);
 }
 
+// One point of (a)'s sweep over the kernel's tuning: "ctas_per_sm:min_tiles_per_split:chunks".
+struct TuningPoint {
+  gpu::AttendTuning tuning;
+  std::string text;
+};
+
+TuningPoint parse_tuning(const std::string& text) {
+  uint32_t fields[3] = {};
+  std::size_t at = 0;
+  for (int i = 0; i < 3; ++i) {
+    const std::size_t end = i < 2 ? text.find(':', at) : text.size();
+    std::size_t used = 0;
+    const std::string field = end == std::string::npos ? "" : text.substr(at, end - at);
+    try {
+      fields[i] = static_cast<uint32_t>(std::stoul(field, &used));
+    } catch (const std::logic_error&) {
+      used = 0;
+    }
+    if (field.empty() || used != field.size() || field[0] == '-')
+      throw kvsift::apps::UsageError("--a-tunings: '" + text +
+                                     "' is not CTAS_PER_SM:MIN_TILES:CHUNKS (unsigned integers)");
+    at = end + 1;
+  }
+  return {gpu::AttendTuning{fields[0], fields[1], fields[2]}, text};
+}
+
 struct Config {
   std::vector<uint64_t> contexts{32768, 131072, 524288, 1048576};
   std::vector<uint32_t> batches{1, 8};
   double budget = 0.02;
   float drift_noise = 0.6f;
   int a_reps = 20;
+  // (a)'s sweep: 0 CTAs per multiprocessor is the kernel's occupancy; 0:2:1 is the default.
+  std::vector<std::string> a_tunings{"0:2:1", "2:2:1", "8:2:1", "0:2:2", "8:2:2"};
+  std::vector<TuningPoint> a_points;  // a_tunings parsed
   int b_steps = 3;
   int c_warmup = 4;
   int c_steps = 32;
@@ -248,6 +281,7 @@ struct Row {
   double b_mb = NAN, b_gbps = NAN, copy_b_us = NAN, copy_b_gbps = NAN;
   // (c) kvsift offload, medians over the timed steps (each column its own median).
   double c_us = NAN, c_min = NAN, c_max = NAN, c_select_us = NAN, c_host_us = NAN;
+  double c_lists_us = NAN, c_plan_us = NAN;  // host_us's parts: page lists, residency plan
   double c_transfer_us = NAN, c_attend_us = NAN, c_out_us = NAN, c_overlap_us = NAN;
   double c_pages = NAN, c_moved = NAN, c_page_mb = NAN, c_h2d_mb = NAN, c_hit = NAN;
   double c_gbps = NAN, copy_c_gbps = NAN, c_kept = NAN;
@@ -260,7 +294,7 @@ const char* kCsvHeader =
     "b_max,b_move_us,b_plan_us,b_attend_us,b_mb,b_gbps,copy_b_us,copy_b_gbps,c_us,c_min,c_max,"
     "c_select_us,c_host_us,c_transfer_us,c_attend_us,c_out_us,c_overlap_us,c_pages,c_moved,"
     "c_page_mb,c_h2d_mb,c_hit,c_gbps,copy_c_gbps,c_kept,c_parts,c_max_pages,c_cache_pages,"
-    "check_err";
+    "check_err,c_lists_us,c_plan_us";
 
 void write_csv(std::FILE* f, const Row& r) {
   if (f == nullptr) return;
@@ -277,7 +311,8 @@ void write_csv(std::FILE* f, const Row& r) {
         r.c_attend_us, r.c_out_us,    r.c_overlap_us, r.c_pages,     r.c_moved,   r.c_page_mb,
         r.c_h2d_mb,    r.c_hit,       r.c_gbps,       r.copy_c_gbps, r.c_kept})
     std::fprintf(f, ",%.6g", x);
-  std::fprintf(f, ",%u,%u,%u,%.3g\n", r.c_parts, r.c_max_pages, r.c_cache_pages, r.check_err);
+  std::fprintf(f, ",%u,%u,%u,%.3g,%.6g,%.6g\n", r.c_parts, r.c_max_pages, r.c_cache_pages,
+               r.check_err, r.c_lists_us, r.c_plan_us);
   std::fflush(f);
 }
 
@@ -290,6 +325,35 @@ double plain_copy_ms(gpu::StepStream& stream, void* dst, const std::byte* src, s
   check(stream.mark(11), "copy event");
   check(stream.wait(11), "plain copy");
   return stream.elapsed_ms(10, 11);
+}
+
+struct Spread {
+  double median, min, max;
+};
+
+Spread spread_of(const std::vector<double>& v) {
+  return {median(v), min_of(v), max_of(v)};
+}
+
+// Microseconds of `reps` runs of the kernel over `call`, each between two events, timed as
+// tools/sdpa_baseline.py times torch: enqueued back to back behind an untimed run that keeps the
+// device busy meanwhile, so that no timed run includes the wait for its own launch.
+Spread time_attention(gpu::SparseDecodeAttention& attention, const gpu::PageAttendCall& call,
+                      gpu::StepStream& stream, int reps) {
+  constexpr int kPerBatch = gpu::StepStream::kEvents / 2;
+  std::vector<double> us;
+  while (static_cast<int>(us.size()) < reps) {
+    check(attention.run(call), "a: attention");
+    const int n = std::min(kPerBatch, reps - static_cast<int>(us.size()));
+    for (int i = 0; i < n; ++i) {
+      check(stream.mark(2 * i), "a: event");
+      check(attention.run(call), "a: attention");
+      check(stream.mark(2 * i + 1), "a: event");
+    }
+    check(stream.wait(2 * n - 1), "a: attention");
+    for (int i = 0; i < n; ++i) us.push_back(1e3 * stream.elapsed_ms(2 * i, 2 * i + 1));
+  }
+  return spread_of(us);
 }
 
 // Everything one row holds on the host: the cache, the selector that saw its seals, sequences.
@@ -431,20 +495,31 @@ void dense_phase(const Config& cfg, Host& host, Row& row, const std::vector<floa
     if (!(row.check_err <= 1e-3)) row.status = "dense output differs from the CPU kernel";
   }
 
-  std::vector<double> a;
-  for (int i = 0; i < cfg.a_reps; ++i) {
-    check(stream.mark(4), "a: event");
-    check(attention.run(call), "a: attention");
-    check(stream.mark(5), "a: event");
-    check(stream.wait(5), "a: attention");
-    a.push_back(1e3 * stream.elapsed_ms(4, 5));
-  }
-  row.a_us = median(a);
-  row.a_min = min_of(a);
-  row.a_max = max_of(a);
-  row.a_tbps = double(uint64_t{batch} * kKvHeads * length * g.token_bytes()) / row.a_us * 1e-6;
+  const double kv_bytes = double(uint64_t{batch} * kKvHeads * length * g.token_bytes());
+  const Spread a = time_attention(attention, call, stream, cfg.a_reps);
+  row.a_us = a.median;
+  row.a_min = a.min;
+  row.a_max = a.max;
+  row.a_tbps = kv_bytes / row.a_us * 1e-6;
   say("  (a) ours: %.1f us (%.1f..%.1f), %.2f TB/s of K+V", row.a_us, row.a_min, row.a_max,
       row.a_tbps);
+  // The sweep over kernel tunings, each with a workspace of its own, for picking the default. A
+  // tuning the kernel refuses is reported and skipped; the row goes on.
+  for (const TuningPoint& point : cfg.a_points) {
+    try {
+      gpu::SparseDecodeAttention tuned;
+      check(tuned.init(shape, batch, point.tuning), "a: tuned attention workspace");
+      const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
+      const gpu::SplitPlan& plan = tuned.last_plan();
+      say("  (a) sweep %s (ctas_per_sm:min_tiles:chunks): %u splits x %u tokens, %lu CTAs "
+          "against %u: %.1f us (%.1f..%.1f over %d), %.2f TB/s",
+          point.text.c_str(), plan.splits_per_pair, plan.tokens_per_split,
+          static_cast<unsigned long>(plan.ctas), plan.device_ctas, t.median, t.min, t.max,
+          cfg.a_reps, kv_bytes / t.median * 1e-6);
+    } catch (const std::exception& e) {
+      say("  (a) sweep %s: %s", point.text.c_str(), e.what());
+    }
+  }
 
   std::vector<double> wall, move, plan, attend;
   for (int i = 0; i < cfg.b_steps; ++i) {
@@ -480,6 +555,66 @@ void dense_phase(const Config& cfg, Host& host, Row& row, const std::vector<floa
       row.copy_b_us, row.copy_b_gbps);
 }
 
+// (c)'s kernel alone, under each tuning of --a-tunings, on the lists of the step's last call (its
+// last part: the batch's last sequences), in the device cache's slots where the step read them:
+// what (c)'s attend column would be with each tuning, for picking the default of selective calls.
+void selective_sweep(const Config& cfg, const Host& host, const OffloadAttention& offload,
+                     uint32_t batch) {
+  const auto offsets = offload.attended_offsets();
+  const auto host_slots = offload.attended_host_slots();
+  const auto slots = offload.attended_device_slots();
+  const auto pairs = static_cast<uint32_t>(offsets.size() - 1);
+  const uint32_t n_seqs = pairs / kKvHeads;
+  const uint32_t first_seq = batch - n_seqs;
+  // The last listed page of a pair holds the sequence's open tokens when it is the open page.
+  std::vector<uint32_t> lists(offsets.begin(), offsets.end());
+  for (uint32_t pair = 0; pair < pairs; ++pair) {
+    const int32_t id = host.ids[first_seq + pair / kKvHeads];
+    const uint64_t length = host.cache->length(id, 0);
+    const uint64_t pages = host.geometry.pages_for(length);
+    const uint32_t open = host.cache->page_table(id, 0, pair % kKvHeads)[pages - 1];
+    const bool ends_open =
+        offsets[pair + 1] > offsets[pair] && host_slots[offsets[pair + 1] - 1] == open;
+    lists.push_back(ends_open ? static_cast<uint32_t>(length - (pages - 1) * kPageTokens)
+                              : kPageTokens);
+  }
+  lists.insert(lists.end(), slots.begin(), slots.end());
+  const std::size_t q_elems = std::size_t{n_seqs} * kKvHeads * kGroup * kHeadDim;
+  const std::size_t q_bytes = q_elems * sizeof(float);
+  DevicePtr buffer = device(2 * q_bytes + lists.size() * 4, "(c) sweep: device buffers");
+  auto* q_dev = static_cast<float*>(buffer.get());
+  auto* lists_dev =
+      reinterpret_cast<uint32_t*>(static_cast<std::byte*>(buffer.get()) + 2 * q_bytes);
+  gpu::StepStream stream;
+  check(stream.init(), "(c) sweep: stream");
+  check(stream.copy_to_device(q_dev, host.q.data() + std::size_t{first_seq} * q_elems / n_seqs,
+                              q_bytes),
+        "(c) sweep: q");
+  check(stream.copy_to_device(lists_dev, lists.data(), lists.size() * 4), "(c) sweep: lists");
+  const gpu::DevicePageCache& cache = offload.device_cache(0);
+  gpu::PageAttendCall call;
+  call.target = {n_seqs, cache.device_pool(), cache.capacity(),
+                 q_dev,  q_dev + q_elems,     stream.handle()};
+  call.host = {lists.data(), lists.data() + 2 * pairs + 1, lists.data() + pairs + 1};
+  call.device = {lists_dev, lists_dev + 2 * pairs + 1, lists_dev + pairs + 1};
+  const gpu::AttentionShape shape{kKvHeads, kGroup, kHeadDim, kPageTokens, simd::Dtype::bf16};
+  for (const TuningPoint& point : cfg.a_points) {
+    try {
+      gpu::SparseDecodeAttention tuned;
+      check(tuned.init(shape, n_seqs, point.tuning), "(c) sweep: attention workspace");
+      check(tuned.validate(call), "(c) sweep: lists");
+      const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
+      const gpu::SplitPlan& plan = tuned.last_plan();
+      say("  (c) attend sweep %s (ctas_per_sm:min_tiles:chunks), %u pairs, %u pages: %u splits x "
+          "%u tokens, %lu CTAs: %.1f us (%.1f..%.1f over %d)",
+          point.text.c_str(), pairs, offsets[pairs], plan.splits_per_pair, plan.tokens_per_split,
+          static_cast<unsigned long>(plan.ctas), t.median, t.min, t.max, cfg.a_reps);
+    } catch (const std::exception& e) {
+      say("  (c) attend sweep %s: %s", point.text.c_str(), e.what());
+    }
+  }
+}
+
 // (c): the library's offload step with a LOCKS selector, appending and drifting each step.
 void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   KvCache& cache = *host.cache;
@@ -511,8 +646,8 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   std::vector<float> out(host.q.size());
   std::vector<float> k(std::size_t{kKvHeads} * kHeadDim), v(k.size());
 
-  std::vector<double> total, sel, hst, xfer, att, cout, ovl, pages, moved, page_mb, h2d_mb, gbps,
-      kept;
+  std::vector<double> total, sel, hst, lists, plan, xfer, att, cout, ovl, pages, moved, page_mb,
+      h2d_mb, gbps, kept;
   uint64_t hits = 0, misses = 0;
   for (int s = 0; s < cfg.c_warmup + cfg.c_steps; ++s) {
     for (uint32_t i = 0; i < batch; ++i) {
@@ -528,6 +663,8 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
     total.push_back(st.total_us + step.select_us);
     sel.push_back(step.select_us);
     hst.push_back(st.host_us);
+    lists.push_back(st.lists_us);
+    plan.push_back(st.plan_us);
     xfer.push_back(st.transfer_us);
     att.push_back(st.attend_us);
     cout.push_back(st.copy_out_us);
@@ -548,6 +685,8 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
   row.c_max = max_of(total);
   row.c_select_us = median(sel);
   row.c_host_us = median(hst);
+  row.c_lists_us = median(lists);
+  row.c_plan_us = median(plan);
   row.c_transfer_us = median(xfer);
   row.c_attend_us = median(att);
   row.c_out_us = median(cout);
@@ -571,14 +710,26 @@ void sparse_phase(const Config& cfg, Host& host, const Synth& synth, Row& row) {
       copies.push_back(plain_copy_ms(stream, dst.get(), cache.pool().base(), bytes));
     row.copy_c_gbps = bytes / median(copies) * 1e-6;
   }
-  say("  (c) LOCKS %.0f%% (%s selection): %.1f us (%.1f..%.1f): select %.1f (hidden %.1f), host "
-      "%.1f, transfer %.1f, attend %.1f, out %.1f; %.0f pages listed, %.0f moved (%.2f MB, %.2f "
-      "MB in all H2D); hit rate %.3f; moves %.1f GB/s against a plain copy's %.1f; kept estimate "
-      "%.3f",
+  // Medians over the timed steps, each with its spread (min..max).
+  const Spread sel_s = spread_of(sel), host_s = spread_of(hst), xfer_s = spread_of(xfer),
+               att_s = spread_of(att);
+  say("  (c) LOCKS %.0f%% (%s selection): %.1f us (%.1f..%.1f over %zu steps): select %.1f "
+      "(%.1f..%.1f; hidden %.1f), host %.1f (%.1f..%.1f; page lists %.1f, residency plan %.1f), "
+      "transfer %.1f (%.1f..%.1f), attend %.1f (%.1f..%.1f), out %.1f; %.0f pages listed, %.0f "
+      "moved (%.2f MB, %.2f MB in all H2D); hit rate %.3f; moves %.1f GB/s against a plain "
+      "copy's %.1f; kept estimate %.3f",
       100 * policy.budget, policy.device >= 0 ? "device" : "CPU", row.c_us, row.c_min, row.c_max,
-      row.c_select_us, row.c_overlap_us, row.c_host_us, row.c_transfer_us, row.c_attend_us,
-      row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb, row.c_h2d_mb, row.c_hit, row.c_gbps,
-      row.copy_c_gbps, row.c_kept);
+      total.size(), sel_s.median, sel_s.min, sel_s.max, row.c_overlap_us, host_s.median, host_s.min,
+      host_s.max, row.c_lists_us, row.c_plan_us, xfer_s.median, xfer_s.min, xfer_s.max,
+      att_s.median, att_s.min, att_s.max, row.c_out_us, row.c_pages, row.c_moved, row.c_page_mb,
+      row.c_h2d_mb, row.c_hit, row.c_gbps, row.copy_c_gbps, row.c_kept);
+  if (!cfg.a_points.empty()) {
+    try {
+      selective_sweep(cfg, host, offload, batch);
+    } catch (const std::exception& e) {  // (c)'s numbers above stand
+      say("  (c) attend sweep failed: %s", e.what());
+    }
+  }
   if (const auto* page = dynamic_cast<const select::PageSelector*>(host.selector.get());
       page != nullptr && policy.device >= 0)
     say("  (c) device selection: %lu steps fell back to the CPU",
@@ -756,6 +907,10 @@ int main(int argc, char** argv) {
   app.add_option("--drift-noise", cfg.drift_noise, "(c) the query's new noise per step")
       ->check(CLI::Range(0.0, 100.0));
   app.add_option("--a-reps", cfg.a_reps, "(a) kernel repetitions")->check(CLI::Range(1, 100000));
+  app.add_option("--a-tunings", cfg.a_tunings,
+                 "(a) also times the kernel tuned as each CTAS_PER_SM:MIN_TILES:CHUNKS asks "
+                 "(gpu::AttendTuning; 0 CTAs per multiprocessor: its occupancy); 'none': no sweep")
+      ->delimiter(',');
   app.add_option("--b-steps", cfg.b_steps, "(b) cold dense steps")->check(CLI::Range(1, 100000));
   app.add_option("--c-warmup", cfg.c_warmup, "(c) untimed steps first (the cold fill)")
       ->check(CLI::Range(0, 100000));
@@ -772,6 +927,9 @@ int main(int argc, char** argv) {
                "no device: fill, summaries and (c)'s selections only, to check the workload");
   const auto validate = [&] {
     if (!cfg.csv.empty()) apps::require_writable_file("--csv", cfg.csv);
+    cfg.a_points.clear();
+    for (const std::string& text : cfg.a_tunings)
+      if (text != "none") cfg.a_points.push_back(parse_tuning(text));
     if (cfg.host_only && cfg.locks_device >= 0)
       throw apps::UsageError("--locks-device " + std::to_string(cfg.locks_device) +
                              ": --host-only uses no device");

@@ -33,13 +33,14 @@
 
 namespace kvsift::gpu::backend {
 
-inline constexpr uint32_t kInterfaceVersion = 1;
+inline constexpr uint32_t kInterfaceVersion = 2;
 
 // gpu/sparse_attention.hpp states the contract of every call.
 class SparseDecodeAttention {
  public:
   virtual ~SparseDecodeAttention() = default;
-  virtual Result init(const AttentionShape& shape, uint32_t max_batch) = 0;
+  virtual Result init(const AttentionShape& shape, uint32_t max_batch,
+                      const AttendTuning& tuning) = 0;
   virtual Result validate(const PageAttendCall& call) const = 0;
   virtual Result validate(const TokenAttendCall& call) const = 0;
   virtual Result run(const PageAttendCall& call) noexcept = 0;
@@ -75,8 +76,6 @@ class StepStream {
                                 std::size_t bytes) noexcept = 0;
   virtual Result copy_to_host(void* host_dst, const void* device_src,
                               std::size_t bytes) noexcept = 0;
-  virtual Result refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                               const PageMove* moves, uint32_t n) noexcept = 0;
   virtual Result mark(uint32_t i) noexcept = 0;
   virtual Result wait(uint32_t i) noexcept = 0;
   virtual float elapsed_ms(uint32_t i, uint32_t j) const noexcept = 0;

@@ -19,10 +19,11 @@ SparseDecodeAttention::SparseDecodeAttention(SparseDecodeAttention&& other) noex
 SparseDecodeAttention& SparseDecodeAttention::operator=(SparseDecodeAttention&& other) noexcept =
     default;
 
-Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch) {
+Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch,
+                                   const AttendTuning& tuning) {
   if (Result r = make_impl(&impl_, &backend::Backend::make_sparse_attention, kWhat); !r.ok)
     return r;
-  return impl_->init(shape, max_batch);
+  return impl_->init(shape, max_batch, tuning);
 }
 
 Result SparseDecodeAttention::validate(const PageAttendCall& call) const {

@@ -16,6 +16,22 @@
 // the issue limit (SASS of the bf16, d = 128, G = 4 kernel: about 720 instructions per warp per
 // 4 KiB of K/V on the common path, 256 of them the FMAs): the butterfly reduction of the logits
 // across a row group's lanes (64 shuffles and 64 adds per tile now) is the next saving.
+//
+// Batch 1 (same layer, 128K tokens) ran at 163 us against torch SDPA's 128 us, timed one call at
+// a time, so that each call's interval held its own launch; bench/bench_offload.cpp now times
+// back to back, as tools/sdpa_baseline.py times torch. What AttendTuning varies, for one device
+// run to pick the defaults from (bench_offload's (a) sweep at 128K and 1M, batch 1 and 8;
+// bench/bench_gpu_attend.cpp's /tune: cases at 2% and 100%):
+// - CTAs per multiprocessor: at batch 1 the 8 pairs take 66 splits each to fill one wave, and the
+//   last CTA of each pair merges 66 partials after the stream has drained; fewer CTAs shorten
+//   that tail but keep fewer bytes in flight, several waves balance multiprocessors that finish
+//   early.
+// - Tiles per split: the floor on a split's length, which decides short (selective) calls.
+// - Pieces per lane: two 16-byte pieces of a row per lane halve the lanes that share a row, so
+//   the logits' butterfly loses a level (48 shuffles and adds per 4 KiB instead of 128) and each
+//   lane evaluates half as many exponentials per byte, for 64 more registers a thread (fewer
+//   resident CTAs; init() sizes the default split from the occupancy of the kernel it picked).
+// Measured on the H200 after this change: (to be filled from that run).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -46,10 +62,11 @@ constexpr uint32_t kMaxBlockHeads = 8;  // partials are laid out with this many 
 // Copy stages: with 4 rows per thread a stage is 16 KiB, so two stages ahead keep 32 KiB per CTA
 // loading (128 KiB per multiprocessor at 4 CTAs), past what HBM latency needs covered.
 constexpr uint32_t kStages = 3;
-// A split covers at least this many CTA tiles: its partial (m, l, acc for the block's heads) is
-// about 2 KiB at d = 128, G = 4, against 16 KiB of K/V per tile, so two tiles keep the merge's
-// traffic near 6% while short selections still spread over many CTAs.
-constexpr uint32_t kMinTilesPerSplit = 2;
+// AttendTuning's bounds. Its default of two tiles per split: a split's partial (m, l, acc for the
+// block's heads) is about 2 KiB at d = 128, G = 4, against 16 KiB of K/V per tile, so two tiles
+// keep the merge's traffic near 6% while short selections still spread over many CTAs.
+constexpr uint32_t kMaxCtasPerSm = 64;
+constexpr uint32_t kMaxMinTiles = 64;
 // Tokens of one pair stay below 2^31 so that split offsets fit 32-bit arithmetic in the kernel.
 constexpr uint64_t kMaxPairTokens = uint64_t{1} << 31;
 constexpr float kLog2e = 1.4426950408889634f;
@@ -57,17 +74,21 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLazyRescale = 8.0f;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-template <uint32_t kHeadDim, uint32_t kBlockHeads>
+// kChunks: 16-byte pieces of a row per lane (AttendTuning::chunks_per_lane). With 2, a row is
+// read by half as many lanes, so the butterfly that sums a logit over them is one level shorter
+// and each lane evaluates half as many exponentials per byte, for twice the q and acc registers.
+template <uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
 struct Tile {
-  static constexpr uint32_t kLanesPerRow = kHeadDim / 8;  // 8 elements per 16-byte load
+  static_assert(kChunks == 1 || (kChunks == 2 && kBlockHeads <= 4), "registers: q and acc");
+  static constexpr uint32_t kLanesPerRow = kHeadDim / (8 * kChunks);  // 8 elements a piece
   static constexpr uint32_t kRowsPerWarp = 32 / kLanesPerRow;
   static constexpr uint32_t kRowsPerStep = kWarps * kRowsPerWarp;
-  // Rows per thread per tile: 4 (a 16 KiB tile per CTA); with 8 heads the q and acc registers
-  // (2 x 64) leave room for 2.
-  static constexpr uint32_t kRowsPerThread = kBlockHeads <= 4 ? 4 : 2;
+  // Rows per thread per tile: 4 / kChunks (a 16 KiB tile per CTA); with 8 heads the q and acc
+  // registers (2 x 64) leave room for 2.
+  static constexpr uint32_t kRowsPerThread = (kBlockHeads <= 4 ? 4 : 2) / kChunks;
   static constexpr uint32_t kTokens = kRowsPerStep * kRowsPerThread;
   // Dynamic shared memory: the copy stages, reused after the loop for the warps' accumulators.
-  static constexpr uint32_t kStageBytes = kRowsPerThread * 2 * kThreads * 16;
+  static constexpr uint32_t kStageBytes = kRowsPerThread * kChunks * 2 * kThreads * 16;
   static constexpr uint32_t kAccumulatorBytes = kWarps * kBlockHeads * kHeadDim * 4;
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, kAccumulatorBytes);
 };
@@ -128,7 +149,7 @@ struct TokenForm {
 // A thread's 8 values of a row from its 16-byte stage piece: 8 16-bit values, or for q8 8 codes
 // in .x and .y with the row's scale in .z (issue_copies in sparse_attend).
 template <simd::Dtype D>
-__device__ __forceinline__ void to_float8(const uint4& raw, float (&f)[8]) {
+__device__ __forceinline__ void to_float8(const uint4& raw, float* f) {
   if constexpr (D == simd::Dtype::q8) {
     const float scale = __uint_as_float(raw.z);
 #pragma unroll
@@ -200,10 +221,12 @@ __device__ void merge_splits(const AttendParams& p, std::size_t first_partial, u
   }
 }
 
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, class Form>
 __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
-  using T = Tile<kHeadDim, kBlockHeads>;
+  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
   constexpr uint32_t R = T::kRowsPerThread;
+  constexpr uint32_t C = kChunks;
+  constexpr uint32_t kValues = 8 * C;  // a lane's elements of a row
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
   const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const uint32_t chunk = lane % T::kLanesPerRow;
@@ -211,20 +234,27 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   const uint32_t head0 = block * kBlockHeads;
   const uint32_t heads = min(kBlockHeads, p.group_size - head0);
 
+  // A lane's piece j of a row holds elements (j * kLanesPerRow + chunk) * 8 .. + 8: the lanes of a
+  // row group read 16-byte pieces side by side, so each load instruction stays coalesced.
+  auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
+
   // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
-  float q[kBlockHeads][8];
-  const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim + chunk * 8;
+  float q[kBlockHeads][kValues];
+  const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
 #pragma unroll
-  for (uint32_t g = 0; g < kBlockHeads; ++g) {
-    float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-    if (g < heads) {
-      lo = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim));
-      hi = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + 4));
+  for (uint32_t g = 0; g < kBlockHeads; ++g)
+#pragma unroll
+    for (uint32_t j = 0; j < C; ++j) {
+      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+      if (g < heads) {
+        lo = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j)));
+        hi = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j) + 4));
+      }
+      float* qj = q[g] + 8 * j;
+      qj[0] = lo.x * p.q_scale, qj[1] = lo.y * p.q_scale, qj[2] = lo.z * p.q_scale;
+      qj[3] = lo.w * p.q_scale, qj[4] = hi.x * p.q_scale, qj[5] = hi.y * p.q_scale;
+      qj[6] = hi.z * p.q_scale, qj[7] = hi.w * p.q_scale;
     }
-    q[g][0] = lo.x * p.q_scale, q[g][1] = lo.y * p.q_scale, q[g][2] = lo.z * p.q_scale;
-    q[g][3] = lo.w * p.q_scale, q[g][4] = hi.x * p.q_scale, q[g][5] = hi.y * p.q_scale;
-    q[g][6] = hi.z * p.q_scale, q[g][7] = hi.w * p.q_scale;
-  }
 
   const uint32_t list_begin = form.begin(pair);
   const uint32_t n_tokens = form.count(pair, list_begin);
@@ -233,13 +263,13 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   const simd::PageLayout layout{p.page_tokens, kHeadDim, D};
   const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
 
-  float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][8];
+  float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][kValues];
 #pragma unroll
   for (uint32_t g = 0; g < kBlockHeads; ++g) {
     m[g] = kNegInf;
     l[g] = 0.0f;
 #pragma unroll
-    for (int c = 0; c < 8; ++c) acc[g][c] = 0.0f;
+    for (uint32_t c = 0; c < kValues; ++c) acc[g][c] = 0.0f;
   }
 
   // Software pipeline through shared memory: cp.async copies (no registers held while in flight)
@@ -247,9 +277,9 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   // (slot ids, token entries) that the next copies depend on are loaded one tile earlier still.
   // Every thread reads back only the 16-byte pieces it copied itself, so waiting on its own copy
   // groups is enough: the loop needs no barrier.
-  extern __shared__ uint4 stages[];  // [kStages][R][K, V][kThreads]
-  auto piece = [&](uint32_t stage, uint32_t r, uint32_t kv) {
-    return stages + ((stage * R + r) * 2 + kv) * kThreads + threadIdx.x;
+  extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads]
+  auto piece = [&](uint32_t stage, uint32_t r, uint32_t j, uint32_t kv) {
+    return stages + (((stage * R + r) * C + j) * 2 + kv) * kThreads + threadIdx.x;
   };
   TokenAddress address[R];
   bool listed[R];
@@ -265,20 +295,23 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
       const std::byte* slot = layout.slot(pool, address[r].slot);
-      // Rows past the list: zeros, nothing read.
-      if constexpr (D == simd::Dtype::q8) {
-        // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
-        // are read by every lane of the group, from L1 after the first.
-        const uint32_t row = address[r].row;
-        uint4* k = piece(stage, r, 0);
-        uint4* v = piece(stage, r, 1);
-        copy_small<8>(&k->x, layout.key_codes(slot, row) + chunk * 8, listed[r]);
-        copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
-        copy_small<8>(&v->x, layout.value_codes(slot, row) + chunk * 8, listed[r]);
-        copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
-      } else {
-        copy16(piece(stage, r, 0), layout.key(slot, address[r].row) + chunk * 8, listed[r]);
-        copy16(piece(stage, r, 1), layout.value(slot, address[r].row) + chunk * 8, listed[r]);
+      const uint32_t row = address[r].row;
+#pragma unroll
+      for (uint32_t j = 0; j < C; ++j) {
+        // Rows past the list: zeros, nothing read.
+        uint4* k = piece(stage, r, j, 0);
+        uint4* v = piece(stage, r, j, 1);
+        if constexpr (D == simd::Dtype::q8) {
+          // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
+          // are read by every lane of the group, from L1 after the first.
+          copy_small<8>(&k->x, layout.key_codes(slot, row) + channel(j), listed[r]);
+          copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
+          copy_small<8>(&v->x, layout.value_codes(slot, row) + channel(j), listed[r]);
+          copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
+        } else {
+          copy16(k, layout.key(slot, row) + channel(j), listed[r]);
+          copy16(v, layout.value(slot, row) + channel(j), listed[r]);
+        }
       }
     }
     commit_copies();
@@ -298,12 +331,15 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     issue_base += T::kTokens;
     fetch_addresses(issue_base);
     wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
-    uint4 k_raw[R], v_raw[R];
+    uint4 k_raw[R][C], v_raw[R][C];
     bool valid[R];
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
-      k_raw[r] = *piece(stage, r, 0);
-      v_raw[r] = *piece(stage, r, 1);
+#pragma unroll
+      for (uint32_t j = 0; j < C; ++j) {
+        k_raw[r][j] = *piece(stage, r, j, 0);
+        v_raw[r][j] = *piece(stage, r, j, 1);
+      }
       valid[r] = base + r * T::kRowsPerStep + row_group < last;
     }
     stage = (stage + 1) % kStages;
@@ -311,13 +347,14 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     float s[R][kBlockHeads];
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
-      float k[8];
-      to_float8<D>(k_raw[r], k);
+      float k[kValues];
+#pragma unroll
+      for (uint32_t j = 0; j < C; ++j) to_float8<D>(k_raw[r][j], k + 8 * j);
 #pragma unroll
       for (uint32_t g = 0; g < kBlockHeads; ++g) {
         float dot = 0.0f;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) dot = fmaf(q[g][c], k[c], dot);
+        for (uint32_t c = 0; c < kValues; ++c) dot = fmaf(q[g][c], k[c], dot);
         s[r][g] = dot;
       }
     }
@@ -358,7 +395,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         m[g] = tile_max[g];
         l[g] *= alpha;
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[g][c] *= alpha;
+        for (uint32_t c = 0; c < kValues; ++c) acc[g][c] *= alpha;
       }
     }
 #pragma unroll
@@ -373,12 +410,13 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
     }
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
-      float v[8];
-      to_float8<D>(v_raw[r], v);
+      float v[kValues];
+#pragma unroll
+      for (uint32_t j = 0; j < C; ++j) to_float8<D>(v_raw[r][j], v + 8 * j);
 #pragma unroll
       for (uint32_t g = 0; g < kBlockHeads; ++g)
 #pragma unroll
-        for (int c = 0; c < 8; ++c) acc[g][c] = fmaf(s[r][g], v[c], acc[g][c]);
+        for (uint32_t c = 0; c < kValues; ++c) acc[g][c] = fmaf(s[r][g], v[c], acc[g][c]);
     }
   }
   wait_copies<0>();  // the zero-fill groups issued past the end
@@ -394,7 +432,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       const float a = rescale(m[g], m_new), b = rescale(m_other, m_new);
       l[g] = l[g] * a + l_other * b;
 #pragma unroll
-      for (int c = 0; c < 8; ++c)
+      for (uint32_t c = 0; c < kValues; ++c)
         acc[g][c] = acc[g][c] * a + __shfl_xor_sync(0xffffffffu, acc[g][c], offset) * b;
       m[g] = m_new;
     }
@@ -407,7 +445,9 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
 #pragma unroll
     for (uint32_t g = 0; g < kBlockHeads; ++g) {
 #pragma unroll
-      for (int c = 0; c < 8; ++c) s_acc[warp][g][chunk * 8 + c] = acc[g][c];
+      for (uint32_t j = 0; j < C; ++j)
+#pragma unroll
+        for (uint32_t c = 0; c < 8; ++c) s_acc[warp][g][channel(j) + c] = acc[g][8 * j + c];
       if (chunk == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
     }
   }
@@ -463,42 +503,44 @@ struct KernelInfo {
   uint32_t max_splits;  // the merge stages (m, l) of every split in shared_bytes
 };
 
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, class Form>
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, class Form>
 KernelInfo<Form> info() {
-  using T = Tile<kHeadDim, kBlockHeads>;
-  return {sparse_attend<D, kHeadDim, kBlockHeads, Form>, T::kTokens, T::kSharedBytes,
+  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
+  return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, Form>, T::kTokens, T::kSharedBytes,
           T::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
 
+// Blocks of 8 heads have no 2-piece kernel (its q and acc would not fit the registers): they keep
+// one piece a lane whatever the tuning asks.
 template <simd::Dtype D, uint32_t kHeadDim, class Form>
-KernelInfo<Form> kernel_for_heads(uint32_t block_heads) {
+KernelInfo<Form> kernel_for_heads(uint32_t block_heads, uint32_t chunks) {
   switch (block_heads) {
-    case 1: return info<D, kHeadDim, 1, Form>();
-    case 2: return info<D, kHeadDim, 2, Form>();
-    case 4: return info<D, kHeadDim, 4, Form>();
-    default: return info<D, kHeadDim, kMaxBlockHeads, Form>();
+    case 1: return chunks == 2 ? info<D, kHeadDim, 1, 2, Form>() : info<D, kHeadDim, 1, 1, Form>();
+    case 2: return chunks == 2 ? info<D, kHeadDim, 2, 2, Form>() : info<D, kHeadDim, 2, 1, Form>();
+    case 4: return chunks == 2 ? info<D, kHeadDim, 4, 2, Form>() : info<D, kHeadDim, 4, 1, Form>();
+    default: return info<D, kHeadDim, kMaxBlockHeads, 1, Form>();
   }
 }
 
 template <simd::Dtype D, class Form>
-KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
+KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_t chunks) {
   switch (head_dim) {
-    case 64: return kernel_for_heads<D, 64, Form>(block_heads);
-    case 128: return kernel_for_heads<D, 128, Form>(block_heads);
-    default: return kernel_for_heads<D, 256, Form>(block_heads);
+    case 64: return kernel_for_heads<D, 64, Form>(block_heads, chunks);
+    case 128: return kernel_for_heads<D, 128, Form>(block_heads, chunks);
+    default: return kernel_for_heads<D, 256, Form>(block_heads, chunks);
   }
 }
 
-// The instantiation for a shape that init() accepted.
+// The instantiation for a shape and a tuning that init() accepted.
 template <class Form>
-KernelInfo<Form> kernel_for(const AttentionShape& shape) {
+KernelInfo<Form> kernel_for(const AttentionShape& shape, uint32_t chunks) {
   const uint32_t block_heads = block_heads_for(shape.group_size);
   switch (shape.dtype) {
     case simd::Dtype::f16:
-      return kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads);
+      return kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads, chunks);
     case simd::Dtype::bf16:
-      return kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads);
-    default: return kernel_for_dim<simd::Dtype::q8, Form>(shape.head_dim, block_heads);
+      return kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads, chunks);
+    default: return kernel_for_dim<simd::Dtype::q8, Form>(shape.head_dim, block_heads, chunks);
   }
 }
 
@@ -549,11 +591,14 @@ Result validate_offsets(const uint32_t* host, const uint32_t* device, uint32_t p
   return Result{};
 }
 
-// Splits per pair from the longest list: enough CTAs for the device's resident capacity, each
-// at least kMinTilesPerSplit tiles, then the split rounded up to whole tiles.
+// Splits per pair from the longest list: enough CTAs for target_ctas (the device's resident
+// capacity by default), each at least the tuning's minimum of tiles, then the split rounded up to
+// whole tiles.
 SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_per_entry,
-                      const AttentionShape& shape, uint32_t target_ctas) {
+                      const AttentionShape& shape, const AttendTuning& tuning,
+                      uint32_t target_ctas) {
   SplitPlan plan;
+  plan.device_ctas = target_ctas;
   const uint32_t block_heads = block_heads_for(shape.group_size);
   plan.head_blocks = (shape.group_size + block_heads - 1) / block_heads;
   uint64_t longest = 0;
@@ -565,13 +610,14 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
   plan.kv_bytes = plan.tokens *
                   simd::PageLayout{shape.page_tokens, shape.head_dim, shape.dtype}.token_bytes() *
                   plan.head_blocks;
-  const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape);  // tiles alike in both forms
+  // Tiles are alike in both forms.
+  const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape, tuning.chunks_per_lane);
   const uint64_t tile = kernel.tile_tokens;
   const uint64_t units = uint64_t{pairs} * plan.head_blocks;
   // Rounded down: one CTA past the resident capacity would start a second wave on its own.
   const uint64_t wanted = std::max<uint64_t>(1, target_ctas / units);
-  const uint64_t most =
-      std::max<uint64_t>(1, (longest + kMinTilesPerSplit * tile - 1) / (kMinTilesPerSplit * tile));
+  const uint64_t min_tokens = tuning.min_tiles_per_split * tile;
+  const uint64_t most = std::max<uint64_t>(1, (longest + min_tokens - 1) / min_tokens);
   uint64_t splits = std::clamp<uint64_t>(std::min<uint64_t>(wanted, kernel.max_splits), 1, most);
   uint64_t per_split = (longest + splits - 1) / splits;
   per_split = std::max<uint64_t>(tile, (per_split + tile - 1) / tile * tile);
@@ -584,10 +630,11 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
 
 template <class Form>
 Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t tokens_per_entry,
-              const Form& form, const AttentionShape& shape, uint32_t target_ctas,
-              std::size_t partial_slots, float* partials, uint32_t* arrivals, SplitPlan& plan) {
+              const Form& form, const AttentionShape& shape, const AttendTuning& tuning,
+              uint32_t target_ctas, std::size_t partial_slots, float* partials, uint32_t* arrivals,
+              SplitPlan& plan) {
   const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
-  plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, target_ctas);
+  plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, tuning, target_ctas);
   if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
     return Result::failed("split plan exceeds the workspace (internal error)");
   AttendParams params{};
@@ -606,7 +653,7 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   params.q_scale = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
   const auto stream = static_cast<cudaStream_t>(t.stream);
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
-  const KernelInfo<Form> k = kernel_for<Form>(shape);
+  const KernelInfo<Form> k = kernel_for<Form>(shape, tuning.chunks_per_lane);
   k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
   return cuda_result(cudaGetLastError(), "sparse attention launch");
 }
@@ -626,7 +673,7 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
  public:
   ~SparseDecodeAttention() override { release(); }
 
-  Result init(const AttentionShape& shape, uint32_t max_batch) override;
+  Result init(const AttentionShape& shape, uint32_t max_batch, const AttendTuning& tuning) override;
   Result validate(const PageAttendCall& call) const override;
   Result validate(const TokenAttendCall& call) const override;
   Result run(const PageAttendCall& call) noexcept override;
@@ -642,7 +689,9 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
 
   AttentionShape shape_{};
   uint32_t max_batch_ = 0;
-  uint32_t target_ctas_ = 0;       // multiprocessors x resident CTAs of the attention kernel
+  uint32_t target_ctas_ = 0;  // multiprocessors x CTAs per multiprocessor (AttendTuning, else
+                              // the attention kernel's occupancy)
+  AttendTuning tuning_{};
   std::size_t partial_slots_ = 0;  // (pair, head block, split) partials the workspace holds
   std::unique_ptr<Workspace> workspace_;
   float* partials_ = nullptr;     // workspace_: m, l [partial_slots_, 8] then acc [.., 8, head_dim]
@@ -663,7 +712,8 @@ void SparseDecodeAttention::release() noexcept {
   partial_slots_ = 0;
 }
 
-Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch) {
+Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch,
+                                   const AttendTuning& tuning) {
   if (shape.n_kv_heads < 1 || shape.n_kv_heads > 1024)
     return invalid("n_kv_heads=", shape.n_kv_heads, " is not in 1..1024");
   if (shape.group_size < 1 || shape.group_size > 64)
@@ -677,6 +727,13 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("dtype=", static_cast<int>(shape.dtype), " is not f16 (0), bf16 (1) or q8 (2)");
   if (max_batch < 1 || max_batch > 65536)
     return invalid("max_batch=", max_batch, " is not in 1..65536");
+  if (tuning.ctas_per_sm > kMaxCtasPerSm)
+    return invalid("tuning.ctas_per_sm=", tuning.ctas_per_sm, " is not in 0..", kMaxCtasPerSm);
+  if (tuning.min_tiles_per_split < 1 || tuning.min_tiles_per_split > kMaxMinTiles)
+    return invalid("tuning.min_tiles_per_split=", tuning.min_tiles_per_split, " is not in 1..",
+                   kMaxMinTiles);
+  if (tuning.chunks_per_lane != 1 && tuning.chunks_per_lane != 2)
+    return invalid("tuning.chunks_per_lane=", tuning.chunks_per_lane, " is not 1 or 2");
 
   release();
   int device = 0, multiprocessors = 0, resident = 0;
@@ -687,8 +744,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
       !r.ok)
     return r;
   // Both forms' kernels may take more than the default 48 KiB of dynamic shared memory.
-  const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape);
-  const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape);
+  const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape, tuning.chunks_per_lane);
+  const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape, tuning.chunks_per_lane);
   for (cudaError_t err :
        {cudaFuncSetAttribute(page_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              page_kernel.shared_bytes),
@@ -701,7 +758,9 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                              "occupancy query");
       !r.ok)
     return r;
-  const uint32_t target = static_cast<uint32_t>(multiprocessors) * std::max(resident, 1);
+  const uint32_t per_sm =
+      tuning.ctas_per_sm != 0 ? tuning.ctas_per_sm : static_cast<uint32_t>(std::max(resident, 1));
+  const uint32_t target = static_cast<uint32_t>(multiprocessors) * per_sm;
   const uint32_t block_heads = block_heads_for(shape.group_size);
   const uint64_t head_blocks = (shape.group_size + block_heads - 1) / block_heads;
   const std::size_t units = uint64_t{max_batch} * shape.n_kv_heads * head_blocks;
@@ -721,6 +780,7 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   shape_ = shape;
   max_batch_ = max_batch;
   target_ctas_ = target;
+  tuning_ = tuning;
   partial_slots_ = slots;
   workspace_ = std::move(workspace);
   partials_ = partials;
@@ -785,8 +845,8 @@ Result SparseDecodeAttention::run(const PageAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const PageForm form{call.device.offsets, call.device.slots, call.device.last_page_tokens,
                       log2_exact(shape_.page_tokens)};
-  return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, target_ctas_,
-                partial_slots_, partials_, arrivals_, plan_);
+  return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, tuning_,
+                target_ctas_, partial_slots_, partials_, arrivals_, plan_);
 }
 
 Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
@@ -795,8 +855,8 @@ Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
     return invalid("run() needs a call that validate() accepted (n_seqs=", call.target.n_seqs,
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const TokenForm form{call.device.offsets, call.device.tokens};
-  return launch(call.target, call.host.offsets, 1, form, shape_, target_ctas_, partial_slots_,
-                partials_, arrivals_, plan_);
+  return launch(call.target, call.host.offsets, 1, form, shape_, tuning_, target_ctas_,
+                partial_slots_, partials_, arrivals_, plan_);
 }
 
 }  // namespace cuda

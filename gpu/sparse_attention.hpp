@@ -22,8 +22,8 @@
 // K/V rows once for all G query heads (GQA), keeps an fp32 online softmax, and leaves an
 // unnormalised partial (max, sum, accumulator); the last CTA of a pair to finish merges its
 // splits (no second launch). Split sizes are picked per call from the longest list so that the
-// grid fills the device in one wave; a call whose lists fit one split per pair writes the output
-// directly.
+// grid fills the device in one wave (AttendTuning can ask for fewer or more CTAs, for benchmarks
+// that sweep it); a call whose lists fit one split per pair writes the output directly.
 #pragma once
 
 #include <cstddef>
@@ -96,12 +96,30 @@ struct TokenAttendCall {
   TokenLists device;
 };
 
+// How calls are split and rows are read, for benchmarks that sweep it (bench/bench_offload.cpp
+// --a-tunings, bench/bench_gpu_attend.cpp); every other caller keeps the defaults.
+struct AttendTuning {
+  // CTAs per multiprocessor the splits aim for, 0..64: 0 takes the kernel's occupancy (one full
+  // wave of resident CTAs); below it, fewer CTAs with longer splits and a shorter merge; above
+  // it, several waves of shorter splits.
+  uint32_t ctas_per_sm = 0;
+  // A split covers at least this many CTA tiles (1..64): bounds the merge's traffic against the
+  // K/V a split reads.
+  uint32_t min_tiles_per_split = 2;
+  // 16-byte pieces of a K/V row each lane reads, 1 or 2: with 2, half as many lanes share a row,
+  // so a logit's sum over them takes one shuffle level fewer and each lane computes half as many
+  // exponentials per byte, for twice the registers of q and the accumulators. Blocks of 8 heads
+  // (group sizes above 4) keep 1.
+  uint32_t chunks_per_lane = 1;
+};
+
 // How the last call was split, and what it read.
 struct SplitPlan {
   uint32_t splits_per_pair = 0;   // CTAs per (pair, head block); 1: no merge
   uint32_t tokens_per_split = 0;  // a multiple of the CTA's token tile
   uint32_t head_blocks = 0;       // ceil(group_size / 8) rounded up to the kernel's block
   uint64_t ctas = 0;              // attention CTAs launched
+  uint32_t device_ctas = 0;       // CTAs the splits aim for: multiprocessors x ctas per SM
   uint64_t tokens = 0;            // listed tokens summed over pairs (page form: an upper bound,
                                   // full pages; the open page's missing rows are not read)
   uint64_t kv_bytes = 0;          // K + V bytes those tokens occupy, times head_blocks
@@ -120,10 +138,11 @@ class SparseDecodeAttention {
   SparseDecodeAttention(const SparseDecodeAttention&) = delete;
   SparseDecodeAttention& operator=(const SparseDecodeAttention&) = delete;
 
-  // Checks the shape and max_batch (1..65536) before touching the device, so bad arguments are
-  // reported as such even where no device is present; then reads the device's multiprocessor
-  // count and occupancy, and allocates the split workspace for max_batch sequences.
-  Result init(const AttentionShape& shape, uint32_t max_batch);
+  // Checks the shape, max_batch (1..65536) and the tuning before touching the device, so bad
+  // arguments are reported as such even where no device is present; then reads the device's
+  // multiprocessor count and occupancy, and allocates the split workspace for max_batch sequences
+  // split as `tuning` asks.
+  Result init(const AttentionShape& shape, uint32_t max_batch, const AttendTuning& tuning = {});
 
   // Host-side checks of a call against the shape: n_seqs, pointers, alignment, offsets, and every
   // listed slot, row and last-page count in the host view. Reads no device memory.

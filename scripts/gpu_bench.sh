@@ -14,7 +14,8 @@
 # Environment (run mode):
 #   BENCH_CONTEXTS  tokens per sequence, default "32768 131072 524288 1048576"
 #   BENCH_BATCHES   sequences per step, default "1 8"
-#   BENCH_ARGS      more kvsift-bench-offload flags (--c-steps 32 --b-steps 3 --a-reps 20 ...)
+#   BENCH_ARGS      more kvsift-bench-offload flags (--c-steps 32 --b-steps 3 --a-reps 20
+#                   --a-tunings 0:2:1,8:2:1 --locks-device 0 ...)
 #   BENCH_TIMEOUT   seconds for kvsift-bench-offload (default 270); rows finish smallest first and
 #                   each is in the CSV as soon as it is done, so a cut run keeps its early rows
 #   SDPA_TIMEOUT    seconds for the torch baseline (default 75)
@@ -91,7 +92,8 @@ def ratio(a, b):
     return a / b if a is not None and b else None
 
 cols = [("ctx", 8), ("B", 2), ("a_torch", 8), ("a_ours", 8), ("b_us", 10), ("b_floor", 10),
-        ("c_us", 8), ("select", 8), ("xfer", 7), ("attend", 7), ("MB/step", 8), ("hit", 5),
+        ("c_us", 8), ("select", 8), ("host", 6), ("plan", 5), ("xfer", 7), ("attend", 7),
+        ("MB/step", 8), ("hit", 5),
         ("b/c", 6), ("bf/c", 6), ("c/a", 5), ("b_GB/s", 6), ("of_cp", 5), ("c_GB/s", 6),
         ("of_cp", 5)]
 print(" ".join(f"{n:>{w}}" for n, w in cols))
@@ -105,6 +107,7 @@ for r in ours:
     b_floor = g["copy_b_us"] + g["a_us"] if g["copy_b_us"] and g["a_us"] else None
     cells = [str(T), str(B), f(a_t, ".1f"), f(g["a_us"], ".1f"), f(g["b_us"], ".0f"),
              f(b_floor, ".0f"), f(g["c_us"], ".1f"), f(g["c_select_us"], ".1f"),
+             f(g.get("c_host_us"), ".1f"), f(g.get("c_plan_us"), ".1f"),
              f(g["c_transfer_us"], ".1f"), f(g["c_attend_us"], ".1f"), f(g["c_page_mb"], ".2f"),
              f(g["c_hit"], ".3f"), f(ratio(g["b_us"], g["c_us"]), ".1f"),
              f(ratio(b_floor, g["c_us"]), ".1f"), f(ratio(g["c_us"], a), ".2f"),
@@ -132,6 +135,8 @@ for r in ours:
     # show both against a plain copy).
     if T in (131072, 1048576):
         label = "1M" if T == 1048576 else f"{T // 1024}K"
+        v = ratio(g["a_us"], a_t)
+        goal(f"(a ours)/(a torch) <= 1.05 at {label}, B={B}", v, v is not None and v <= 1.05)
         share = ratio(g["b_gbps"], GATHERED_GBPS)
         goal(f"(b) >= 0.8 x gathered 40 GB/s, {label} B={B}", share,
              (share or 0) >= 0.8)
@@ -141,8 +146,10 @@ a_ours   our kernel over every page resident in device memory, median us (events
 b_us     dense offload: every page moved by the transfer engine, then our kernel; median wall us
 b_floor  a plain pinned copy of the same bytes + a_ours: the ceiling of any dense offload
 c_us     kvsift offload step, 2% LOCKS, drifting query, one token appended per step; median wall us
-select   CPU selection us; xfer: q, page moves, refreshes and lists, the CPU's planning
-         inside (events); attend: the kernel (events); all three medians per step
+select   selection us (CPU, or the device's with --locks-device); host: the offload step's CPU
+         time after it (page lists, residency plan, CUDA calls), plan: its residency plan and
+         refresh scan; xfer: q, page moves and refreshes (one gather) and lists, the CPU's
+         planning inside (events); attend: the kernel (events); all medians per step
 MB/step  page bytes moved per step (misses + refreshed open pages); hit: hits/(hits+misses)
 b/c, bf/c  b_us / c_us and b_floor / c_us;  c/a: c_us / a_torch (a_ours where torch is missing)
 b_GB/s   (b) page bytes / move interval (planning included); c_GB/s: (c) page bytes / xfer;
@@ -155,4 +162,11 @@ for n in notes:
 if not ours:
     print("no rows from kvsift-bench-offload (see offload.log)")
 PY
+# The kernel tuning sweeps (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per row, one line
+# per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us and spread, for (a) (every page, TB/s) and
+# for (c)'s last call (the selective lists in the device cache).
+echo
+echo "kernel tuning sweeps (dense: (a), fastest at 128K and 1M, B 1 and 8; selective: (c) attend):"
+grep -E '^\[.*\] (row context|  \(a\) (ours|sweep)|  \(c\) attend sweep)' "$out/offload.log" |
+  tee -a "$out/table.txt" || true
 exit $status

@@ -130,6 +130,11 @@ if [[ " $checks " == *" tests "* ]]; then
       echo "compute-sanitizer $1 $2: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|PASSED|FAILED' \
         "$logs/sanitizer_$1_$2.log" | tail -2 | tr '\n' ' ')"
     }
+    # The attention kernel under every tuning the benchmarks sweep, both row layouts; the
+    # transfer engine's plan() and move() with extra moves on every path.
+    run_sanitizer memcheck kvsift_gpu_tests '*every_split_tuning*:Paths/GpuTransferCase.*'
+    run_sanitizer racecheck kvsift_gpu_tests \
+      '*b1_g4_d128_p16_bf16_pages*:*b1_g4_d64_p16_q8_tokens*:*short_selection*'
     run_sanitizer memcheck kvsift_gpu_llama_tests '*'
     run_sanitizer racecheck kvsift_gpu_llama_tests '*whole*'
     run_sanitizer memcheck kvsift_gpu_louver_tests 'LouverFilter.*'

@@ -91,6 +91,7 @@ struct Case {
   uint32_t max_context_pages = 40;  // each sequence holds 1..this many pages per KV head
   double keep = 0.5;                // share of pages (or tokens) a pair lists
   float key_growth = 0.0f;          // K of a pair's page i is scaled by 1 + key_growth * i
+  uint32_t chunks = 1;              // gpu::AttendTuning::chunks_per_lane
 };
 
 std::string case_name(const Case& c) {
@@ -99,7 +100,7 @@ std::string case_name(const Case& c) {
        << (c.dtype == simd::Dtype::f16    ? "_f16"
            : c.dtype == simd::Dtype::bf16 ? "_bf16"
                                           : "_q8")
-       << (c.form == Form::pages ? "_pages" : "_tokens");
+       << (c.form == Form::pages ? "_pages" : "_tokens") << (c.chunks == 2 ? "_c2" : "");
   return name.str();
 }
 
@@ -290,12 +291,13 @@ ErrorSummary* const error_summary =
     static_cast<ErrorSummary*>(::testing::AddGlobalTestEnvironment(new ErrorSummary));
 
 // Runs the case's form and checks it against the reference; returns the output.
-std::vector<float> run_and_check(const Problem& p, Form form, gpu::SplitPlan* plan = nullptr) {
+std::vector<float> run_and_check(const Problem& p, Form form, gpu::SplitPlan* plan = nullptr,
+                                 const gpu::AttendTuning& tuning = {}) {
   DeviceProblem dev(p);
   gpu::SparseDecodeAttention attention;
   std::vector<float> out;
   [&] {
-    ASSERT_OK(attention.init(p.shape, p.n_seqs));
+    ASSERT_OK(attention.init(p.shape, p.n_seqs, tuning));
     if (form == Form::pages) {
       ASSERT_OK(attention.validate(dev.pages));
       ASSERT_OK(attention.run(dev.pages));
@@ -340,7 +342,9 @@ class GpuAttentionCase : public ::testing::WithParamInterface<Case>, public GpuT
 TEST_P(GpuAttentionCase, matches_the_float64_reference) {
   const Case c = GetParam();
   const Problem p = make_random_problem(c, 1000 + c.head_dim + c.page_tokens + c.group_size);
-  run_and_check(p, c.form);
+  gpu::AttendTuning tuning;
+  tuning.chunks_per_lane = c.chunks;
+  run_and_check(p, c.form, nullptr, tuning);
 }
 
 std::vector<Case> all_cases() {
@@ -361,6 +365,12 @@ std::vector<Case> all_cases() {
   cases.push_back(Case{1, 8, 256, 32, simd::Dtype::f16, Form::tokens});
   cases.push_back(Case{2, 3, 128, 32, simd::Dtype::q8, Form::pages});
   cases.push_back(Case{2, 12, 256, 16, simd::Dtype::q8, Form::tokens});
+  // Every shape again with two 16-byte pieces a lane (groups above 4 fall back to one).
+  const std::size_t one_piece = cases.size();
+  for (std::size_t i = 0; i < one_piece; ++i) {
+    cases.push_back(cases[i]);
+    cases.back().chunks = 2;
+  }
   return cases;
 }
 
@@ -390,14 +400,42 @@ TEST_F(GpuTest, a_long_context_splits_and_merges) {
   EXPECT_GT(plan.splits_per_pair, 1u);
 }
 
+TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
+  // The benchmarks' split tunings and odd ones: one CTA per multiprocessor, several waves, long
+  // minimum splits, over pairs of uneven lengths (odd page counts, partial last pages), in both
+  // forms. Each must merge to the same attention.
+  const std::vector<uint32_t> pages = {301, 7, 1, 517, 64, 0, 129, 255};
+  const std::vector<uint32_t> last = {9, 16, 3, 1, 16, 0, 11, 15};
+  const gpu::AttendTuning tunings[] = {{0, 2, 1},  {1, 1, 1}, {2, 2, 1},  {3, 5, 1},  {8, 2, 1},
+                                       {16, 2, 1}, {0, 8, 1}, {64, 1, 1}, {0, 64, 1}, {0, 2, 2},
+                                       {1, 1, 2},  {8, 2, 2}, {0, 8, 2}};
+  uint32_t seed = 90;
+  for (Form form : {Form::pages, Form::tokens})
+    for (const gpu::AttendTuning& tuning : tunings) {
+      SCOPED_TRACE(::testing::Message()
+                   << "ctas_per_sm " << tuning.ctas_per_sm << ", min tiles "
+                   << tuning.min_tiles_per_split << ", chunks " << tuning.chunks_per_lane);
+      const Case c{1, 4, 128, 16, simd::Dtype::bf16, form, 8};
+      gpu::SplitPlan plan;
+      run_and_check(make_problem(c, ++seed, pages, last), form, &plan, tuning);
+      if (tuning.ctas_per_sm != 0) {
+        EXPECT_EQ(plan.device_ctas % tuning.ctas_per_sm, 0u);
+      }
+      if (tuning.ctas_per_sm >= 8 && tuning.min_tiles_per_split <= 2) {
+        EXPECT_GT(plan.splits_per_pair, 1u);
+      }
+    }
+}
+
 TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
   // Keys that grow along the context push the logits' maximum up tile after tile, so the lazy
   // rescaling (a reference max moved only when a logit exceeds it by 2^8) fires again and again.
-  for (Form form : {Form::pages, Form::tokens}) {
-    Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
-    c.key_growth = 0.08f;
-    run_and_check(make_random_problem(c, 51), form);
-  }
+  for (Form form : {Form::pages, Form::tokens})
+    for (uint32_t chunks : {1u, 2u}) {
+      Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
+      c.key_growth = 0.08f;
+      run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks});
+    }
 }
 
 TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
@@ -459,6 +497,10 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
   expect_invalid(with([](auto& s) { s.n_kv_heads = 0; }), "n_kv_heads=0");
   expect_invalid(with([](auto& s) { s.dtype = static_cast<simd::Dtype>(7); }), "dtype=7");
   expect_invalid(attention.init(good, 0), "max_batch=0 is not in 1..65536");
+  expect_invalid(attention.init(good, 1, {65, 2}), "tuning.ctas_per_sm=65 is not in 0..64");
+  expect_invalid(attention.init(good, 1, {0, 0}), "tuning.min_tiles_per_split=0 is not in 1..64");
+  expect_invalid(attention.init(good, 1, {0, 65}), "tuning.min_tiles_per_split=65");
+  expect_invalid(attention.init(good, 1, {0, 2, 3}), "tuning.chunks_per_lane=3 is not 1 or 2");
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
