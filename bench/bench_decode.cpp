@@ -134,6 +134,7 @@ int main(int argc, char** argv) {
   std::string fill = "prompt", kv_dtype = "f16", weights = "bf16";
   uint32_t steps = 32, warmup = 4;
   int threads = 0, busy = 0;
+  uint32_t device_cache_pages = 0;
   app.add_option("--model", model_path, "GGUF file")->required();
   app.add_option("--device", device, "cpu or cuda[:N]")->check(apps::device_name());
   app.add_option("--contexts", contexts, "tokens per sequence at the last step")
@@ -161,6 +162,9 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed decode steps per row")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", warmup, "untimed decode steps first")->check(CLI::Range(0, 100000));
   app.add_option("--threads", threads, "CPU threads (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--device-cache-pages", device_cache_pages,
+                 "offload mode: (page, KV head) slots the device caches per layer (0: every page "
+                 "of the largest context and batch, so the whole cache ends up in device memory)");
   app.add_option("--busy", busy,
                  "spinning threads in a competing process (-1: one per CPU of the affinity mask)")
       ->check(CLI::Range(-1, 1024));
@@ -203,6 +207,7 @@ int main(int argc, char** argv) {
   params.n_ctx = max_context;
   params.max_seqs = max_batch;
   params.n_threads = threads;
+  params.device_cache_pages = device_cache_pages;
   params.device = apps::device_index(device);
   params.kv_dtype = apps::kv_dtype_names().at(kv_dtype);
   params.weights = kWeights.at(weights);
@@ -336,6 +341,7 @@ int main(int argc, char** argv) {
             {"h2d_MB_total", h2d_total / 1e6},
             {"hit_rate_all",
              lookups_total > 0 ? static_cast<double>(hits_total) / lookups_total : 1.0},
+            {"device_cache_pages", device_cache_pages},
             {"steps", steps},
             {"busy_threads", busy}};
         std::printf("%s\n", row.dump().c_str());
