@@ -206,12 +206,6 @@ struct Pages {
   }
 };
 
-// Whether a level attends to this dtype with integer products (an int8 query and u8 weights):
-// avx512_vnni over a q8 cache.
-bool uses_integer_products(Level level, Dtype dtype) {
-  return level == Level::avx512_vnni && dtype == Dtype::q8;
-}
-
 // An integer-product kernel's output against the float64 attention over the stored values
 // (Pages::integer_products): within the weights' rounding bound of the float64 attention with the
 // rounded query, plus 1e-5 of the output's largest value for the float32 arithmetic (the float
@@ -264,7 +258,7 @@ TEST_P(Kernels, attention_over_odd_sizes_matches_scalar_and_float64) {
             const auto ref = pages.reference(q, G, nullptr);
             SCOPED_TRACE(testing::Message() << "d=" << d << " B=" << B << " G=" << G
                                             << " tokens=" << tokens << " dtype=" << int(dtype));
-            if (uses_integer_products(GetParam(), dtype)) {
+            if (test::attends_with_integer_products(GetParam(), dtype)) {
               expect_within_integer_bounds(pages, got, q, G, nullptr);
               continue;
             }
@@ -281,7 +275,7 @@ TEST_P(Kernels, explicit_page_lists_attend_only_the_listed_pages) {
     for (const auto& list : lists) {
       const auto q = test::random_floats(4 * 128, 78);
       const auto got = pages.attend(k(), q, 4, &list);
-      if (uses_integer_products(GetParam(), dtype)) {
+      if (test::attends_with_integer_products(GetParam(), dtype)) {
         expect_within_integer_bounds(pages, got, q, 4, &list);
         continue;
       }
@@ -346,7 +340,7 @@ TEST_P(Kernels, q8_attention_errors_against_the_stored_and_the_original_values) 
   RecordProperty("kernel_error", testing::PrintToString(own));
   RecordProperty("quantization_error", testing::PrintToString(quantization));
   RecordProperty("f16_storage_error", testing::PrintToString(f16_error));
-  const bool integer = uses_integer_products(GetParam(), Dtype::q8);
+  const bool integer = test::attends_with_integer_products(GetParam(), Dtype::q8);
   EXPECT_LT(own, integer ? 3e-3 : 2e-5);
   EXPECT_LT(quantization, 5e-2);
   EXPECT_GT(quantization, (integer ? 5 : 10) * own);  // int8 storage, not the kernel, dominates
