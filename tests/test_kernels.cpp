@@ -249,7 +249,7 @@ TEST_P(Kernels, attention_over_odd_sizes_matches_scalar_and_float64) {
   for (Dtype dtype : {Dtype::f16, Dtype::bf16, Dtype::q8})
     for (uint32_t d : {64u, 128u, 256u})
       for (uint32_t B : {16u, 32u, 64u})
-        for (uint32_t G : {1u, 3u, 4u, 5u, 8u})
+        for (uint32_t G : {1u, 3u, 4u, 5u, 8u, 37u})  // 37: more heads than one VNNI pass
           for (uint64_t tokens : {1u, 3u, 7u, 17u, 200u}) {
             const Pages pages(tokens, B, d, dtype, ++seed);
             const auto q = test::random_floats(std::size_t{G} * d, ++seed);
@@ -282,6 +282,24 @@ TEST_P(Kernels, explicit_page_lists_attend_only_the_listed_pages) {
       const auto ref = pages.reference(q, 4, &list);
       EXPECT_LT(test::relative_error(got.data(), ref.data(), got.size()), 1e-5);
     }
+  }
+}
+
+TEST_P(Kernels, q8_attention_ignores_what_the_unused_rows_of_a_partial_page_hold) {
+  for (uint32_t B : {16u, 64u}) {
+    Pages pages(3 * B + 5, B, 128, Dtype::q8, 31 + B);
+    const auto q = test::random_floats(4 * 128, 32);
+    const auto clean = pages.attend(k(), q, 4, nullptr);
+    std::byte* last = pages.layout.slot(pages.pool.data(), pages.table.back());
+    for (uint32_t t = 5; t < B; ++t) {  // stale codes and scales that are not numbers
+      std::memset(pages.layout.key_codes(last, t), 0x7f, 128);
+      std::memset(pages.layout.value_codes(last, t), 0x81, 128);
+      pages.layout.key_scales(last)[t] = std::numeric_limits<float>::quiet_NaN();
+      pages.layout.value_scales(last)[t] = std::numeric_limits<float>::infinity();
+    }
+    const auto dirty = pages.attend(k(), q, 4, nullptr);
+    EXPECT_EQ(0, std::memcmp(clean.data(), dirty.data(), clean.size() * sizeof(float)))
+        << "B=" << B;
   }
 }
 

@@ -145,9 +145,11 @@ void page(const QueryCodes& qc, uint32_t h, const PageLayout& layout, const std:
     __m512 sum = _mm512_setzero_ps(), w_max = _mm512_setzero_ps();
     for (uint32_t t0 = 0; t0 < B; t0 += W) {
       const __m512 x = _mm512_fmsub_ps(_mm512_loadu_ps(sg + t0), _mm512_set1_ps(kLog2e), shift);
-      const __m512 p = _mm512_maskz_mov_ps(live(t0, n), exp2_ps(clamp125(x)));
+      // Masked twice: a tail token's scales are whatever the slot held (finite or not).
+      const __mmask16 in_page = live(t0, n);
+      const __m512 p = _mm512_maskz_mov_ps(in_page, exp2_ps(clamp125(x)));
       sum = _mm512_add_ps(sum, p);
-      const __m512 w = _mm512_mul_ps(p, _mm512_loadu_ps(v_scale + t0));
+      const __m512 w = _mm512_maskz_mul_ps(in_page, p, _mm512_loadu_ps(v_scale + t0));
       w_max = _mm512_max_ps(w_max, w);
       _mm512_storeu_ps(sg + t0, w);
     }
