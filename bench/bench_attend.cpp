@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -29,10 +30,15 @@
 
 #include "bench/bench_util.hpp"
 #include "kvsift/kvsift.h"
+#include "lib/core/aligned.hpp"
+#include "simd/kernels.hpp"
+#include "simd/page_rows.hpp"
 
 namespace {
 
 using namespace kvsift::bench;
+using kvsift::AlignedVector;
+namespace simd = kvsift::simd;
 
 constexpr Shape kShapes[] = {kLlama8b, kSmollm2};
 constexpr uint64_t kContexts[] = {4096, 8192, 32768, 131072, 524288};
@@ -251,7 +257,71 @@ void BM_attend_dense(benchmark::State& state, CaseKey key) {
   state.counters["threads"] = key.threads;
 }
 
+// ---- One kernel call on hot data ---------------------------------------------------------------
+// The attention kernel of one level over one (sequence, KV head) of the llama8b shape (G 4, d 128,
+// pages of 16) whose pages fit in L2, on the calling thread: the compute side of
+// BM_attend_dense, without DRAM. Its CPU time is this thread's own, so it holds when neighbours
+// load the machine (bw_ratio does not); cycles_per_token, when KVSIFT_BENCH_GHZ gives the clock,
+// counts it in cycles. Against BM_attend_dense, one token of one KV head streams
+// kv_bytes_per_token bytes: the kernel keeps up with a thread's share of the read bandwidth while
+// that over its ns_per_token is above it.
+void BM_attend_kernel(benchmark::State& state, simd::Level level, simd::Dtype dtype) {
+  if (!simd::cpu_has(level)) {
+    state.SkipWithError("this CPU lacks the level");
+    return;
+  }
+  const simd::Kernels& k = simd::kernels_for(level);
+  const uint32_t G = kLlama8b.group_size, d = kLlama8b.head_dim, B = kPageTokens;
+  const uint64_t tokens = static_cast<uint64_t>(state.range(0));
+  const simd::PageLayout layout{B, d, dtype};
+  const auto pages = static_cast<uint32_t>((tokens + B - 1) / B);
+  AlignedVector<std::byte> pool(layout.slot_bytes() * pages, std::byte{0});
+  std::vector<float> row(d), q(std::size_t{G} * d);
+  Random random(kSeed);
+  for (uint64_t t = 0; t < tokens; ++t)
+    for (simd::SlotPart part : {simd::SlotPart::key, simd::SlotPart::value}) {
+      random.fill(row);
+      simd::store_rows(k, layout, layout.slot(pool.data(), t / B), part,
+                       static_cast<uint32_t>(t % B), 1, row.data(), d);
+    }
+  random.fill(q);
+  for (float& x : q) x /= std::sqrt(static_cast<float>(d));
+  AlignedVector<float> m(G), l(G), acc(std::size_t{G} * d), scratch(std::size_t{G} * B);
+  simd::AttendJob job{};
+  job.q = q.data();
+  job.group = G;
+  job.layout = layout;
+  job.pool = pool.data();
+  job.count = pages;
+  job.seq_tokens = tokens;
+  job.m = m.data();
+  job.l = l.data();
+  job.acc = acc.data();
+  job.scratch = scratch.data();
+  for (auto _ : state) {
+    k.attend(job);
+    benchmark::DoNotOptimize(acc.data());
+  }
+  const double calls = static_cast<double>(state.iterations());
+  state.SetItemsProcessed(static_cast<int64_t>(calls * tokens));
+  state.SetBytesProcessed(static_cast<int64_t>(calls * tokens * layout.token_bytes()));
+  const auto per_token = benchmark::Counter::kIsRate | benchmark::Counter::kInvert;
+  state.counters["ns_per_token"] = benchmark::Counter(calls * tokens * 1e-9, per_token);
+  if (const char* ghz = std::getenv("KVSIFT_BENCH_GHZ"); ghz != nullptr && std::atof(ghz) > 0.0)
+    state.counters["cycles_per_token"] =
+        benchmark::Counter(calls * tokens * 1e-9 / std::atof(ghz), per_token);
+  state.counters["kv_bytes_per_token"] = static_cast<double>(layout.token_bytes());
+  state.SetLabel(simd::level_name(level));
+}
+
 void register_benchmarks() {
+  for (simd::Level level : simd::kLevels)
+    for (simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::q8}) {
+      const std::string name = std::string("BM_attend_kernel/llama8b/") + simd::level_name(level) +
+                               (dtype == simd::Dtype::q8 ? "/kv:q8" : "/kv:f16");
+      benchmark::RegisterBenchmark(name.c_str(), BM_attend_kernel, level, dtype)->Arg(2048);
+    }
+
   for (int threads : kThreadCounts) {
     const std::string name = "BM_read_bandwidth/threads:" + std::to_string(threads);
     benchmark::RegisterBenchmark(name.c_str(), BM_read_bandwidth, threads)

@@ -14,6 +14,7 @@
 
 #include <xsimd/xsimd.hpp>
 
+#include "simd/attend_pages.hpp"
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
 
@@ -260,29 +261,7 @@ struct Body {
   template <Dtype D, uint32_t d>
   static void attend_dtype(const AttendJob& job) noexcept {
     const PageLayout layout = job.layout;
-    const uint32_t B = layout.page_tokens;
-    auto page_of = [&job](uint32_t i) {
-      return job.logical ? job.logical[job.first + i] : job.first + i;
-    };
-    for (uint32_t i = 0; i < job.count; ++i) {
-      const uint32_t p = page_of(i);
-      const std::size_t slot = job.table ? job.table[p] : p;
-      const std::byte* bytes = layout.slot(job.pool, slot);
-      const uint64_t left = job.seq_tokens - uint64_t{p} * B;
-      const uint32_t n = left < B ? static_cast<uint32_t>(left) : B;
-      // A next page that is not the adjacent slot starts no hardware prefetch stream: it is
-      // fetched into L2 while this one is computed (BM_attend_scattered, llama8b 128K, one
-      // thread: 7.4 GB/s without this, 8.8 with it, against 17 for adjacent pages). Adjacent
-      // pages are left to the hardware: prefetching them too made them slower on Zen 4.
-      if (i + 1 < job.count) {
-        const uint32_t next_page = page_of(i + 1);
-        const std::size_t next = job.table ? job.table[next_page] : next_page;
-        if (next != slot + 1) {
-          const std::byte* ahead = layout.slot(job.pool, next);
-          for (std::size_t o = 0; o < layout.slot_bytes(); o += 64)
-            __builtin_prefetch(ahead + o, 0, 2);
-        }
-      }
+    walk_pages(job, [&](const std::byte* bytes, uint32_t n) {
       for (uint32_t g0 = 0; g0 < job.group; g0 += kHeadBlock) {
         const float* q = job.q + std::size_t{g0} * d;
         float* acc = job.acc + std::size_t{g0} * d;
@@ -295,17 +274,12 @@ struct Body {
           default: page<D, 4, d>(q, layout, bytes, n, m, l, acc, job.scratch); break;
         }
       }
-    }
+    });
   }
 
   static void attend(const AttendJob& job) noexcept {
     static_assert(kHeadBlock == 4, "attend_dtype's switch covers blocks of up to 4 heads");
-    const std::size_t G = job.group, d = job.layout.head_dim;
-    for (std::size_t g = 0; g < G; ++g) {
-      job.m[g] = kNegInf;
-      job.l[g] = 0.0f;
-    }
-    for (std::size_t i = 0; i < G * d; ++i) job.acc[i] = 0.0f;
+    start_attend(job);
     // head_dim and the dtype as template parameters: the channel loops unroll fully, with no
     // counters and no per-element branch on the dtype.
     switch (job.layout.dtype) {

@@ -85,7 +85,8 @@ enum class Level : uint8_t {
   scalar = 0,       // portable code, baseline x86-64
   avx2 = 1,         // x86-64-v3: AVX2, FMA, F16C (simd/x86/attend_avx2.cpp)
   avx512 = 2,       // x86-64-v4: AVX-512 F/CD/BW/DQ/VL (simd/x86/attend_avx512.cpp, ...)
-  avx512_vnni = 3,  // avx512 with the int8 LOCKS scorer on VNNI (simd/x86/locks_avx512_vnni.cpp)
+  avx512_vnni = 3,  // avx512 with the int8 LOCKS scorer and q8 attention on VNNI
+                    // (simd/x86/locks_avx512_vnni.cpp, simd/x86/attend_avx512_vnni.cpp)
   best = 255,
 };
 

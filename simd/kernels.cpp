@@ -24,14 +24,23 @@ void locks_score_vnni_level(const LocksScoreJob& job) noexcept {
     avx512_kernels().locks_score(job);
 }
 
-// avx512's table with the int8 LOCKS scorer and the quantized matvec replaced: VNNI adds kernels,
-// not a table.
+// avx512_vnni's attention: q8 caches on the integer kernel, the 16-bit dtypes on the AVX-512 one.
+void attend_vnni_level(const AttendJob& job) noexcept {
+  if (job.layout.dtype == Dtype::q8)
+    attend_q8_avx512_vnni(job);
+  else
+    avx512_kernels().attend(job);
+}
+
+// avx512's table with q8 attention, the int8 LOCKS scorer and the quantized matvec replaced: VNNI
+// adds kernels, not a table.
 const Kernels& avx512_vnni_kernels() noexcept {
   static const Kernels table = [] {
     Kernels t = avx512_kernels();
     t.level = Level::avx512_vnni;
     t.matvec_quant = matvec_quant_avx512_vnni;
     t.locks_score = locks_score_vnni_level;
+    t.attend = attend_vnni_level;
     return t;
   }();
   return table;

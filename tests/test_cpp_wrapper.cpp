@@ -31,6 +31,13 @@ namespace {
 using kvsift::test::random_floats;
 using kvsift::test::relative_error;
 
+// test::attend_tolerance for a cache's ISA and dtype (the C enums share the values of
+// simd/isa.hpp's Level and simd/page_layout.hpp's Dtype).
+double attend_tolerance(const kvsift::cache& cache, kvsift_dtype dtype) {
+  return kvsift::test::attend_tolerance(static_cast<kvsift::simd::Level>(cache.isa()),
+                                        static_cast<kvsift::simd::Dtype>(dtype));
+}
+
 static_assert(!std::is_copy_constructible_v<kvsift::cache>);
 static_assert(!std::is_copy_assignable_v<kvsift::cache>);
 static_assert(std::is_nothrow_move_constructible_v<kvsift::cache>);
@@ -240,7 +247,8 @@ TEST_P(CppWrapperCache, attend_matches_the_c_api_and_the_reference) {
       for (uint32_t t = 0; t < n; ++t) every_token.back()[t] = t;
     }
   const std::vector<double> expected = reference(wrapped, layer, seqs, q, every_token);
-  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()),
+            attend_tolerance(wrapped, p.dtype));
 
   // The statistics of the last attention: the same on both.
   const kvsift_cache_stats stats = wrapped.stats();
@@ -281,7 +289,8 @@ TEST_P(CppWrapperCache, attend_over_a_page_list_matches_the_c_api_and_the_refere
            t < std::min<uint64_t>(n, uint64_t{ids[i] + 1} * p.page_tokens); ++t)
         positions[h].push_back(t);
   const std::vector<double> expected = reference(cache, 0, seqs, q, positions);
-  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()), 1e-5);
+  EXPECT_LT(relative_error(out.data(), expected.data(), out.size()),
+            attend_tolerance(cache, p.dtype));
 }
 
 TEST_P(CppWrapperCache, select_matches_kvsift_select_and_attend_selected) {

@@ -115,7 +115,9 @@ typedef enum kvsift_isa {
   KVSIFT_ISA_SCALAR = 0,      /* portable code */
   KVSIFT_ISA_AVX2 = 1,        /* x86-64-v3: AVX2, FMA, F16C, BMI1/2, LZCNT, MOVBE */
   KVSIFT_ISA_AVX512 = 2,      /* x86-64-v4: avx2's and AVX-512 F/CD/DQ/BW/VL */
-  KVSIFT_ISA_AVX512_VNNI = 3, /* avx512's and AVX-512 VNNI: int8 LOCKS queries scored on VNNI */
+  KVSIFT_ISA_AVX512_VNNI = 3, /* avx512's and AVX-512 VNNI: int8 LOCKS queries scored on VNNI,
+                               and Q8 attention in integers (q rounded to 15 bits, each page's
+                               softmax weights to 8: about 1e-3 relative, docs/performance.md) */
   KVSIFT_ISA_AUTO = 255,      /* the best the CPU supports, within the process cap */
   KVSIFT_ISA_MAX_ENUM = 0x7fffffff
 } kvsift_isa;

@@ -38,12 +38,12 @@
 
 #include "simd/kernels.hpp"
 #include "simd/locks_record.hpp"
+#include "simd/x86/vnni_common.hpp"
 #include "simd/x86/x86_kernels.hpp"
 
 namespace kvsift::simd {
 namespace {
 
-constexpr uint32_t W = 16;
 constexpr uint32_t kMaxHeadDim = 256;
 constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxQuarters = kMaxHeadDim / 32;        // 16-byte quarters of a V column
@@ -70,29 +70,13 @@ struct QueryCodes {
   alignas(64) float mu_scale[kMaxHeadQuads][W];
 };
 
-// q rounded as the float64 reference does it: s_q = max|q| / 127 in float, codes round(q / s_q)
-// to nearest even (cvtps uses the default rounding, as nearbyint), all zero when q = 0.
-float quantize(const float* q, uint32_t d, int8_t* codes) noexcept {
-  __m512 amax = _mm512_setzero_ps();
-  for (uint32_t c = 0; c < d; c += W)
-    amax = _mm512_max_ps(amax, _mm512_abs_ps(_mm512_loadu_ps(q + c)));
-  const float s_q = _mm512_reduce_max_ps(amax) / 127.0f;
-  for (uint32_t c = 0; c < d; c += W) {
-    const __m512i code =
-        s_q > 0.0f ? _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(q + c), _mm512_set1_ps(s_q)))
-                   : _mm512_setzero_si512();
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + c), _mm512_cvtsepi32_epi8(code));
-  }
-  return s_q;
-}
-
 void prepare(const LocksScoreJob& job, uint32_t g0, uint32_t ng, QueryCodes& qc) noexcept {
   const uint32_t d = job.head_dim;
   alignas(64) float s_q[kLocksHeadBlock] = {};
   alignas(64) int32_t sums[kLocksHeadBlock] = {};
   for (uint32_t g = 0; g < ng; ++g) {
     int8_t* codes = qc.codes[g];
-    s_q[g] = quantize(job.q + std::size_t{g0 + g} * d, d, codes);
+    s_q[g] = quantize_query(job.q + std::size_t{g0 + g} * d, d, codes);
     for (uint32_t c = 0; c < d; ++c) sums[g] += codes[c];
     for (uint32_t s = 0; s < d / 32; ++s)
       for (uint32_t b = 0; b < 16; ++b)
@@ -110,12 +94,6 @@ void prepare(const LocksScoreJob& job, uint32_t g0, uint32_t ng, QueryCodes& qc)
   }
 }
 
-// 128-bit lane k of the result: [sum of a's lane k, b's, c's, d's] (four int32 each).
-__m512i sum4_epi32(__m512i a, __m512i b, __m512i c, __m512i d) noexcept {
-  const __m512i ab = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
-  const __m512i cd = _mm512_add_epi32(_mm512_unpacklo_epi32(c, d), _mm512_unpackhi_epi32(c, d));
-  return _mm512_add_epi32(_mm512_unpacklo_epi64(ab, cd), _mm512_unpackhi_epi64(ab, cd));
-}
 __m512 sum4_ps(__m512 a, __m512 b, __m512 c, __m512 d) noexcept {
   const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
   const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
@@ -129,12 +107,7 @@ __m512 sum16_ps(const __m512* x) noexcept {
   __m512 s[4];
   for (uint32_t m = 0; m < 4; ++m)
     s[m] = sum4_ps(x[4 * m], x[4 * m + 1], x[4 * m + 2], x[4 * m + 3]);
-  // s[m] lane 4k + h: quarter k's part of x[4m + h]; add the quarters.
-  const __m512 a =
-      _mm512_add_ps(_mm512_shuffle_f32x4(s[0], s[1], 0x44), _mm512_shuffle_f32x4(s[0], s[1], 0xEE));
-  const __m512 b =
-      _mm512_add_ps(_mm512_shuffle_f32x4(s[2], s[3], 0x44), _mm512_shuffle_f32x4(s[2], s[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xDD));
+  return add_quarters_ps(s);
 }
 
 // Four bf16 at p to floats, each repeated over the four lanes of one 128-bit lane; lanes from
@@ -160,31 +133,6 @@ float bf16_at(const std::byte* p) noexcept {
 __m512 load_i8(const std::byte* p) noexcept {
   return _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-// 2^x for |x| <= 125, to within 2.3e-7 relative (measured in float32 over [-0.5, 0.5]): x = n + f,
-// n = round(x) by the 1.5 * 2^23 shift (n lands in the sum's low mantissa bits), 2^f by a degree-5
-// minimax polynomial (Remez, relative error 7.5e-8), 2^n added to the exponent field in integers.
-// Nothing here runs on the multiply pipes but the five FMAs: vscalefps and vrndscaleps would
-// (measured on Zen 4: vscalefps takes two cycles of them).
-__m512 exp2_ps(__m512 x) noexcept {
-  const __m512 shifter = _mm512_set1_ps(12582912.0f);
-  const __m512 t = _mm512_add_ps(x, shifter);
-  const __m512 f = _mm512_sub_ps(x, _mm512_sub_ps(t, shifter));
-  __m512 p = _mm512_set1_ps(1.3276472e-3f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6755413e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5507133e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022120e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314697e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0000001f));
-  return _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_castps_si512(p), _mm512_slli_epi32(_mm512_castps_si512(t), 23)));
-}
-
-// x with its magnitude clamped to 125 (sign kept), in one vrangeps: the domain of exp2_ps.
-__m512 clamp125(__m512 x) noexcept {
-  // imm 0x02: the smaller magnitude, the sign of the first operand.
-  return _mm512_range_ps(x, _mm512_set1_ps(125.0f), 0x02);
 }
 
 // ln x for finite x >= 1 (the sums of exps) to about 1 ulp: x = m 2^e with m in [0.75, 1.5), and
