@@ -7,8 +7,9 @@
 // The embedding table stays in the file's mapping and is dequantized a row at a time (embed()).
 // Loaded with keep_quantized, a linear layer whose tensors are all Q8_0, Q4_0 or Q4_1 is not
 // converted at all: it reads the file's blocks in place, in the mapping (simd::BlockFormat), 4.5
-// bits a weight for Q4_0 against 16 in bf16 (an 8B model's linear layers: 4.2 GB against 15 GB);
-// the other layers are dequantized to `type` as before.
+// bits a weight for Q4_0 against 16 in bf16 (an 8B model's linear layers: 4.2 GB against 15 GB;
+// Q4_0's are copied once into the same number of bytes, 16 rows interleaved: Linear); the other
+// layers are dequantized to `type` as before.
 #pragma once
 
 #include <algorithm>
