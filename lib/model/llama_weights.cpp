@@ -35,8 +35,9 @@ std::vector<float> load_vector(const GgufFile& file, const std::string& name, ui
 }
 
 // Repacks w's Q4_0 parts that start at a multiple of 16 stacked rows into w.interleaved as
-// q4_0x16 (Linear, llama_weights.hpp): once per weight, the file's bytes untouched.
-void interleave_q4_0(Linear& w, ThreadPool& pool) {
+// q4_0x16 (Linear, llama_weights.hpp): once per weight, the file's bytes untouched but released
+// from the resident set (the copy replaces them; embed() may read a tied table's rows again).
+void interleave_q4_0(Linear& w, const GgufFile& file, ThreadPool& pool) {
   constexpr uint64_t group_rows = simd::kInterleavedRows;
   const auto eligible = [](const BlockRows& part, uint64_t start) {
     return part.format == simd::BlockFormat::q4_0 && start % group_rows == 0;
@@ -59,6 +60,7 @@ void interleave_q4_0(Linear& w, ThreadPool& pool) {
         simd::repack_q4_0x16(part.data + first * part.row_bytes, last - first, w.in,
                              dst + first * part.row_bytes);
       });
+      file.release(part.data, part.rows * part.row_bytes);
       part.data = dst;
       part.format = simd::BlockFormat::q4_0x16;
       dst += part.rows * part.row_bytes;
@@ -194,7 +196,7 @@ Linear LlamaWeights::load_linear(const std::vector<std::pair<std::string, uint32
         rows.rows = out;
         w.blocks.push_back(rows);
       }
-      interleave_q4_0(w, pool);
+      interleave_q4_0(w, file_, pool);
       return w;
     }
   }
