@@ -8,7 +8,9 @@
 // so the weights come from DRAM as a model's do (one 4096 x 4096 Q4_0 matrix, 9 MB, would sit in
 // the L3).
 //
-// BM_matvec_l2 is each kernel's compute ceiling on one core (the matrix in L2).
+// BM_matvec_l2 is each kernel's compute ceiling on one core (the matrix in L2). fmt 3 is Q4_0
+// repacked to q4_0x16 as the model loader keeps it (simd/kernels.hpp), beside Q4_0 as stored
+// (fmt 2) in the same run.
 //
 // Measured before the Q4 kernel of simd/x86/quant_avx512_vnni.cpp (AMD EPYC Zen 5, 2 vCPUs, 23.6
 // GB/s read bandwidth on 2 threads, quiet; medians of 9; K=4096 -> N=4096 / 1024 / 14336 and
@@ -39,6 +41,7 @@
 #include "bench/quant_blocks.hpp"
 #include "lib/core/aligned.hpp"
 #include "lib/core/thread_pool.hpp"
+#include "lib/model/llama_weights.hpp"
 #include "simd/half.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
@@ -121,17 +124,24 @@ BENCHMARK(BM_read_bandwidth)
 
 // ---- The products ------------------------------------------------------------------------------
 
-enum Format { bf16 = 0, q8_0 = 1, q4_0 = 2 };
+// q4_0x16: Q4_0 repacked as the model loader does (lib/model/llama_weights.cpp), against Q4_0 in
+// the same run.
+enum Format { bf16 = 0, q8_0 = 1, q4_0 = 2, q4_0x16 = 3 };
+
+simd::BlockFormat block_format(Format f) {
+  return f == q8_0   ? simd::BlockFormat::q8_0
+         : f == q4_0 ? simd::BlockFormat::q4_0
+                     : simd::BlockFormat::q4_0x16;
+}
 
 std::size_t weight_bytes(Format f, std::size_t rows, std::size_t cols) {
   if (f == bf16) return rows * cols * 2;
-  const auto bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
-  return rows * cols / simd::kQuantBlock * simd::block_format_bytes(bf);
+  return rows * cols / simd::kQuantBlock * simd::block_format_bytes(block_format(f));
 }
 
-// Fills the arena with valid weights of the format: random codes, fp16 scales near 0.01 (bf16:
-// random values near 0.01).
-void fill(Format f, std::byte* data, std::size_t bytes) {
+// Fills the arena with valid weights of the format, copies of a [rows, cols] matrix: random codes,
+// fp16 scales near 0.01 (bf16: random values near 0.01).
+void fill(Format f, std::byte* data, std::size_t bytes, std::size_t rows, std::size_t cols) {
   if (f == bf16) {
     std::mt19937 rng(7);
     auto* w = reinterpret_cast<uint16_t*>(data);
@@ -140,8 +150,12 @@ void fill(Format f, std::byte* data, std::size_t bytes) {
     for (std::size_t i = 4096; i < bytes / 2; ++i) w[i] = w[i % 4096 ^ (i / 4096 % 7)];
     return;
   }
-  bench::fill_quant_blocks(f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0, data,
-                           bytes);
+  if (f != q4_0x16) return bench::fill_quant_blocks(block_format(f), data, bytes);
+  const std::size_t matrix = weight_bytes(f, rows, cols);
+  std::vector<std::byte> plain(matrix);
+  bench::fill_quant_blocks(simd::BlockFormat::q4_0, plain.data(), matrix);
+  for (std::size_t at = 0; at + matrix <= bytes; at += matrix)
+    simd::repack_q4_0x16(plain.data(), rows, cols, data + at);
 }
 
 // Args: format, K (cols), N (rows).
@@ -155,7 +169,7 @@ void BM_matvec(benchmark::State& state) {
   if (arena.data() == nullptr || copies == 0) return state.SkipWithError("no arena");
   if (arena.filled_for[0] != state.range(0) || arena.filled_for[1] != state.range(1) ||
       arena.filled_for[2] != state.range(2)) {
-    fill(f, arena.data(), copies * bytes);
+    fill(f, arena.data(), copies * bytes, N, K);
     arena.filled_for[0] = state.range(0);
     arena.filled_for[1] = state.range(1);
     arena.filled_for[2] = state.range(2);
@@ -164,7 +178,7 @@ void BM_matvec(benchmark::State& state) {
   bench::MatvecInput input(K);
   AlignedVector<float> y(N), x_rounded(K);
   AlignedVector<uint16_t> x_bf16(K);
-  const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
+  const simd::BlockFormat bf = block_format(f);
   const std::size_t row_bytes = bytes / N;
   std::size_t copy = 0;
   for (auto _ : state) {
@@ -179,7 +193,7 @@ void BM_matvec(benchmark::State& state) {
       });
     } else {
       const simd::QuantizedVectors xq = input.quantize();
-      pool().parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
+      model::parallel_row_groups(pool(), N, [&](uint64_t first, uint64_t last, int) noexcept {
         k.matvec_quant(bf, w + first * row_bytes, last - first, K, xq, 1, y.data() + first, N);
       });
     }
@@ -194,14 +208,14 @@ void BM_matvec(benchmark::State& state) {
 
 void shapes(benchmark::internal::Benchmark* b) {
   b->ArgNames({"fmt", "K", "N"});
-  for (int f : {bf16, q8_0, q4_0}) {
+  for (int f : {bf16, q8_0, q4_0, q4_0x16}) {
     b->Args({f, 4096, 4096});   // q, o
     b->Args({f, 4096, 1024});   // k, v
     b->Args({f, 4096, 14336});  // gate, up
     b->Args({f, 14336, 4096});  // down
   }
   // The output projection (vocabulary 128256): 1.05 GB in bf16, more than the arena holds.
-  for (int f : {q8_0, q4_0}) b->Args({f, 4096, 128256});
+  for (int f : {q8_0, q4_0, q4_0x16}) b->Args({f, 4096, 128256});
 }
 BENCHMARK(BM_matvec)
     ->Name("matvec/threads:2")
@@ -216,7 +230,7 @@ void BM_matvec_l2(benchmark::State& state) {
   constexpr std::size_t K = 4096, N = 64;
   const std::size_t bytes = weight_bytes(f, N, K);
   AlignedVector<std::byte> w(bytes);
-  fill(f, w.data(), bytes);
+  fill(f, w.data(), bytes, N, K);
   const simd::Kernels& k = kernels();
   std::vector<float> x(K, 0.5f);
   AlignedVector<float> y(N);
@@ -225,7 +239,7 @@ void BM_matvec_l2(benchmark::State& state) {
   AlignedVector<int32_t> sums(K / simd::kQuantBlock);
   simd::quantize_vectors(x.data(), 1, K, codes.data(), scales.data(), sums.data());
   const simd::QuantizedVectors xq{codes.data(), scales.data(), sums.data()};
-  const simd::BlockFormat bf = f == q8_0 ? simd::BlockFormat::q8_0 : simd::BlockFormat::q4_0;
+  const simd::BlockFormat bf = block_format(f);
   for (auto _ : state) {
     if (f == bf16)
       k.matvec_bf16(reinterpret_cast<const uint16_t*>(w.data()), N, K, x.data(), 1, y.data(), N);
@@ -244,6 +258,7 @@ BENCHMARK(BM_matvec_l2)
     ->Arg(bf16)
     ->Arg(q8_0)
     ->Arg(q4_0)
+    ->Arg(q4_0x16)
     ->Unit(benchmark::kMicrosecond);
 
 }  // namespace

@@ -58,13 +58,26 @@ struct LocksScoreJob {
 //   q4_0: fp16 d, uint8 qs[16]                    w_i = d * (nibble_i - 8)    (18 bytes)
 //   q4_1: fp16 d, fp16 m, uint8 qs[16]            w_i = d * nibble_i + m      (20 bytes)
 // where nibble_i is the low nibble of qs[i] for i < 16 and the high nibble of qs[i - 16] after.
-enum class BlockFormat : uint8_t { q8_0 = 0, q4_0 = 1, q4_1 = 2 };
+//
+// q4_0x16 is Q4_0 with its rows interleaved 16 at a time (kvsift's own; repack_q4_0x16 in
+// simd/quant.hpp makes it from Q4_0 rows): rows / 16 groups of 16 rows, then the rows % 16 rows
+// left as plain Q4_0 rows. A group holds its rows' block b for b = 0 .. cols / 32 - 1, 288 bytes
+// each:
+//   uint8 qs[4][16][4]   qs[j][r][i] = byte 4 j + i of row r's qs (codes 4 j + i and 16 + 4 j + i)
+//   fp16 d[16]           d[r] = row r's d
+// so a 256-bit or 512-bit load of qs holds 4 codes of each of 8 or 16 rows in one 32-bit lane a
+// row: a product sums each row in a lane of its own, against one broadcast group of 4 activation
+// codes, with no sums across lanes. A group is as many bytes as its 16 rows in Q4_0 (18 bytes a
+// block a row): row r, a multiple of 16, starts at r * row_bytes in both.
+enum class BlockFormat : uint8_t { q8_0 = 0, q4_0 = 1, q4_1 = 2, q4_0x16 = 3 };
 
-// Elements of a block, and bytes of a block of each format.
+// Elements of a block, and bytes of a block of a row in each format.
 inline constexpr std::size_t kQuantBlock = 32;
 constexpr std::size_t block_format_bytes(BlockFormat format) noexcept {
-  return format == BlockFormat::q8_0 ? 34 : format == BlockFormat::q4_0 ? 18 : 20;
+  return format == BlockFormat::q8_0 ? 34 : format == BlockFormat::q4_1 ? 20 : 18;
 }
+// Rows a q4_0x16 group interleaves.
+inline constexpr std::size_t kInterleavedRows = 16;
 
 // Vectors quantized per block of 32 for matvec_quant (quantize_vectors in simd/quant.hpp), as
 // ggml quantizes activations (its Q8_0, with Q8_1's block sums): vector m's block b holds codes
@@ -112,11 +125,12 @@ struct Kernels {
   void (*matvec_bf16)(const uint16_t* w, std::size_t rows, std::size_t cols, const float* x,
                       std::size_t n_vectors, float* y, std::size_t y_stride) noexcept;
   // y[m, r] = sum_c w[r, c] * x~[m, c] for m < n_vectors (any number), r < rows: weights in
-  // `format`, rows of cols / 32 blocks back to back from w (cols a multiple of 32), x~ the
-  // quantized vectors of x (each block's weight codes times its activation codes summed exactly in
-  // int32, then scaled in float32), y rows y_stride apart. Each vector's sum is taken in the same
-  // order whatever n_vectors is, and each row's whatever rows the call covers (results are
-  // bit-identical for any split of the rows between threads); the order of the block terms is the
+  // `format`, rows of cols / 32 blocks back to back from w (cols a multiple of 32; q4_0x16: its
+  // groups of 16 rows, then its last rows % 16 rows), x~ the quantized vectors of x (each block's
+  // weight codes times its activation codes summed exactly in int32, then scaled in float32), y
+  // rows y_stride apart. Each vector's sum is taken in the same order whatever n_vectors is, and
+  // each row's whatever rows the call covers (results are bit-identical for any split of the rows
+  // between threads; q4_0x16 splits at multiples of 16 rows); the order of the block terms is the
   // level's own. The decode-step projection for weights kept in the file's blocks.
   void (*matvec_quant)(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
                        const QuantizedVectors& x, std::size_t n_vectors, float* y,

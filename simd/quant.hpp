@@ -23,6 +23,16 @@ namespace kvsift::simd {
 void quantize_vectors(const float* x, std::size_t n_vectors, std::size_t cols, int8_t* q,
                       float* scale, int32_t* sum) noexcept;
 
+// Q4_0 rows (rows of cols / 32 blocks, cols a multiple of 32) to q4_0x16 (BlockFormat in
+// simd/kernels.hpp), the same number of bytes; src and dst must not overlap. The model loader's
+// repack (lib/model/llama_weights.cpp), done once per weight.
+void repack_q4_0x16(const std::byte* src, std::size_t rows, std::size_t cols,
+                    std::byte* dst) noexcept;
+
+// Row r (0..15) of a q4_0x16 group of cols columns (at group) as a plain Q4_0 row (cols / 32
+// blocks of 18 bytes at row): what a reader of single rows (a dequantizer) needs.
+void q4_0x16_row(const std::byte* group, std::size_t cols, std::size_t r, std::byte* row) noexcept;
+
 // The scalar table's matvec_quant (simd/quant_scalar.cpp).
 void matvec_quant_scalar(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
                          const QuantizedVectors& x, std::size_t n_vectors, float* y,

@@ -4,7 +4,9 @@
 // test; scales are powers of two (or a noted fp16 value) so every expected float is exact.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -12,7 +14,10 @@
 #include <vector>
 
 #include "lib/core/error.hpp"
+#include "lib/core/thread_pool.hpp"
 #include "lib/model/dequantize.hpp"
+#include "lib/model/llama_weights.hpp"
+#include "simd/quant.hpp"
 
 using namespace kvsift;
 using namespace kvsift::model;
@@ -254,6 +259,42 @@ void pack_q6_k(const std::array<int, 256>& q, std::vector<uint8_t>& bytes) {
       qh[l] = static_cast<uint8_t>((v[l] >> 4) | (v[l + 32] >> 4) << 2 | (v[l + 64] >> 4) << 4 |
                                    (v[l + 96] >> 4) << 6);
     }
+  }
+}
+
+// A Q4_0 weight the loader repacked to q4_0x16 (Linear, lib/model/llama_weights.hpp) reads back
+// row by row as the file's rows: the groups of 16 and the plain rows after them.
+TEST(Dequantize, q4_0x16_rows_read_back_as_the_files_q4_0_rows) {
+  const std::size_t rows = 37, cols = 96, row_bytes = cols / 32 * 18;
+  std::vector<std::byte> file(rows * row_bytes), packed(rows * row_bytes);
+  for (std::size_t i = 0; i < file.size(); ++i) file[i] = static_cast<std::byte>(i * 131 % 251);
+  for (std::size_t b = 0; b < rows * cols / 32; ++b) {  // finite fp16 scales
+    file[b * 18] = std::byte{0x00};
+    file[b * 18 + 1] = static_cast<std::byte>(0x20 + b % 16);
+  }
+  simd::repack_q4_0x16(file.data(), rows, cols, packed.data());
+  const BlockRows part{packed.data(), rows, row_bytes, simd::BlockFormat::q4_0x16, GgmlType::q4_0};
+  std::vector<float> want(cols), got(cols);
+  for (std::size_t r = 0; r < rows; ++r) {
+    dequantize(GgmlType::q4_0, file.data() + r * row_bytes, want.data(), cols);
+    dequantize_row(part, r, cols, got.data());
+    EXPECT_EQ(got, want) << "row " << r;
+  }
+}
+
+// The runner's split of a product's rows: every row once, each chunk starting at a multiple of
+// 16 (never inside a q4_0x16 group).
+TEST(Dequantize, row_groups_cover_every_row_once_from_multiples_of_16) {
+  ThreadPool pool(2);
+  for (uint64_t rows : {1u, 16u, 37u, 1024u, 4100u}) {
+    std::vector<int> seen(rows, 0);
+    std::atomic<bool> aligned{true};
+    parallel_row_groups(pool, rows, [&](uint64_t first, uint64_t last, int) noexcept {
+      if (first % 16 != 0 || first >= last) aligned = false;
+      for (uint64_t r = first; r < last; ++r) ++seen[r];  // chunks are disjoint: no race
+    });
+    EXPECT_TRUE(aligned) << rows;
+    EXPECT_EQ(std::count(seen.begin(), seen.end(), 1), static_cast<std::ptrdiff_t>(rows)) << rows;
   }
 }
 

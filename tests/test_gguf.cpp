@@ -459,6 +459,16 @@ TEST(Gguf, open_maps_a_file_and_reads_what_parse_reads) {
       EXPECT_EQ(std::memcmp(moved.tensors()[i].data, spec.tensors[i].data.data(),
                             spec.tensors[i].data.size()),
                 0);
+    // Released pages read back as the file's bytes; a range outside the mapping is ignored.
+    const auto* first = static_cast<const std::byte*>(moved.tensors().front().data);
+    const auto* end = static_cast<const std::byte*>(moved.tensors().back().data) +
+                      spec.tensors.back().data.size();
+    moved.release(first - 4096, std::size_t(end - first) + 8192);  // partly outside: ignored
+    moved.release(first, std::size_t(end - first));
+    for (std::size_t i = 0; i < spec.tensors.size(); ++i)
+      EXPECT_EQ(std::memcmp(moved.tensors()[i].data, spec.tensors[i].data.data(),
+                            spec.tensors[i].data.size()),
+                0);
   }
   std::filesystem::resize_file(path, 10);
   try {

@@ -49,9 +49,11 @@ struct Weights {
   std::vector<double> code_mag;  // [rows, cols] c_i of the header comment
   std::vector<double> d, m;      // [rows, cols / 32] per block (m: Q4_1 only)
 
-  Weights(BlockFormat f, std::size_t n, std::size_t k, uint32_t seed)
-      : format(f), rows(n), cols(k), value(n * k), code_mag(n * k), d(n * k / kBlock),
+  // q4_0x16: the Q4_0 weights of the same seed, repacked (simd::repack_q4_0x16).
+  Weights(BlockFormat stored, std::size_t n, std::size_t k, uint32_t seed)
+      : format(stored), rows(n), cols(k), value(n * k), code_mag(n * k), d(n * k / kBlock),
         m(n * k / kBlock) {
+    const BlockFormat f = stored == BlockFormat::q4_0x16 ? BlockFormat::q4_0 : stored;
     std::mt19937 rng(seed);
     std::normal_distribution<float> scale_dist(0.0f, 0.02f);
     std::uniform_int_distribution<int> byte_dist(0, 255);
@@ -84,12 +86,16 @@ struct Weights {
         }
       }
     }
+    if (stored == BlockFormat::q4_0x16) {
+      const std::vector<std::byte> rows_q4_0 = bytes;
+      simd::repack_q4_0x16(rows_q4_0.data(), n, k, bytes.data());
+    }
   }
 
   model::GgmlType ggml_type() const {
     return format == BlockFormat::q8_0   ? model::GgmlType::q8_0
-           : format == BlockFormat::q4_0 ? model::GgmlType::q4_0
-                                         : model::GgmlType::q4_1;
+           : format == BlockFormat::q4_1 ? model::GgmlType::q4_1
+                                         : model::GgmlType::q4_0;
   }
 };
 
@@ -116,16 +122,25 @@ struct Shape {
 };
 
 const char* format_name(BlockFormat f) {
-  return f == BlockFormat::q8_0 ? "q8_0" : f == BlockFormat::q4_0 ? "q4_0" : "q4_1";
+  switch (f) {
+    case BlockFormat::q8_0: return "q8_0";
+    case BlockFormat::q4_0: return "q4_0";
+    case BlockFormat::q4_1: return "q4_1";
+    case BlockFormat::q4_0x16: return "q4_0x16";
+  }
+  return "?";
 }
+
+constexpr BlockFormat kFormats[] = {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1,
+                                    BlockFormat::q4_0x16};
 
 class QuantKernels : public test::IsaTest {};
 
 TEST_P(QuantKernels, matvec_matches_float64_within_the_derived_bounds) {
   uint32_t seed = 1000;
-  for (BlockFormat format : {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1})
+  for (BlockFormat format : kFormats)
     for (std::size_t cols : {32u, 96u, 576u, 1536u})
-      for (std::size_t rows : {1u, 7u, 129u})
+      for (std::size_t rows : {1u, 7u, 32u, 129u})  // q4_0x16: no group, 2 groups, 8 and a row
         for (std::size_t n_vectors : {1u, 3u}) {
           SCOPED_TRACE(testing::Message() << format_name(format) << " rows=" << rows
                                           << " cols=" << cols << " vectors=" << n_vectors);
@@ -167,8 +182,8 @@ TEST_P(QuantKernels, matvec_matches_float64_within_the_derived_bounds) {
 }
 
 TEST_P(QuantKernels, each_vector_sums_the_same_whatever_the_batch) {
-  for (BlockFormat format : {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1}) {
-    const std::size_t rows = 7, cols = 576, n = 5;
+  for (BlockFormat format : kFormats) {
+    const std::size_t rows = 23, cols = 576, n = 5;
     const Weights w(format, rows, cols, 77);
     const Vectors x(n, cols, 78);
     std::vector<float> together(n * rows);
@@ -187,16 +202,19 @@ TEST_P(QuantKernels, each_vector_sums_the_same_whatever_the_batch) {
 // The runner splits a projection's rows between threads (lib/model/cpu_forward_pass.cpp): a row's
 // result is the same bit for bit whatever range of rows it is computed in, should a kernel take
 // several rows at once. Split at 1, 3 and 5 (9 rows: any step of up to 8 rows is cut somewhere),
-// with cols = 1088 (34 blocks: full and partial groups of 16 blocks).
+// with cols = 1088 (34 blocks: full and partial groups of 16 blocks). q4_0x16 splits at multiples
+// of 16 rows (41 rows: 2 groups and 9 rows).
 TEST_P(QuantKernels, each_row_sums_the_same_whatever_the_split) {
-  for (BlockFormat format : {BlockFormat::q8_0, BlockFormat::q4_0, BlockFormat::q4_1}) {
-    const std::size_t rows = 9, cols = 1088, n = 2;
+  for (BlockFormat format : kFormats) {
+    const bool interleaved = format == BlockFormat::q4_0x16;
+    const std::size_t rows = interleaved ? 41 : 9, cols = 1088, n = 2;
     const std::size_t row_bytes = cols / kBlock * simd::block_format_bytes(format);
     const Weights w(format, rows, cols, 91);
     const Vectors x(n, cols, 92);
     std::vector<float> whole(n * rows);
     k().matvec_quant(format, w.bytes.data(), rows, cols, x.view(), n, whole.data(), rows);
-    for (std::size_t split : {1u, 3u, 5u}) {
+    for (std::size_t split :
+         interleaved ? std::vector<std::size_t>{16, 32} : std::vector<std::size_t>{1, 3, 5}) {
       std::vector<float> parts(n * rows);
       k().matvec_quant(format, w.bytes.data(), split, cols, x.view(), n, parts.data(), rows);
       k().matvec_quant(format, w.bytes.data() + split * row_bytes, rows - split, cols, x.view(), n,
@@ -204,6 +222,40 @@ TEST_P(QuantKernels, each_row_sums_the_same_whatever_the_split) {
       for (std::size_t i = 0; i < n * rows; ++i)
         EXPECT_EQ(parts[i], whole[i]) << format_name(format) << " split " << split << " " << i;
     }
+  }
+}
+
+// On the scalar level q4_0x16 is read back as Q4_0 and summed as Q4_0 (simd/quant_scalar.cpp):
+// the same results bit for bit, whichever layout the rows are in.
+TEST(QuantReference, scalar_q4_0x16_equals_scalar_q4_0) {
+  const std::size_t rows = 37, cols = 1536, n = 2;
+  const Weights plain(BlockFormat::q4_0, rows, cols, 31),
+      packed(BlockFormat::q4_0x16, rows, cols, 31);
+  const Vectors x(n, cols, 32);
+  std::vector<float> a(n * rows), b(n * rows);
+  const simd::Kernels& k = simd::scalar_kernels();
+  k.matvec_quant(BlockFormat::q4_0, plain.bytes.data(), rows, cols, x.view(), n, a.data(), rows);
+  k.matvec_quant(BlockFormat::q4_0x16, packed.bytes.data(), rows, cols, x.view(), n, b.data(),
+                 rows);
+  EXPECT_EQ(a, b);
+}
+
+// Every row of a repacked matrix reads back as the Q4_0 row it was (odd block counts, a group
+// and a tail of rows).
+TEST(QuantizeVectors, q4_0x16_rows_read_back_as_their_q4_0_rows) {
+  for (std::size_t cols : {32u, 96u, 1088u}) {
+    const std::size_t rows = 21, row_bytes = cols / kBlock * 18;
+    const Weights plain(BlockFormat::q4_0, rows, cols, 41),
+        packed(BlockFormat::q4_0x16, rows, cols, 41);
+    ASSERT_EQ(packed.bytes.size(), plain.bytes.size());
+    std::vector<std::byte> row(row_bytes);
+    for (std::size_t r = 0; r < 16; ++r) {
+      simd::q4_0x16_row(packed.bytes.data(), cols, r, row.data());
+      EXPECT_EQ(std::memcmp(row.data(), plain.bytes.data() + r * row_bytes, row_bytes), 0) << r;
+    }
+    EXPECT_EQ(std::memcmp(packed.bytes.data() + 16 * row_bytes, plain.bytes.data() + 16 * row_bytes,
+                          5 * row_bytes),
+              0);
   }
 }
 

@@ -18,7 +18,8 @@
 // ggml_mul_mat (on the bytes as stored, and repacked as llama.cpp loads them: GgmlRepacked)
 // against the model runner's path (quantize_vectors, then the kernel table's
 // matvec_quant split over a ThreadPool, lib/model/cpu_forward_pass.cpp), both reading the same
-// weight bytes (kvsift keeps ggml's block formats, simd/kernels.hpp), cycling through copies
+// weights (kvsift keeps ggml's block formats, simd/kernels.hpp; Q4_0 repacked to q4_0x16 as the
+// runner's loader does, and also as stored: kvsift_matvec_quant_stored), cycling through copies
 // that fill 1 GiB so that weights come from DRAM as a model's do (bench_quant.cpp does the same).
 //
 // Each case first checks both libraries against a float64 reference over the same stored values
@@ -57,6 +58,7 @@
 #include "kvsift/kvsift.h"
 #include "lib/core/aligned.hpp"
 #include "lib/core/thread_pool.hpp"
+#include "lib/model/llama_weights.hpp"
 #include "simd/isa.hpp"
 #include "simd/kernels.hpp"
 #include "simd/quant.hpp"
@@ -688,15 +690,33 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
   const simd::Kernels& kernels = simd::kernels_for(simd::resolve_level(simd::Level::best));
   const std::size_t row_bytes = bytes / N;
   std::size_t kvsift_copy = 0, ggml_copy = 0;
-  // The runner's decode path (CpuForwardPass::matvec_quantized): quantize x, split the rows.
-  auto kvsift_call = [&](std::size_t copy) {
-    const std::byte* w = arena.data() + copy * bytes;
+  // The runner keeps Q4_0 weights repacked into q4_0x16 (lib/model/llama_weights.cpp): kvsift
+  // reads its own repacked copies, as ggml's repacked variant reads its own.
+  const simd::BlockFormat kvsift_format =
+      format == simd::BlockFormat::q4_0 ? simd::BlockFormat::q4_0x16 : format;
+  AlignedVector<std::byte> kvsift_arena;
+  const std::byte* kvsift_base = arena.data();
+  if (kvsift_format != format) {
+    kvsift_arena.resize(copies * bytes);
+    for (std::size_t c = 0; c < copies; ++c)
+      simd::repack_q4_0x16(arena.data() + c * bytes, N, K, kvsift_arena.data() + c * bytes);
+    kvsift_base = kvsift_arena.data();
+  }
+  // The runner's decode path (CpuForwardPass::matvec_quantized): quantize x, split the rows. With
+  // stored = true, Q4_0 as stored (one row at a time: the kernel before the repack), for the
+  // same-process comparison.
+  const auto kvsift_product = [&](std::size_t copy, bool stored, float* y) {
+    const std::byte* w = (stored ? arena.data() : kvsift_base) + copy * bytes;
+    const simd::BlockFormat f = stored ? format : kvsift_format;
     const simd::QuantizedVectors xq = input.quantize();
-    pool.parallel_static(N, [&](uint64_t first, uint64_t last, int) noexcept {
-      kernels.matvec_quant(format, w + first * row_bytes, last - first, K, xq, 1,
-                           y_kvsift.data() + first, N);
+    model::parallel_row_groups(pool, N, [&](uint64_t first, uint64_t last, int) noexcept {
+      kernels.matvec_quant(f, w + first * row_bytes, last - first, K, xq, 1, y + first, N);
     });
   };
+  auto kvsift_call = [&](std::size_t copy) { kvsift_product(copy, false, y_kvsift.data()); };
+  AlignedVector<float> y_stored(N);
+  std::size_t stored_copy = 0;
+  auto stored_call = [&](std::size_t copy) { kvsift_product(copy, true, y_stored.data()); };
   GgmlContext ctx(4, 1);
   ggml_tensor* wt =
       ggml_new_tensor_2d(ctx.get(), type, static_cast<int64_t>(K), static_cast<int64_t>(N));
@@ -715,6 +735,7 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
                         options.threads);
 
   kvsift_call(0);
+  if (kvsift_format != format) stored_call(0);
   ggml_call(0);
   std::vector<std::pair<std::string, const float*>> outputs{
       {"kvsift_matvec_quant", y_kvsift.data()}, {"ggml_mul_mat", y_ggml.data()}};
@@ -722,15 +743,18 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
     repacked.run(0);
     outputs.emplace_back("ggml_mul_mat_repacked", y_repacked.data());
   }
+  if (kvsift_format != format) outputs.emplace_back("kvsift_matvec_quant_stored", y_stored.data());
   const std::string name = std::string(ggml_type_name(type)) + " " + shape.name;
-  json result{{"op", "matvec"},
-              {"format", ggml_type_name(type)},
-              {"projection", shape.name},
-              {"K", K},
-              {"N", N},
-              {"weight_MB", static_cast<double>(bytes) / 1e6},
-              {"copies", copies},
-              {"kvsift_isa", simd::level_name(kernels.level)}};
+  json result{
+      {"op", "matvec"},
+      {"format", ggml_type_name(type)},
+      {"projection", shape.name},
+      {"K", K},
+      {"N", N},
+      {"weight_MB", static_cast<double>(bytes) / 1e6},
+      {"copies", copies},
+      {"kvsift_isa", simd::level_name(kernels.level)},
+      {"kvsift_format", kvsift_format == simd::BlockFormat::q4_0x16 ? "q4_0x16" : "as stored"}};
   result["checks"] = check_matvec(name, type, arena.data(), K, N, x.data(), outputs);
   // Each variant keeps its own place in the cycle through the copies.
   auto cycling = [copies](std::size_t& copy, auto call) {
@@ -747,6 +771,8 @@ json run_matvec(ggml_type type, const MatvecShape& shape, AlignedVector<std::byt
   if (repacked.active())
     variants.emplace_back("ggml_mul_mat_repacked",
                           cycling(repacked_copy, [&](std::size_t c) { repacked.run(c); }));
+  if (kvsift_format != format)
+    variants.emplace_back("kvsift_matvec_quant_stored", cycling(stored_copy, stored_call));
   const json timings = time_interleaved(variants, options);
   result["timings"] = timings;
   const double kvsift_ms = median_of(timings, "kvsift_matvec_quant");

@@ -497,9 +497,11 @@ typedef enum kvsift_weights {
   KVSIFT_WEIGHTS_BF16 = 0,
   /* Dequantized at load to float32: 2x the memory of bf16, closer to the file's values. */
   KVSIFT_WEIGHTS_F32 = 1,
-  /* Linear layers stored as Q8_0, Q4_0 or Q4_1 stay in the file's blocks (memory-mapped, not
-   * copied: 4.5 bits a weight for Q4_0 against 16 for bf16); layers of other types (a Q6_K
-   * output head, say) are dequantized to bfloat16. Decode multiplies them with integer dot products against the
+  /* Linear layers stored as Q8_0, Q4_0 or Q4_1 stay in the file's blocks (4.5 bits a weight for
+   * Q4_0 against 16 for bf16): Q8_0 and Q4_1 memory-mapped, not copied; Q4_0 copied once at load
+   * into the same number of bytes with 16 rows interleaved, for faster decode products (the
+   * mapping's pages are then released); layers of other types (a Q6_K output head, say) are
+   * dequantized to bfloat16. Decode multiplies them with integer dot products against the
    * activations quantized to 8 bits per block of 32 (as llama.cpp does), prefill dequantizes
    * tiles of rows to bfloat16. CPU only (device must be -1). */
   KVSIFT_WEIGHTS_QUANTIZED = 2,

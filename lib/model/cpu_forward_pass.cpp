@@ -86,7 +86,7 @@ void CpuForwardPass::matvec_quantized(const Linear& w, const float* x, uint32_t 
   simd::quantize_vectors(x, rows, w.in, x_codes_.data(), x_scales_.data(), x_sums_.data());
   const simd::QuantizedVectors xq{x_codes_.data(), x_scales_.data(), x_sums_.data()};
   const simd::Kernels& kernels = kernels_;
-  pool_.parallel_static(w.out, [&](uint64_t first, uint64_t last, int) noexcept {
+  parallel_row_groups(pool_, w.out, [&](uint64_t first, uint64_t last, int) noexcept {
     uint64_t start = 0;  // the first output row of each tensor
     for (const BlockRows& part : w.blocks) {
       const uint64_t lo = std::max(first, start), hi = std::min(last, start + part.rows);
@@ -109,7 +109,7 @@ void CpuForwardPass::matmul_quantized(const Linear& w, const float* x, uint32_t 
         uint64_t at = tile + r;  // the row within its tensor
         const BlockRows* part = w.blocks.data();
         while (at >= part->rows) at -= (part++)->rows;
-        dequantize(part->type, part->data + at * part->row_bytes, row, w.in);
+        dequantize_row(*part, at, w.in, row);
         kernels.encode(row, tile_bf16_.data() + r * w.in, w.in, simd::Dtype::bf16);
       }
     });

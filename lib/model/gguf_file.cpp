@@ -421,6 +421,16 @@ GgufFile GgufFile::parse(const void* data, std::size_t size) {
 uint32_t GgufFile::version() const noexcept {
   return state_->contents.version;
 }
+void GgufFile::release(const void* data, std::size_t bytes) const noexcept {
+  const auto begin = reinterpret_cast<std::uintptr_t>(data);
+  const auto base = reinterpret_cast<std::uintptr_t>(state_->mapping.address);
+  if (base == 0 || begin < base || bytes > state_->mapping.bytes - (begin - base)) return;
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const std::uintptr_t first = (begin + page - 1) / page * page,
+                       last = (begin + bytes) / page * page;
+  if (first < last) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_DONTNEED);
+}
+
 std::size_t GgufFile::alignment() const noexcept {
   return state_->contents.alignment;
 }

@@ -98,6 +98,12 @@ class GgufFile {
   const GgufTensor* tensor(std::string_view name) const noexcept;
   const GgufTensor& require_tensor(std::string_view name) const;
 
+  // Takes the whole pages inside [data, data + bytes) of the file's mapping out of the process's
+  // resident set (madvise MADV_DONTNEED: the page cache keeps them, and a later read faults them
+  // back in with the file's bytes), for tensors the caller has copied. Nothing for a parsed file
+  // (no mapping) or a range outside the mapping.
+  void release(const void* data, std::size_t bytes) const noexcept;
+
  private:
   struct State;
   explicit GgufFile(std::unique_ptr<State> state);

@@ -1,7 +1,10 @@
 #include "lib/model/llama_weights.hpp"
 
+#include <algorithm>
+
 #include "lib/core/error.hpp"
 #include "lib/model/dequantize.hpp"
+#include "simd/quant.hpp"
 
 namespace kvsift::model {
 
@@ -29,6 +32,41 @@ std::vector<float> load_vector(const GgufFile& file, const std::string& name, ui
   std::vector<float> v(n);
   dequantize(t.type, t.data, v.data(), n);
   return v;
+}
+
+// Repacks w's Q4_0 parts that start at a multiple of 16 stacked rows into w.interleaved as
+// q4_0x16 (Linear, llama_weights.hpp): once per weight, the file's bytes untouched but released
+// from the resident set (the copy replaces them; embed() may read a tied table's rows again).
+void interleave_q4_0(Linear& w, const GgufFile& file, ThreadPool& pool) {
+  constexpr uint64_t group_rows = simd::kInterleavedRows;
+  const auto eligible = [](const BlockRows& part, uint64_t start) {
+    return part.format == simd::BlockFormat::q4_0 && start % group_rows == 0;
+  };
+  std::size_t bytes = 0;
+  uint64_t start = 0;
+  for (const BlockRows& part : w.blocks) {
+    if (eligible(part, start)) bytes += part.rows * part.row_bytes;
+    start += part.rows;
+  }
+  if (bytes == 0) return;
+  w.interleaved.resize(bytes);
+  std::byte* dst = w.interleaved.data();
+  start = 0;
+  for (BlockRows& part : w.blocks) {
+    if (eligible(part, start)) {
+      const uint64_t units = (part.rows + group_rows - 1) / group_rows;
+      pool.parallel_for(units, 64, [&](uint64_t a, uint64_t b, int) noexcept {
+        const uint64_t first = a * group_rows, last = std::min<uint64_t>(b * group_rows, part.rows);
+        simd::repack_q4_0x16(part.data + first * part.row_bytes, last - first, w.in,
+                             dst + first * part.row_bytes);
+      });
+      file.release(part.data, part.rows * part.row_bytes);
+      part.data = dst;
+      part.format = simd::BlockFormat::q4_0x16;
+      dst += part.rows * part.row_bytes;
+    }
+    start += part.rows;
+  }
 }
 
 }  // namespace
@@ -84,6 +122,22 @@ bool LlamaWeights::any_quantized() const noexcept {
     for (const Linear* w : {&L.wqkv, &L.wo, &L.w_gate_up, &L.w_down})
       if (w->quantized()) return true;
   return output_.quantized();
+}
+
+void dequantize_row(const BlockRows& part, uint64_t row, uint32_t in, float* out) noexcept {
+  constexpr std::size_t group_rows = simd::kInterleavedRows;
+  if (part.format != simd::BlockFormat::q4_0x16 || row >= part.rows / group_rows * group_rows) {
+    dequantize(part.type, part.data + row * part.row_bytes, out, in);
+    return;
+  }
+  constexpr std::size_t block_bytes = simd::block_format_bytes(simd::BlockFormat::q4_0);
+  const std::byte* group = part.data + row / group_rows * group_rows * part.row_bytes;
+  std::byte block[block_bytes];
+  for (std::size_t b = 0; b < in / simd::kQuantBlock; ++b) {
+    simd::q4_0x16_row(group + b * group_rows * block_bytes, simd::kQuantBlock, row % group_rows,
+                      block);
+    dequantize(GgmlType::q4_0, block, out + b * simd::kQuantBlock, simd::kQuantBlock);
+  }
 }
 
 LlamaWeights LlamaWeights::load(GgufFile file, const LlamaConfig& config, MatType type,
@@ -142,6 +196,7 @@ Linear LlamaWeights::load_linear(const std::vector<std::pair<std::string, uint32
         rows.rows = out;
         w.blocks.push_back(rows);
       }
+      interleave_q4_0(w, file_, pool);
       return w;
     }
   }

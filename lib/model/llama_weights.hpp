@@ -7,10 +7,12 @@
 // The embedding table stays in the file's mapping and is dequantized a row at a time (embed()).
 // Loaded with keep_quantized, a linear layer whose tensors are all Q8_0, Q4_0 or Q4_1 is not
 // converted at all: it reads the file's blocks in place, in the mapping (simd::BlockFormat), 4.5
-// bits a weight for Q4_0 against 16 in bf16 (an 8B model's linear layers: 4.2 GB against 15 GB);
-// the other layers are dequantized to `type` as before.
+// bits a weight for Q4_0 against 16 in bf16 (an 8B model's linear layers: 4.2 GB against 15 GB;
+// Q4_0's are copied once into the same number of bytes, 16 rows interleaved: Linear); the other
+// layers are dequantized to `type` as before.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -48,7 +50,8 @@ struct LlamaConfig {
 LlamaConfig read_config(const GgufFile& file);
 
 // Rows of a linear layer kept in a file tensor's ggml blocks: `rows` rows of row_bytes each from
-// `data`, which points into the file's mapping (the weights own the file).
+// `data`, which points into the file's mapping (the weights own the file), or, for Q4_0 repacked
+// to q4_0x16 (simd/kernels.hpp, BlockFormat), into the Linear's own `interleaved` bytes.
 struct BlockRows {
   const std::byte* data = nullptr;
   uint32_t rows = 0;
@@ -59,15 +62,43 @@ struct BlockRows {
 
 // A linear layer's weight, [out, in] row-major (outputs are rows), either dequantized to the one
 // type the loader was asked for (the other vector stays empty) or, when `blocks` is not empty,
-// kept in the file's blocks: its tensors stacked along the outputs, one BlockRows each.
+// kept in the file's blocks: its tensors stacked along the outputs, one BlockRows each. Q4_0
+// tensors that start at a multiple of 16 stacked rows are repacked at load to q4_0x16, whose
+// kernels sum 16 rows at a time (simd/x86/quant_body.hpp), into `interleaved`: the runner splits
+// a product's rows between threads at multiples of 16 (cpu_forward_pass.cpp), never inside a
+// group. Move-only: blocks may point into interleaved.
 struct Linear {
   AlignedVector<uint16_t> bf16;  // the raw bf16 bits, when the type is bf16
   AlignedVector<float> f32;      // when the type is f32
   std::vector<BlockRows> blocks;
+  AlignedVector<std::byte> interleaved;
   uint32_t in = 0, out = 0;
+
+  Linear() = default;
+  Linear(Linear&&) = default;
+  Linear& operator=(Linear&&) = default;
+  Linear(const Linear&) = delete;
+  Linear& operator=(const Linear&) = delete;
 
   bool quantized() const noexcept { return !blocks.empty(); }
 };
+
+// Row `row` of `part` (`in` values) to float32, exactly, in either layout.
+void dequantize_row(const BlockRows& part, uint64_t row, uint32_t in, float* out) noexcept;
+
+// body(first, last, thread) over [0, rows) in chunks that start at multiples of 16 rows (never
+// inside a q4_0x16 group), about 4 a thread, handed out first come, first served (as ggml's CPU
+// backend does): a thread the busy host deschedules does not hold up the product, and the results
+// do not depend on the split (matvec_quant sums each row the same in any range).
+template <class Body>
+void parallel_row_groups(ThreadPool& pool, uint64_t rows, const Body& body) noexcept {
+  constexpr uint64_t group_rows = simd::kInterleavedRows;
+  const uint64_t groups = (rows + group_rows - 1) / group_rows;
+  const uint64_t chunk = std::max<uint64_t>(1, groups / (4 * static_cast<uint64_t>(pool.size())));
+  pool.parallel_for(groups, chunk, [&](uint64_t a, uint64_t b, int thread) noexcept {
+    body(a * group_rows, std::min(b * group_rows, rows), thread);
+  });
+}
 
 // The block format of matvec_quant (simd/kernels.hpp) for a ggml type, if it has one.
 std::optional<simd::BlockFormat> block_format(GgmlType type) noexcept;

@@ -85,6 +85,69 @@ void matvec_rows(const std::byte* w, std::size_t rows, std::size_t cols, const Q
                                 x.sum + m * blocks);
 }
 
+// ---- q4_0x16: 16 rows at a time --------------------------------------------------------------
+//
+// One int32 lane per row (BlockFormat q4_0x16, simd/kernels.hpp): per block, each 256-bit load
+// holds 4 code bytes of each of 8 rows; its low nibbles (codes 4 j..4 j + 3) and its high ones
+// (codes 16 + 4 j..) go against the block's activation codes 4 j.. and 16 + 4 j.. broadcast to
+// every lane, and the eight products add up each row's dot product in its own lane. Nothing is
+// summed across lanes, per block or per row: the row kernel's per-block float step and per-row
+// reduction (row_dot, quant_avx512_vnni.cpp's q4_group) become one conversion and one FMA per 8
+// rows, and the activation codes are loaded once for 16 rows. The lanes start from the Q4_0
+// offset, -8 times the block's activation sum, exactly as block_step does; vpmaddubsw's int16
+// pairs stay below 2 * 15 * 127. The avx2 and avx512 tables run this; the avx512_vnni table its
+// 512-bit twin (quant_avx512_vnni.cpp, q4_0x16_group_512), all 16 rows in one register.
+
+// One group (16 rows of `blocks` blocks at w) against one vector: y[0..15].
+void q4_0x16_group(const std::byte* w, std::size_t blocks, const int8_t* q, const float* scale,
+                   const int32_t* sum, float* y) noexcept {
+  constexpr std::size_t record = kInterleavedRows * block_format_bytes(BlockFormat::q4_0);
+  constexpr std::size_t scales = kInterleavedRows * 16;  // the record's d, after its codes
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (std::size_t b = 0; b < blocks; ++b, w += record, q += kQuantBlock) {
+    __m256i a[8];  // broadcast loads: a load port, no shuffle port
+    for (int j = 0; j < 8; ++j) a[j] = _mm256_broadcastd_epi32(_mm_loadu_si32(q + 4 * j));
+    const __m256i offset = _mm256_set1_epi32(-8 * sum[b]);
+    const __m256 s = _mm256_set1_ps(scale[b]);
+    for (int half = 0; half < 2; ++half) {
+      __m256i dot = offset;
+      for (int j = 0; j < 4; ++j) {
+        const __m256i raw =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 64 * j + 32 * half));
+        dot = DotOps::dot_u4(dot, _mm256_and_si256(raw, low), a[j]);
+        dot = DotOps::dot_u4(dot, _mm256_and_si256(_mm256_srli_epi16(raw, 4), low), a[4 + j]);
+      }
+      const __m256 d = _mm256_cvtph_ps(
+          _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + scales + 16 * half)));
+      acc[half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d, s), acc[half]);
+    }
+  }
+  _mm256_storeu_ps(y, acc[0]);
+  _mm256_storeu_ps(y + 8, acc[1]);
+}
+
+// One q4_0x16 group (16 rows of `blocks` blocks) against one quantized vector: y[0..15].
+using GroupDot = void (*)(const std::byte* w, std::size_t blocks, const int8_t* q,
+                          const float* scale, const int32_t* sum, float* y) noexcept;
+
+// Every group by `group`, then the last rows % 16 rows as Q4_0 rows by `tail` (the including file
+// may bring its own).
+template <GroupDot group = q4_0x16_group, RowDot tail = row_dot<BlockFormat::q4_0>>
+void matvec_q4_0x16(const std::byte* w, std::size_t rows, std::size_t cols,
+                    const QuantizedVectors& x, std::size_t n_vectors, float* y,
+                    std::size_t y_stride) noexcept {
+  const std::size_t blocks = cols / kQuantBlock;
+  const std::size_t row_bytes = blocks * block_format_bytes(BlockFormat::q4_0);
+  const std::size_t full = rows / kInterleavedRows * kInterleavedRows;
+  for (std::size_t g = 0; g < full; g += kInterleavedRows)
+    for (std::size_t m = 0; m < n_vectors; ++m)
+      group(w + g * row_bytes, blocks, x.q + m * cols, x.scale + m * blocks, x.sum + m * blocks,
+            y + m * y_stride + g);
+  matvec_rows<BlockFormat::q4_0, tail>(w + full * row_bytes, rows - full, cols, x, n_vectors,
+                                       y + full, y_stride);
+}
+
 void matvec_quant(BlockFormat format, const std::byte* w, std::size_t rows, std::size_t cols,
                   const QuantizedVectors& x, std::size_t n_vectors, float* y,
                   std::size_t y_stride) noexcept {
@@ -98,5 +161,6 @@ void matvec_quant(BlockFormat format, const std::byte* w, std::size_t rows, std:
     case BlockFormat::q4_1:
       matvec_rows<BlockFormat::q4_1>(w, rows, cols, x, n_vectors, y, y_stride);
       return;
+    case BlockFormat::q4_0x16: matvec_q4_0x16(w, rows, cols, x, n_vectors, y, y_stride); return;
   }
 }
