@@ -3,7 +3,7 @@
 # generates the Q4_0 GGUF (tools/synthetic_model/make_model.py), then runs kvsift-bench-decode
 # --fill synthetic once per context under /usr/bin/time -v (the process's peak resident size as
 # the kernel counts it from outside), and writes the raw rows and a markdown table
-# (tools/cpu_scale_table.py) to docs/results/cpu-scale/. The context is filled with structured K/V
+# (tools/scale_table.py) to docs/results/cpu-scale/. The context is filled with structured K/V
 # through kvsift_model_sequence_append_kv, not a prefill (128K tokens through 8B on two cores would
 # take hours); every decode step is the whole model's.
 #
@@ -74,7 +74,7 @@ for context in "${context_list[@]}"; do
   }
 done
 source=$(git describe --always --dirty 2>/dev/null || echo unknown)
-python3 tools/cpu_scale_table.py --raw "$raw" --model "$model" --shape "$shape" \
+python3 tools/scale_table.py --raw "$raw" --model "$model" --shape "$shape" \
   --source "$source" > "$out/RESULTS.md"
 echo "cpu_scale.sh: $out/RESULTS.md" >&2
 exit $status

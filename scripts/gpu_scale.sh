@@ -17,7 +17,8 @@
 #          the first step the whole cache is resident in HBM, the baseline
 #   host   the SELECTORS at BUDGETS with the device cache bounded to CACHE_FRACTION of a layer's
 #          pages: the KV cache lives in host memory and only selected pages cross PCIe
-# Raw rows (JSON lines), the tables and the commands go to $OUT (default $BUILD/out/gpu-scale).
+# Raw rows (JSON lines), the tables, the commands and RESULTS.md (tools/scale_table.py) go to
+# $OUT/gpu-scale (OUT defaults to $BUILD/out).
 #
 # Environment: CONTEXTS (default 32768,131072), BATCHES (default 1), SELECTORS (default locks),
 # BUDGETS (default 0.02,0.05), CACHE_FRACTION (default 0.1), STEPS (default 16), WARMUP (default 4),
@@ -77,4 +78,8 @@ math.ceil($context / 16))))")
       --budgets "$budgets" --device-cache-pages "$pages"
   done
 done
+machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), host $(nproc) CPUs"
+python3 tools/scale_table.py --raw "$out" --model "$model" --shape llama3-8b \
+  --title "Decode at long contexts on one GPU, KV cache in host memory" --machine "$machine" \
+  --source "$(git describe --always --dirty 2>/dev/null || echo unknown)" > "$out/RESULTS.md"
 exit $status

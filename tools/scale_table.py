@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""The markdown table of scripts/cpu_scale.sh: kvsift-bench-decode's JSON rows
-(rows_<context>.jsonl) and /usr/bin/time -v's report of each process (time_<context>.txt) from one
-raw folder, printed on stdout. Standard library only."""
+"""The markdown table of scripts/cpu_scale.sh and scripts/gpu_scale.sh: kvsift-bench-decode's JSON
+rows (rows_*.jsonl) and, where they exist, /usr/bin/time -v's report of each process
+(time_<context>.txt) from one raw folder, printed on stdout. Rows run in offload mode (device not
+"cpu") get the transfer columns. Standard library only."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ NOTE = (
     "The weights are seeded random numbers (tools/synthetic_model/make_model.py), so the text "
     "the model writes is meaningless; the timings and the memory are real: every step runs the "
     "whole model (every weight product, the K/V appends, selection and attention). The context "
-    "is not prefilled (128K tokens through 8B would take hours on this CPU): its K/V are put "
-    "into the cache through `kvsift_model_sequence_append_kv`, keys of bench/key_maker.hpp (a "
+    "is not prefilled (a prefill of 128K tokens through 8B takes hours on a CPU): its K/V are "
+    "put into the cache through `kvsift_model_sequence_append_kv`, keys of bench/key_maker.hpp (a "
     "mixture of topic directions per page, outlier channels, RoPE at theta 500000) and random "
     "values, and the first decode step follows them.")
 
@@ -58,7 +59,7 @@ def time_report(path: str) -> dict[str, str]:
 
 
 def contexts_in(raw: str) -> list[int]:
-    found = (re.fullmatch(r"rows_(\d+)\.jsonl", name) for name in os.listdir(raw))
+    found = (re.fullmatch(r"time_(\d+)\.txt", name) for name in os.listdir(raw))
     return sorted(int(m.group(1)) for m in found if m)
 
 
@@ -68,42 +69,62 @@ def main() -> int:
     p.add_argument("--model", required=True, help="the GGUF file the rows ran")
     p.add_argument("--shape", required=True, help="its make_model.py shape")
     p.add_argument("--source", default="unknown", help="the kvsift source version that ran")
+    p.add_argument("--title", default="Decode at long contexts on the CPU")
+    p.add_argument("--machine", help="the machine that ran the rows (default: this one)")
     args = p.parse_args()
 
-    contexts = contexts_in(args.raw)
     rows = []
-    for context in contexts:
-        with open(os.path.join(args.raw, f"rows_{context}.jsonl"), encoding="utf-8") as f:
-            rows += [json.loads(line) for line in f if line.strip()]
+    for name in sorted(os.listdir(args.raw)):
+        if re.fullmatch(r"rows_.*\.jsonl", name):
+            with open(os.path.join(args.raw, name), encoding="utf-8") as f:
+                rows += [json.loads(line) for line in f if line.strip()]
     if not rows:
-        print(f"cpu_scale_table.py: no rows in {args.raw}", file=sys.stderr)
+        print(f"scale_table.py: no rows in {args.raw}", file=sys.stderr)
         return 1
+    offload = any(r["device"] != "cpu" for r in rows)
 
     first = rows[0]
-    print("# Decode at long contexts on the CPU\n")
+    print(f"# {args.title}\n")
     print(f"{NOTE}\n")
     print(f"- Model: `{os.path.basename(args.model)}`, shape `{args.shape}`; weights "
           f"`{first['weights']}`, KV cache `{first['kv_dtype']}`, batch {first['batch']}, "
           f"{first['steps']} timed steps a row.")
-    print(f"- Machine: {cpu_name()}, {os.cpu_count()} CPUs, {memory_gib():.0f} GiB; run "
+    machine = args.machine or f"{cpu_name()}, {os.cpu_count()} CPUs, {memory_gib():.0f} GiB"
+    print(f"- Machine: {machine}; table written "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from kvsift "
           f"`{args.source}`.\n")
     print("Per row: tokens/s = 1 / median step; the step's split into weights (the step minus "
           "selection and attention: products, norms, appends), attention and selection, medians "
           "of the timed steps; memory after the last step: VmRSS and VmHWM of the process, the "
-          "KV pages held and the selector's summaries and indexes.\n")
-    print("| context | selector | budget | tok/s | step ms (min, max) | weights ms | attention ms "
-          "| selection ms | KV GB | selector MB | VmRSS GB | VmHWM GB | fill s |")
-    print("|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in sorted(rows, key=lambda r: (r["context"], r["selector"] != "dense", r["selector"],
-                                         r["budget"])):
+          "KV pages held and the selector's summaries and indexes.")
+    transfer_head, transfer_rule = "", ""
+    if offload:
+        print("\nOffload rows: transfer ms is the device's interval for the page moves (the CPU's "
+              "planning of them included), MB/step the bytes sent host to device, hit the "
+              "device page cache's hit rate, cache the (page, KV head) slots it holds per layer "
+              "(0: every page, so that after the first step the whole cache is in device "
+              "memory).")
+        transfer_head, transfer_rule = " transfer ms | MB/step | hit | cache |", "---:|---:|---:|---:|"
+    print("\n| context | batch | selector | budget | tok/s | step ms (min, max) | weights ms "
+          f"| attention ms | selection ms |{transfer_head} KV GB | selector MB | VmRSS GB "
+          "| VmHWM GB | fill s |")
+    print(f"|---:|---:|---|---:|---:|---|---:|---:|---:|{transfer_rule}---:|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["selector"] != "dense",
+                                         r["selector"], r["budget"])):
         budget = "-" if r["selector"] == "dense" else f"{r['budget']:g}"
-        print(f"| {r['context']} | {r['selector']} | {budget} | {r['tok_s']:.2f} "
-              f"| {r['step_ms']:.0f} ({r['step_ms_min']:.0f}, {r['step_ms_max']:.0f}) "
-              f"| {r['weights_ms']:.0f} | {r['attend_us'] / 1e3:.1f} | {r['select_us'] / 1e3:.1f} "
-              f"| {r['kv_bytes_held'] / 1e9:.2f} | {r['selector_bytes'] / 1e6:.1f} "
+        transfer = ""
+        if offload:
+            transfer = (f" {r['transfer_us'] / 1e3:.1f} | {r['h2d_MB']:.1f} | {r['hit_rate']:.3f} "
+                        f"| {r.get('device_cache_pages', 0)} |")
+        print(f"| {r['context']} | {r['batch']} | {r['selector']} | {budget} | {r['tok_s']:.2f} "
+              f"| {r['step_ms']:.1f} ({r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}) "
+              f"| {r['weights_ms']:.1f} | {r['attend_us'] / 1e3:.1f} | {r['select_us'] / 1e3:.1f} "
+              f"|{transfer} {r['kv_bytes_held'] / 1e9:.2f} | {r['selector_bytes'] / 1e6:.1f} "
               f"| {r['vm_rss_bytes'] / 1e9:.2f} | {r['vm_hwm_bytes'] / 1e9:.2f} "
               f"| {r['fill_s']:.0f} |")
+    contexts = contexts_in(args.raw)
+    if not contexts:
+        return 0
 
     print("\nEach context ran as one process under `/usr/bin/time -v`:\n")
     print("| context | exit status | peak resident GB (time -v) | wall time | command |")
