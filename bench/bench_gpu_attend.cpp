@@ -18,22 +18,10 @@
 // loop and two after. Run with repetitions for medians and spread (min, max):
 //
 //   kvsift-bench-gpu-attend --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
-//
-// BM_gpu_prefill_attention: the device forward pass's prefill attention (gpu/device_llama.hpp's
-// prefill_attention: the chunk's K/V store, then the flash kernel) on one layer of the same shape,
-// a sequence of 8K, 32K or 128K tokens prefilled in chunks of 4096 rows, bf16 scratch. Each
-// iteration prefills the whole context; only the prefill_attention calls are timed (events on
-// the pass's stream), the rest of the layer (QKV product, copies to the host) is not. Reported:
-// the attention time of the whole context (the manual time, per iteration) and of its last chunk
-// (`last_chunk_ms`, 4096 rows against the whole context), their TFLOP/s (`TFLOPs`,
-// `last_TFLOPs`: 4 * head_dim flops per query head, row and key the row sees, q K^T and P V; the
-// masked work of the diagonal tiles not counted) and those over the H200's dense bf16 tensor
-// peak (`of_peak`, `last_of_peak`; kH200Bf16PeakTflops, a datasheet constant, not a measurement).
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <numeric>
@@ -42,7 +30,6 @@
 #include <vector>
 
 #include "bench/bench_util.hpp"
-#include "gpu/device_llama.hpp"
 #include "gpu/sparse_attention.hpp"
 #include "simd/half.hpp"
 
@@ -354,146 +341,6 @@ void BM_gpu_copy(benchmark::State& state) {
   state.counters["TBps"] = seconds > 0.0 ? bytes / seconds * 1e-12 : 0.0;
 }
 
-// The prefill attention cases.
-constexpr uint64_t kPrefillContexts[] = {8192, 32768, 131072};
-constexpr uint32_t kPrefillChunk = 4096;
-// NVIDIA's H200 SXM datasheet: 989 TFLOP/s of dense bf16 tensor math (1979 with sparsity).
-constexpr double kH200Bf16PeakTflops = 989.0;
-
-// One layer of kShape for the device forward pass, with the smallest feed-forward and vocabulary
-// the shape allows: only its attention is timed.
-struct PrefillModel {
-  gpu::LlamaShape shape;
-  std::vector<uint16_t> wqkv, wo, w_gate_up, w_down, token_embd;
-  std::vector<float> norm;
-
-  explicit PrefillModel(uint64_t context) {
-    shape.n_layers = 1;
-    shape.n_heads = kShape.n_kv_heads * kShape.group_size;
-    shape.n_kv_heads = kShape.n_kv_heads;
-    shape.head_dim = kShape.head_dim;
-    shape.n_embd = shape.n_heads * shape.head_dim;
-    shape.n_ff = 16;
-    shape.n_vocab = 256;
-    shape.rope_theta = 500000.0f;
-    shape.max_rows = kPrefillChunk;
-    shape.max_positions = static_cast<uint32_t>(context);
-    shape.max_prefill_tokens = static_cast<uint32_t>(context);
-    shape.kv_dtype = simd::Dtype::bf16;
-    const uint32_t E = shape.n_embd;
-    // Weights of scale 1 / sqrt(in), so that q and k have unit scale and the softmax is neither
-    // flat nor one-hot.
-    Random random(kSeed);
-    auto weights = [&](std::size_t n, float scale) {
-      std::vector<uint16_t> w(n);
-      for (uint16_t& x : w) x = simd::f32_to_bf16(random.uniform() * scale);
-      return w;
-    };
-    const float in_scale = std::sqrt(3.0f / static_cast<float>(E));  // uniform: variance 1 / E
-    wqkv = weights(std::size_t{shape.q_dim() + 2 * shape.kv_dim()} * E, in_scale);
-    wo = weights(std::size_t{E} * shape.q_dim(), in_scale);
-    w_gate_up = weights(std::size_t{2} * shape.n_ff * E, in_scale);
-    w_down = weights(std::size_t{E} * shape.n_ff, in_scale);
-    token_embd = weights(std::size_t{shape.n_vocab} * E, 1.0f);
-    norm.assign(E, 1.0f);
-  }
-
-  gpu::LlamaWeights weights() const {
-    gpu::LlamaWeights w;
-    w.layers.push_back(
-        {wqkv.data(), wo.data(), w_gate_up.data(), w_down.data(), norm.data(), norm.data()});
-    w.token_embd = token_embd.data();
-    w.output = token_embd.data();
-    w.output_norm = norm.data();
-    return w;
-  }
-};
-
-// Flops of causal attention for rows pos0 .. pos0 + rows - 1, each over its pos0 + r + 1 keys.
-double prefill_flops(uint64_t pos0, uint64_t rows) {
-  const double keys = static_cast<double>(rows) * static_cast<double>(pos0) +
-                      static_cast<double>(rows) * static_cast<double>(rows + 1) / 2.0;
-  return 4.0 * kShape.head_dim * kShape.n_kv_heads * kShape.group_size * keys;
-}
-
-void BM_gpu_prefill_attention(benchmark::State& state, uint64_t context) {
-  const PrefillModel model(context);
-  gpu::DeviceLlama llama;
-  if (const gpu::Result r = llama.init(model.shape, model.weights(), 0); !r.ok) {
-    state.SkipWithError(r.message.c_str());
-    return;
-  }
-  const auto stream = static_cast<cudaStream_t>(llama.stream());
-  cudaEvent_t start = nullptr, stop = nullptr;
-  if (auto e = cuda_error(cudaEventCreate(&start), "event"); !e.empty()) {
-    state.SkipWithError(e.c_str());
-    return;
-  }
-  if (auto e = cuda_error(cudaEventCreate(&stop), "event"); !e.empty()) {
-    cudaEventDestroy(start);
-    state.SkipWithError(e.c_str());
-    return;
-  }
-  std::vector<int32_t> tokens(context);
-  std::mt19937 rng(static_cast<uint32_t>(kSeed));
-  std::uniform_int_distribution<int32_t> token(0, static_cast<int32_t>(model.shape.n_vocab) - 1);
-  for (int32_t& t : tokens) t = token(rng);
-  std::vector<uint64_t> positions(kPrefillChunk);
-  std::string error;
-  // Seconds of every chunk's prefill_attention, in order; empty with error set on a failure.
-  auto prefill = [&]() {
-    std::vector<double> chunks;
-    llama.reset_prefill();
-    for (uint64_t pos0 = 0; pos0 < context && error.empty(); pos0 += kPrefillChunk) {
-      const auto rows = static_cast<uint32_t>(std::min<uint64_t>(kPrefillChunk, context - pos0));
-      std::iota(positions.begin(), positions.begin() + rows, pos0);
-      gpu::Result r = llama.embed(tokens.data() + pos0, rows);
-      if (r.ok) r = llama.attention_inputs(0, positions.data(), rows);
-      if (!r.ok) {
-        error = r.message;
-        break;
-      }
-      cudaEventRecord(start, stream);
-      r = llama.prefill_attention(0, pos0, rows);
-      cudaEventRecord(stop, stream);
-      if (r.ok) r = llama.finish_layer(0, false);
-      error = !r.ok ? r.message : cuda_error(cudaEventSynchronize(stop), "prefill attention");
-      float ms = 0.0f;
-      cudaEventElapsedTime(&ms, start, stop);
-      chunks.push_back(ms * 1e-3);
-    }
-    if (!error.empty()) chunks.clear();
-    return chunks;
-  };
-  prefill();  // warm-up: module loading, the first launch of each kernel
-  double total = 0.0, last = 0.0;
-  for (auto _ : state) {
-    const std::vector<double> chunks = error.empty() ? prefill() : std::vector<double>{};
-    if (chunks.empty()) {
-      state.SkipWithError(error.c_str());
-      break;
-    }
-    const double seconds = std::accumulate(chunks.begin(), chunks.end(), 0.0);
-    state.SetIterationTime(seconds);
-    total += seconds;
-    last += chunks.back();
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  if (!error.empty()) return;
-  const double iterations = static_cast<double>(state.iterations());
-  const uint64_t last_rows = context - (context - 1) / kPrefillChunk * kPrefillChunk;
-  const double total_tflops = prefill_flops(0, context) * iterations / total * 1e-12;
-  const double last_tflops =
-      prefill_flops(context - last_rows, last_rows) * iterations / last * 1e-12;
-  state.counters["total_ms"] = total / iterations * 1e3;
-  state.counters["last_chunk_ms"] = last / iterations * 1e3;
-  state.counters["TFLOPs"] = total_tflops;
-  state.counters["last_TFLOPs"] = last_tflops;
-  state.counters["of_peak"] = total_tflops / kH200Bf16PeakTflops;
-  state.counters["last_of_peak"] = last_tflops / kH200Bf16PeakTflops;
-}
-
 double min_of(const std::vector<double>& v) {
   return *std::min_element(v.begin(), v.end());
 }
@@ -507,17 +354,6 @@ void register_benchmarks() {
       ->Unit(benchmark::kMicrosecond)
       ->ComputeStatistics("min", min_of)
       ->ComputeStatistics("max", max_of);
-  for (uint64_t context : kPrefillContexts) {
-    const std::string name = std::string("BM_gpu_prefill_attention/") + kShape.name +
-                             "/ctx:" + std::to_string(context) +
-                             "/chunk:" + std::to_string(kPrefillChunk);
-    benchmark::RegisterBenchmark(name.c_str(), BM_gpu_prefill_attention, context)
-        ->UseManualTime()
-        ->Unit(benchmark::kMicrosecond)
-        ->Iterations(context >= 131072 ? 2 : 5)
-        ->ComputeStatistics("min", min_of)
-        ->ComputeStatistics("max", max_of);
-  }
   for (uint64_t context : kContexts)
     for (uint32_t batch : kBatches)
       for (double selection : kSelections)

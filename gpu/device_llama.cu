@@ -1,10 +1,8 @@
 // The Llama forward pass's device side (gpu/device_llama.hpp): cuBLAS for the products, small
-// kernels for the rest. The small kernels are written for obvious correctness first: one block
-// per row (RMSNorm, RoPE, embedding, KV store) and flat grid-stride loops (elementwise). Prefill
-// attention is the exception, O(n^2) in the context: a flash-attention kernel on tensor cores
-// (flash_prefill_kernel below).
+// kernels for the rest. The kernels are written for obvious correctness first: one block per row
+// (RMSNorm, RoPE, embedding, KV store), flat grid-stride loops (elementwise), and one block per
+// (query row, query head) for prefill attention; the products carry nearly all the time.
 #include <cublas_v2.h>
-#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -17,7 +15,6 @@
 
 #include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
-#include "gpu/cuda_ptx.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/device_llama.hpp"
 
@@ -27,6 +24,7 @@ namespace {
 constexpr uint32_t kRowThreads = 256;   // RMSNorm, embedding, RoPE, KV store: one block per row
 constexpr uint32_t kFlatThreads = 256;  // elementwise kernels
 constexpr uint32_t kFlatMaxBlocks = 4096;
+constexpr uint32_t kAttentionWarps = 4;
 // cuBLAS's own recommendation for Hopper. Set by hand so that no product allocates while a graph
 // is captured, and the same in every call, so that the graphed and the ungraphed products choose
 // the same algorithm.
@@ -258,270 +256,73 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-// Causal prefill attention, FlashAttention-2's loop on tensor cores (mma.sync m16n8k16, sm_80 on;
-// gpu/device_llama.hpp states the design's numerics). A CTA of kFlashWarps warps takes
-// kFlashRows consecutive (query row, head of the group) pairs of one KV head, pair = row * group +
-// head in group, each warp 16 of them as the rows of its MMAs: the group's query heads share every
-// K/V tile, for any group size, and a group of 4 makes a CTA 16 query rows. The CTA walks its keys
-// in tiles of kFlashKeys, copied into shared memory by cp.async one tile ahead of the math
-// (double buffering), with S = q K^T, an fp32 online softmax of base-2 logits (log2(e) / sqrt(d)
-// folded into q) and O += P V per tile; the causal mask is applied only to the tiles past the
-// keys every row of the CTA sees. Rows of K/V are 16-byte chunks stored at chunk ^ (key % 8), so
-// the 8 rows an ldmatrix reads fall in 8 different bank groups.
-constexpr uint32_t kFlashWarps = 4;
-constexpr uint32_t kFlashThreads = kFlashWarps * 32;
-constexpr uint32_t kFlashRows = kFlashWarps * 16;
-constexpr uint32_t kFlashKeys = 64;
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Two stages of a K tile and a V tile, 16-bit values: 64 KiB at head_dim 128 (two CTAs fit a
-// multiprocessor of sm_80, sm_89 or sm_90), 32 KiB at 64.
-constexpr uint32_t flash_shared_bytes(uint32_t head_dim) {
-  return 2 * 2 * kFlashKeys * head_dim * 2;
-}
-
-struct FlashParams {
-  const float* qkv;  // [rows, qkv_stride], q at column head * head_dim (RoPE'd, unscaled)
-  const uint16_t* k_scratch;
-  const uint16_t* v_scratch;
-  float* out;  // [rows, q_dim]
-  uint32_t qkv_stride, q_dim, kv_dim, group_size, rows;
-  uint32_t pos0;  // pos0 + rows <= max_prefill_tokens <= 2^20: every key index fits 32 bits
-  float q_scale;  // log2(e) / sqrt(head_dim)
-};
-
-// Two fp32 values rounded to the kv dtype, the lower column in the low half (the MMA's order).
-template <bool kBf16>
-__device__ __forceinline__ uint32_t pack_kv2(float lo, float hi) {
-  uint32_t bits;
-  if constexpr (kBf16) {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    memcpy(&bits, &h, sizeof(bits));
-  } else {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    memcpy(&bits, &h, sizeof(bits));
-  }
-  return bits;
-}
-
-template <bool kBf16>
-__device__ __forceinline__ float2 unpack_kv2(uint32_t bits) {
-  if constexpr (kBf16)
-    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
-  __half2 h;
-  memcpy(&h, &bits, sizeof(bits));
-  return __half22float2(h);
-}
-
-// c += a b, a 16 x 16 (row-major fragments), b 16 x 8 (column-major), fp32 accumulators.
-template <bool kBf16>
-__device__ __forceinline__ void mma_16x8x16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                            uint32_t b1) {
-  if constexpr (kBf16)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Four 8 x 8 16-bit matrices from shared memory, lane i giving a row address of matrix i / 8;
-// with kTrans each arrives transposed.
-template <bool kTrans>
-__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], uint32_t shared_address) {
-  if constexpr (kTrans)
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address));
-  else
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address));
-}
-
-// Byte offset of 16-byte chunk `chunk` of row `key` in a swizzled K or V tile.
-template <uint32_t kHeadDim>
-__device__ __forceinline__ uint32_t tile_offset(uint32_t key, uint32_t chunk) {
-  return (key * (kHeadDim / 8) + (chunk ^ (key % 8))) * 16;
-}
-
+// Causal prefill attention, one block per (query row r, query head): the block's warps take the
+// visible positions 0 .. pos0 + r round-robin, each lane holding head_dim / 32 channels of q and of
+// its own accumulator, with an fp32 online softmax per warp; the warps merge at the end. Prompts
+// are at most a few thousand tokens and a chunk's blocks fill the device, so no split over keys.
 template <uint32_t kHeadDim, bool kBf16>
-__global__ void __launch_bounds__(kFlashThreads) flash_prefill_kernel(const FlashParams p) {
-  constexpr uint32_t kChunks = kHeadDim / 8;  // 16-byte chunks of a K/V row
-  constexpr uint32_t kTileBytes = kFlashKeys * kHeadDim * 2;
-  constexpr uint32_t kSteps = kHeadDim / 16;                      // k steps of q K^T
-  constexpr uint32_t kKeyBlocks = kFlashKeys / 8;                 // n blocks of S
-  constexpr uint32_t kDimBlocks = kHeadDim / 8;                   // n blocks of O
-  extern __shared__ __align__(128) unsigned char tiles_shared[];  // [stage][K | V][tile]
+__global__ void __launch_bounds__(kAttentionWarps * 32)
+    prefill_attention_kernel(const float* __restrict__ qkv, uint32_t qkv_stride,
+                             const uint16_t* __restrict__ k_scratch,
+                             const uint16_t* __restrict__ v_scratch, uint32_t kv_dim,
+                             uint32_t group_size, uint64_t pos0, float scale,
+                             float* __restrict__ out, uint32_t q_dim) {
+  constexpr uint32_t kPerLane = kHeadDim / 32;
+  const uint32_t row = blockIdx.x, head = blockIdx.y, kv_head = head / group_size;
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const uint32_t group = p.group_size, pairs = p.rows * group, kv_head = blockIdx.y;
-  // The CTAs of the chunk's last rows see the most keys: they start first.
-  const uint32_t first = (gridDim.x - 1 - blockIdx.x) * kFlashRows;
-  const uint32_t row_lo = first / group, row_hi = (min(first + kFlashRows, pairs) - 1) / group;
-  const uint32_t keys = p.pos0 + row_hi + 1;      // keys some row of the CTA sees
-  const uint32_t unmasked = p.pos0 + row_lo + 1;  // keys every row of the CTA sees
-
-  // This thread's two MMA rows, lane / 4 and lane / 4 + 8 of the warp's 16 (h = 0, 1), and
-  // q's fragments: rounded to the kv dtype after the scale. Rows past the chunk's pairs repeat
-  // its last pair (so every row sees key 0 and its softmax state stays finite) and are not stored.
-  uint32_t pair[2], last_key[2];
-  uint32_t q_frag[kSteps][4];
-  for (uint32_t h = 0; h < 2; ++h) {
-    pair[h] = first + warp * 16 + lane / 4 + 8 * h;
-    const uint32_t at = min(pair[h], pairs - 1), row = at / group;
-    last_key[h] = p.pos0 + row;
-    const float* q = p.qkv + std::size_t{row} * p.qkv_stride +
-                     (std::size_t{kv_head} * group + at % group) * kHeadDim + 2 * (lane % 4);
-#pragma unroll
-    for (uint32_t s = 0; s < kSteps; ++s)
-      for (uint32_t half = 0; half < 2; ++half) {
-        const float2 v = *reinterpret_cast<const float2*>(q + 16 * s + 8 * half);
-        q_frag[s][h + 2 * half] = pack_kv2<kBf16>(v.x * p.q_scale, v.y * p.q_scale);
-      }
+  const float* q = qkv + static_cast<std::size_t>(row) * qkv_stride + head * kHeadDim;
+  float qv[kPerLane], acc[kPerLane];
+  for (uint32_t e = 0; e < kPerLane; ++e) {
+    qv[e] = q[lane * kPerLane + e];
+    acc[e] = 0.0f;
   }
-
-  const std::size_t head_offset = std::size_t{kv_head} * kHeadDim;
-  // Tile t of K and V into stage `stage`; keys past `keys` (the last tile's tail) are zeros.
-  auto issue = [&](uint32_t t, uint32_t stage) {
-    unsigned char* k_tile = tiles_shared + stage * 2 * kTileBytes;
-    unsigned char* v_tile = k_tile + kTileBytes;
-#pragma unroll
-    for (uint32_t j = 0; j < kFlashKeys * kChunks / kFlashThreads; ++j) {
-      const uint32_t i = threadIdx.x + j * kFlashThreads, key = i / kChunks, chunk = i % kChunks;
-      const uint32_t position = t * kFlashKeys + key;
-      const bool fill = position < keys;
-      const std::size_t at =
-          std::size_t{fill ? position : 0} * p.kv_dim + head_offset + std::size_t{chunk} * 8;
-      const uint32_t to = tile_offset<kHeadDim>(key, chunk);
-      cuda::copy16(k_tile + to, p.k_scratch + at, fill);
-      cuda::copy16(v_tile + to, p.v_scratch + at, fill);
-    }
-    cuda::commit_copies();
-  };
-
-  float o[kDimBlocks][4] = {};
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  const uint32_t n_tiles = (keys + kFlashKeys - 1) / kFlashKeys;
-  const auto shared_base = static_cast<uint32_t>(__cvta_generic_to_shared(tiles_shared));
-  const uint32_t matrix = lane / 8, matrix_row = lane % 8;
-  issue(0, 0);
-  for (uint32_t t = 0; t < n_tiles; ++t) {
-    const uint32_t stage = t % 2;
-    if (t + 1 < n_tiles) {
-      issue(t + 1, stage ^ 1);
-      cuda::wait_copies<1>();
-    } else {
-      cuda::wait_copies<0>();
-    }
-    __syncthreads();
-    const uint32_t k_tile = shared_base + stage * 2 * kTileBytes, v_tile = k_tile + kTileBytes;
-
-    // S = q K^T: lane i addresses row i % 8 of matrix i / 8, which is K rows 8 (b + i / 16) ..
-    // + 7, chunk 2 s + (i / 8) % 2: the two halves of the k step for key blocks b and b + 1.
-    float s[kKeyBlocks][4] = {};
-#pragma unroll
-    for (uint32_t step = 0; step < kSteps; ++step)
-#pragma unroll
-      for (uint32_t b = 0; b < kKeyBlocks; b += 2) {
-        uint32_t k_frag[4];
-        load_matrices<false>(k_frag,
-                             k_tile + tile_offset<kHeadDim>(8 * (b + matrix / 2) + matrix_row,
-                                                            2 * step + matrix % 2));
-        mma_16x8x16<kBf16>(s[b], q_frag[step], k_frag[0], k_frag[1]);
-        mma_16x8x16<kBf16>(s[b + 1], q_frag[step], k_frag[2], k_frag[3]);
-      }
-    const uint32_t key0 = t * kFlashKeys;
-    if (key0 + kFlashKeys > unmasked) {
-#pragma unroll
-      for (uint32_t b = 0; b < kKeyBlocks; ++b)
-        for (uint32_t e = 0; e < 4; ++e)
-          if (key0 + 8 * b + 2 * (lane % 4) + e % 2 > last_key[e / 2]) s[b][e] = -INFINITY;
-    }
-
-    // Online softmax per row; a quad of lanes holds a row. P is rounded to the kv dtype for the
-    // P V product, and l sums the rounded values, so the output is a convex combination of the
-    // values with weights of relative error <= the dtype's unit roundoff.
-    uint32_t p_frag[kKeyBlocks][2];
-#pragma unroll
-    for (uint32_t h = 0; h < 2; ++h) {
-      float top = m[h];
-      for (uint32_t b = 0; b < kKeyBlocks; ++b)
-        top = fmaxf(top, fmaxf(s[b][2 * h], s[b][2 * h + 1]));
-      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
-      top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
-      const float alpha = cuda::fast_exp2(m[h] - top);  // 0 on the first tile (m = -inf)
-      m[h] = top;
-      float sum = 0.0f;
-      for (uint32_t b = 0; b < kKeyBlocks; ++b) {
-        p_frag[b][h] = pack_kv2<kBf16>(cuda::fast_exp2(s[b][2 * h] - top),
-                                       cuda::fast_exp2(s[b][2 * h + 1] - top));
-        const float2 rounded = unpack_kv2<kBf16>(p_frag[b][h]);
-        sum += rounded.x + rounded.y;
-      }
-      l[h] = l[h] * alpha + sum;
-      for (uint32_t d = 0; d < kDimBlocks; ++d) {
-        o[d][2 * h] *= alpha;
-        o[d][2 * h + 1] *= alpha;
-      }
-    }
-
-    // O += P V: S's accumulators of key blocks 2 k and 2 k + 1 are P's A fragment for keys
-    // 16 k .. 16 k + 15; lane i addresses V row 16 k + 8 ((i / 8) % 2) + i % 8, chunk
-    // d + i / 16, transposed: the two key halves for dimension blocks d and d + 1.
-#pragma unroll
-    for (uint32_t k = 0; k < kFlashKeys / 16; ++k) {
-      const uint32_t a[4] = {p_frag[2 * k][0], p_frag[2 * k][1], p_frag[2 * k + 1][0],
-                             p_frag[2 * k + 1][1]};
-#pragma unroll
-      for (uint32_t d = 0; d < kDimBlocks; d += 2) {
-        uint32_t v_frag[4];
-        load_matrices<true>(
-            v_frag,
-            v_tile + tile_offset<kHeadDim>(16 * k + 8 * (matrix % 2) + matrix_row, d + matrix / 2));
-        mma_16x8x16<kBf16>(o[d], a, v_frag[0], v_frag[1]);
-        mma_16x8x16<kBf16>(o[d + 1], a, v_frag[2], v_frag[3]);
-      }
-    }
-    __syncthreads();  // every warp is done with this stage before tile t + 2 is copied into it
+  float m = -INFINITY, l = 0.0f;
+  const uint64_t visible = pos0 + row + 1;
+  const std::size_t channel = std::size_t{kv_head} * kHeadDim + lane * kPerLane;
+  for (uint64_t j = warp; j < visible; j += kAttentionWarps) {
+    const uint16_t* k = k_scratch + j * kv_dim + channel;
+    float dot = 0.0f;
+    for (uint32_t e = 0; e < kPerLane; ++e) dot += qv[e] * from_kv<kBf16>(k[e]);
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    const float s = dot * scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new);  // 0 for the first key (m = -inf)
+    const float p = expf(s - m_new);
+    l = l * correction + p;
+    const uint16_t* v = v_scratch + j * kv_dim + channel;
+    for (uint32_t e = 0; e < kPerLane; ++e) acc[e] = acc[e] * correction + p * from_kv<kBf16>(v[e]);
+    m = m_new;
   }
-
-  for (uint32_t h = 0; h < 2; ++h) {
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 1);
-    l[h] += __shfl_xor_sync(0xffffffffu, l[h], 2);
-    if (pair[h] >= pairs) continue;
-    const uint32_t row = pair[h] / group;
-    float* out = p.out + std::size_t{row} * p.q_dim +
-                 (std::size_t{kv_head} * group + pair[h] % group) * kHeadDim + 2 * (lane % 4);
-    const float inv = 1.0f / l[h];
-#pragma unroll
-    for (uint32_t d = 0; d < kDimBlocks; ++d)
-      *reinterpret_cast<float2*>(out + 8 * d) =
-          make_float2(o[d][2 * h] * inv, o[d][2 * h + 1] * inv);
+  __shared__ float warp_m[kAttentionWarps], warp_l[kAttentionWarps];
+  __shared__ float warp_acc[kAttentionWarps][kHeadDim];
+  if (lane == 0) {
+    warp_m[warp] = m;
+    warp_l[warp] = l;
+  }
+  for (uint32_t e = 0; e < kPerLane; ++e) warp_acc[warp][lane * kPerLane + e] = acc[e];
+  __syncthreads();
+  float m_all = -INFINITY;
+  for (uint32_t w = 0; w < kAttentionWarps; ++w) m_all = fmaxf(m_all, warp_m[w]);
+  float* o = out + static_cast<std::size_t>(row) * q_dim + head * kHeadDim;
+  for (uint32_t i = threadIdx.x; i < kHeadDim; i += kAttentionWarps * 32) {
+    float sum = 0.0f, value = 0.0f;
+    for (uint32_t w = 0; w < kAttentionWarps; ++w) {
+      if (warp_l[w] == 0.0f) continue;  // a warp that saw no position (visible < warps)
+      const float c = expf(warp_m[w] - m_all);
+      sum += warp_l[w] * c;
+      value += warp_acc[w][i] * c;
+    }
+    o[i] = value / sum;
   }
 }
 
 template <uint32_t kHeadDim, bool kBf16>
-void launch_flash_prefill(const FlashParams& p, uint32_t n_kv_heads, cudaStream_t stream) {
-  const uint32_t ctas = (p.rows * p.group_size + kFlashRows - 1) / kFlashRows;
-  flash_prefill_kernel<kHeadDim, kBf16>
-      <<<dim3(ctas, n_kv_heads), kFlashThreads, flash_shared_bytes(kHeadDim), stream>>>(p);
-}
-
-// The shared memory the prefill kernel of head_dim asks for, past the 48 KiB a launch gets
-// unasked; at init, so that a device without it is refused then.
-template <uint32_t kHeadDim>
-Result allow_flash_shared() {
-  const int bytes = static_cast<int>(flash_shared_bytes(kHeadDim));
-  for (const void* kernel : {reinterpret_cast<const void*>(flash_prefill_kernel<kHeadDim, false>),
-                             reinterpret_cast<const void*>(flash_prefill_kernel<kHeadDim, true>)})
-    KVSIFT_TRY(
-        from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-                  "cudaFuncSetAttribute (prefill attention's shared memory)"));
-  return Result{};
+void launch_prefill_attention(dim3 grid, cudaStream_t stream, const float* qkv, uint32_t qkv_stride,
+                              const uint16_t* k, const uint16_t* v, uint32_t kv_dim,
+                              uint32_t group_size, uint64_t pos0, float scale, float* out,
+                              uint32_t q_dim) {
+  prefill_attention_kernel<kHeadDim, kBf16><<<grid, kAttentionWarps * 32, 0, stream>>>(
+      qkv, qkv_stride, k, v, kv_dim, group_size, pos0, scale, out, q_dim);
 }
 
 // Which small host->device upload a pinned staging region serves.
@@ -643,7 +444,6 @@ struct DeviceLlama::Device {
     const std::size_t widest = std::max({E, qdim, F});
     KVSIFT_TRY(from_cuda(cudaSetDevice(ordinal), "cudaSetDevice"));
     KVSIFT_TRY(from_cuda(stream.create(cudaStreamNonBlocking), "stream"));
-    KVSIFT_TRY(shape.head_dim == 64 ? allow_flash_shared<64>() : allow_flash_shared<128>());
     KVSIFT_TRY(from_cublas(cublasCreate(&cublas), "cublasCreate"));
     KVSIFT_TRY(from_cublas(cublasSetStream(cublas, stream.get()), "cublasSetStream"));
     // After cublasSetStream, which resets the workspace to cuBLAS's own pool.
@@ -1125,6 +925,7 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
   const Device::Layer& L = d.layers[layer];
   const uint32_t qdim = shape_.q_dim(), kvdim = shape_.kv_dim(), stride = qdim + 2 * kvdim;
   const uint32_t group = shape_.n_heads / shape_.n_kv_heads;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(shape_.head_dim));
   const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;  // else fp16, a q8 cache's too
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
@@ -1142,22 +943,13 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
           L.v_scratch);
     }
     KVSIFT_TRY(launched("store_kv"));
-    const FlashParams params{d.qkv,
-                             L.k_scratch,
-                             L.v_scratch,
-                             d.attn,
-                             stride,
-                             qdim,
-                             kvdim,
-                             group,
-                             rows,
-                             static_cast<uint32_t>(pos0),
-                             kLog2e / std::sqrt(static_cast<float>(shape_.head_dim))};
-    const auto launch =
+    const dim3 grid(rows, shape_.n_heads);
+    auto launch =
         shape_.head_dim == 64
-            ? (bf16 ? launch_flash_prefill<64, true> : launch_flash_prefill<64, false>)
-            : (bf16 ? launch_flash_prefill<128, true> : launch_flash_prefill<128, false>);
-    launch(params, shape_.n_kv_heads, d.stream.get());
+            ? (bf16 ? launch_prefill_attention<64, true> : launch_prefill_attention<64, false>)
+            : (bf16 ? launch_prefill_attention<128, true> : launch_prefill_attention<128, false>);
+    launch(grid, d.stream.get(), d.qkv, stride, L.k_scratch, L.v_scratch, kvdim, group, pos0, scale,
+           d.attn, qdim);
     return launched("prefill_attention");
   }();
   if (!r.ok) {
@@ -1179,11 +971,11 @@ Result DeviceLlama::load_prefix(uint32_t layer, uint64_t first, const float* k_p
   if (first > held_[layer])
     return refuse("load_prefix: first=" + std::to_string(first) + " but the scratch of layer " +
                   std::to_string(layer) + " holds " + std::to_string(held_[layer]) + " positions");
-  // first <= held_ <= max_prefill_tokens, so the difference cannot wrap where first + n could.
+  // first <= held <= max_prefill_tokens, so the difference cannot wrap where first + n could.
   if (n > shape_.max_prefill_tokens - first)
     return refuse("load_prefix: n=" + std::to_string(n) + " positions from first=" +
-                  std::to_string(first) +
-                  " exceed max_prefill_tokens=" + std::to_string(shape_.max_prefill_tokens));
+                  std::to_string(first) + " exceed max_prefill_tokens=" +
+                  std::to_string(shape_.max_prefill_tokens));
   if (n > 0 && (k_post_rope == nullptr || v == nullptr))
     return refuse("load_prefix: k_post_rope or v is null");
   Device& d = *device_;

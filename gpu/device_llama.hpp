@@ -42,32 +42,6 @@
 // cache, the cache's dequantized values (simd/page_rows.hpp's rule, per KV head and row) held in
 // fp16, within 2^-11 (relative) of them (and within fp16's range, as an fp16 cache is).
 //
-// Prefill attention is a flash-attention kernel on tensor cores (gpu/device_llama.cu,
-// flash_prefill_kernel): a CTA takes 64 consecutive (query row, query head) pairs of one KV
-// head's GQA group (the group's heads share every K/V tile; any group size), walks the keys
-// 0 .. pos0 + its last row in tiles of 64 read once per CTA from the scratch (cp.async, double
-// buffered), S = q K^T and O += P V by mma.sync with fp32 accumulation, an fp32 online softmax
-// in base 2, the causal mask on the tiles past the keys all its rows see. Memory: the scratch
-// alone (no score matrix, no workspace); reads of K/V: about rows * group / 64 times the
-// visible keys per KV head. Its numerics depart from the CPU pass in two roundings the tensor
-// cores need: q * log2(e) / sqrt(head_dim) and each probability P are rounded to the scratch's
-// 16-bit dtype (fp16 for a q8 cache), and the normalizer sums the rounded P. Bound, against
-// float64 attention over the scratch's keys and values (w_j the exact softmax weights, o the
-// exact output, u the dtype's unit roundoff: 2^-11 fp16, 2^-8 bf16): every output channel c obeys
-//   |o'_c - o_c| <= (rho^2 - 1) sum_j w_j |v_jc - o_c| + (n + 4) 2^-22 sum_j w_j |v_jc|
-//                   + n 2^-24 max_j |v_jc|,
-//   rho = 2^eta (1 + u) (1 + 2^-22),  eta = (u + head_dim 2^-23) log2(e) / sqrt(head_dim)
-//                                           * max_j sum_i |q_i k_ji|,
-// n the row's visible keys. The first term, about 2 (u + eta ln 2) times the values' spread: each
-// weight is the exact one times a factor within [1 / rho, rho] (the rounded q moves a base-2 logit
-// by at most eta, the fp32 dot product's error included; P's rounding and ex2.approx by 1 + u and
-// 1 + 2^-22), so after normalization within [rho^-2, rho^2], and a convex combination moves by at
-// most that. The others: the fp32 sums of O and of the normalizer, and P flushed or subnormal in
-// fp16, as worst cases (random, they grow as sqrt(n)). Random roundings average out: the relative
-// L2 error over unit-variance q, k, v is about u / 2 (a float64 emulation of the kernel's
-// roundings: 0.3u to 0.8u at head_dim 64 and 128, 1 to 100 rows, 1 to 137 keys; the tests bound
-// it by 2u), where an fp32 kernel gave 1e-6.
-//
 // Data layouts (row-major throughout; q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim):
 // - weights [out, in] bf16 (the raw uint16_t bits), rows in the order the header lists;
 // - q_host, attn_host: [rows, q_dim] fp32, query head h at h * head_dim; query head h reads KV
@@ -160,10 +134,7 @@ inline constexpr uint32_t kMaxGraphRows = 8;
 // q_dim, n_ff)) bytes of activations (the logits dominate), plus 4 * n_layers *
 // max_prefill_tokens * kv_dim bytes of prefill scratch, plus 4 * max_positions * head_dim bytes of
 // RoPE table, plus a 32 MiB cuBLAS workspace, plus the decode graphs (small: one kernel node per
-// launch): device_bytes() says exactly, but for the graphs. Prefill attention needs nothing more.
-// At an 8B model's shape (32 layers, 8 KV heads of 128) and max_prefill_tokens = 2^19 the scratch
-// is 64 GiB, and the RoPE table at max_positions = 2^20 is 512 MiB; scratch offsets (position *
-// kv_dim, up to 2^37) are 64-bit throughout.
+// launch): device_bytes() says exactly, but for the graphs.
 //
 // Errors: a call with bad arguments, or out of order, returns ok=false naming the argument and
 // leaves the device untouched. A CUDA or cuBLAS failure returns ok=false naming the call
@@ -208,8 +179,7 @@ class DeviceLlama {
   // Device attention for a prefill chunk of ONE sequence, after attention_inputs(layer, positions)
   // with positions[r] == pos0 + r: rotates the chunk's keys, stores them and its values (in
   // kv_dtype) at scratch positions pos0 .. pos0 + rows - 1 of the layer, and runs causal GQA
-  // attention (query row r sees positions 0 .. pos0 + r) into the device attention output, with
-  // the error bound stated at the top of this file.
+  // attention (query row r sees positions 0 .. pos0 + r) into the device attention output.
   // Requires pos0 <= prefill_held(layer) (positions before pos0 are the sequence's: prefilled
   // earlier, or restored with load_prefix) and pos0 + rows <= max_prefill_tokens; afterwards
   // prefill_held(layer) == pos0 + rows.

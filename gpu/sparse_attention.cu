@@ -43,18 +43,11 @@
 
 #include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
-#include "gpu/cuda_ptx.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/sparse_attention.hpp"
 
 namespace kvsift::gpu {
 namespace {
-
-using cuda::commit_copies;
-using cuda::copy16;
-using cuda::copy_small;
-using cuda::fast_exp2;
-using cuda::wait_copies;
 
 constexpr uint32_t kWarps = 4;
 constexpr uint32_t kThreads = kWarps * 32;
@@ -175,9 +168,40 @@ __device__ __forceinline__ void to_float8(const uint4& raw, float* f) {
   }
 }
 
+// 2^x with one MUFU.EX2 (exp2f adds range handling this kernel does not need: its arguments are
+// <= 0 or -inf, and ex2.approx's relative error, 2^-22, is far inside the 1e-3 budget).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 // Weight of a state with max m_part once the common max is m_all (-inf: both empty).
 __device__ __forceinline__ float rescale(float m_part, float m_all) {
   return m_all == kNegInf ? 0.0f : fast_exp2(m_part - m_all);
+}
+
+// 16 bytes global -> shared, asynchronously, through L2 only (the rows are read once); with
+// fill false it writes zeros and reads nothing.
+__device__ __forceinline__ void copy16(uint4* shared, const void* global, bool fill) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+               "r"(fill ? 16 : 0));
+}
+// 4 or 8 bytes global -> shared, asynchronously, through L1 (cp.async.cg copies only 16): a q8
+// thread's codes and its row's scale.
+template <int kBytes>
+__device__ __forceinline__ void copy_small(void* shared, const void* global, bool fill) {
+  const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;\n" ::"r"(to), "l"(global),
+               "n"(kBytes), "r"(fill ? kBytes : 0));
+}
+__device__ __forceinline__ void commit_copies() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
 }
 
 // Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,

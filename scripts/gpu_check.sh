@@ -23,8 +23,7 @@
 #                                  demo     kvsift-demo on the CPU and with --device cuda: dense
 #                                           greedy tokens compared over 64 tokens, LOCKS at 5%
 #                                  louver   Louver's filter pass, CPU against device
-#                                  kernels  the attention (decode and prefill) and transfer
-#                                           benchmarks
+#                                  kernels  the attention and transfer benchmarks
 #                                  throughput  decode tokens/s of the model at 1K and 8K context,
 #                                           batch 1 and 8, dense and LOCKS at 5%, on the CPU's
 #                                           cores and in offload mode (kvsift-bench-decode)
@@ -245,22 +244,10 @@ for r in runs:
 print(f"{'case':58} {'us/call':>8} {'min':>8} {'max':>8} {'TB/s':>6} {'of_copy':>7} {'splits':>6}")
 for name, agg in by.items():
     med, lo, hi = agg.get("median"), agg.get("min"), agg.get("max")
-    if med is None or name.startswith("BM_gpu_prefill"):
+    if med is None:
         continue
     print(f"{name:58} {med['real_time']:8.1f} {lo['real_time']:8.1f} {hi['real_time']:8.1f} "
           f"{med.get('TBps', 0):6.2f} {med.get('of_copy', 0):7.2f} {med.get('splits', 0):6.0f}")
-# Prefill attention (chunks of 4096 rows): the whole context's attention time with its spread, the
-# last chunk's, and their TFLOP/s and share of the H200's dense bf16 peak.
-print(f"{'prefill case':48} {'total_ms':>9} {'min':>9} {'max':>9} {'last_ms':>8} {'TFLOP/s':>7} "
-      f"{'of_peak':>7} {'last_TF':>7} {'last_of':>7}")
-for name, agg in by.items():
-    med, lo, hi = agg.get("median"), agg.get("min"), agg.get("max")
-    if med is None or not name.startswith("BM_gpu_prefill"):
-        continue
-    print(f"{name[len('BM_gpu_prefill_attention/'):]:48} {med['total_ms']:9.2f} "
-          f"{lo['total_ms']:9.2f} {hi['total_ms']:9.2f} {med['last_chunk_ms']:8.3f} "
-          f"{med['TFLOPs']:7.1f} {med['of_peak']:7.3f} {med['last_TFLOPs']:7.1f} "
-          f"{med['last_of_peak']:7.3f}")
 PY
 fi
 if [[ -f $logs/transfer.json ]]; then

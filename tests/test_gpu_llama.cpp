@@ -1,11 +1,10 @@
 // The device Llama forward pass (gpu/device_llama.hpp) against float64 references on tiny random
 // models: each stage on the device's own inputs (embedding, RMSNorm + QKV + RoPE, the rest of a
-// layer, prefill attention across chunks, the output head), the prefill kernel alone within its
-// error bound at odd sizes, a whole 2-layer forward (a prefill of 37 tokens in chunks, then 3
-// decode steps with the attention done here in float64, as the host runner does it) against a
-// float64 forward of the same tokens, a prefill continued through load_prefix, decode graphs
-// against the ungraphed path (bit for bit, and their cap on rows values), and the argument and
-// order checks.
+// layer, prefill attention across chunks, the output head), a whole 2-layer forward (a prefill of
+// 37 tokens in chunks, then 3 decode steps with the attention done here in float64, as the host
+// runner does it) against a float64 forward of the same tokens, a prefill continued through
+// load_prefix, decode graphs against the ungraphed path (bit for bit, and their cap on rows
+// values), and the argument and order checks.
 //
 // The references round where the device (and the CPU runner) rounds: every product's input to
 // bf16, stored keys (after RoPE) and values to the cache's dtype (q8: per KV head and row, then
@@ -17,12 +16,10 @@
 // a whole forward, once it reaches a stored key or value, every later row (about 1e-3 each). The
 // bounds: 5e-4 on a stage whose rounding follows an RMSNorm (flips are rare there), 1e-3 on the
 // rest of a layer (its SwiGLU rounding follows a product, where cancellation makes them common;
-// 6e-5 measured on a CPU emulation of the kernels), 2u on the attention, whose kernel rounds q and
-// P to the scratch's dtype of unit roundoff u (gpu/device_llama.hpp states the bound per channel;
-// a float64 emulation gives u / 2 relative, 2.5e-4 at fp16, which the whole forward's attention
-// output then rounds to bf16, 2^-9, anyway), and 1e-2 on the whole forward (the METHOD's bf16
-// range; 2e-3 measured on the emulation). A wrong layout, position or head mapping gives errors of
-// order 1.
+// 6e-5 measured on a CPU emulation of the kernels), 1e-4 on the attention, which rounds nothing
+// but the stored keys and values (1e-6 measured), and 1e-2 on the whole forward (the METHOD's
+// bf16 range; 2e-3 measured on the emulation). A wrong layout, position or head mapping gives
+// errors of order 1.
 //
 // The device tests skip where the build has no CUDA or no usable device (the dev box and CI); the
 // argument checks run everywhere.
@@ -125,29 +122,6 @@ void cache_round(T* x, const gpu::LlamaShape& s, bool scratch) {
 }
 
 gpu::LlamaShape with_kv(gpu::LlamaShape s, simd::Dtype dtype) {
-  s.kv_dtype = dtype;
-  return s;
-}
-
-// The unit roundoff of the scratch's 16-bit dtype (fp16 for a q8 cache), to which the prefill
-// kernel rounds q and P (gpu/device_llama.hpp states its error bound in it).
-double scratch_roundoff(const gpu::LlamaShape& s) {
-  return s.kv_dtype == simd::Dtype::bf16 ? 0x1p-8 : 0x1p-11;
-}
-
-// One layer of 2 KV heads for the prefill kernel alone: chunks up to 100 rows, a 137-token scratch.
-gpu::LlamaShape attention_shape(uint32_t head_dim, uint32_t group, simd::Dtype dtype) {
-  gpu::LlamaShape s;
-  s.n_layers = 1;
-  s.n_embd = 96;
-  s.n_ff = 40;
-  s.n_heads = 2 * group;
-  s.n_kv_heads = 2;
-  s.head_dim = head_dim;
-  s.n_vocab = 97;
-  s.max_rows = 100;
-  s.max_positions = 160;
-  s.max_prefill_tokens = 137;
   s.kv_dtype = dtype;
   return s;
 }
@@ -536,13 +510,11 @@ TEST_F(GpuLlama, rope_on_q_is_the_cpu_rotation_bit_for_bit) {
 
 // Prefill attention in chunks against float64 attention over the keys and values the device's
 // scratch holds, every layer, both shapes (GQA groups of 3 and 4, fp16 and bf16 storage) and both
-// with a q8 cache: within 2u of the scratch's dtype, the kernel's roundings of q and P
-// (gpu/device_llama.hpp; about u / 2 in a float64 emulation). A q8 cache's scratch holds its
-// values in fp16, each within 2^-11 (relative) of the values the CPU's prefill attention reads
-// (lib/model/prefill_attention.cpp): random errors that move a logit by about 2^-12 |q| |k| /
-// sqrt(d) and the output by as much (2.7e-4 relative, measured on a float64 emulation with
-// unit-variance q, k and v, as here), independent of the kernel's (2.5e-4 at fp16), so against
-// attention over the cache's own values the bound stays 2e-3.
+// with a q8 cache. A q8 cache's scratch holds its values in fp16, each within 2^-11 (relative) of
+// the values the CPU's prefill attention reads (lib/model/prefill_attention.cpp): random errors
+// that move a logit by about 2^-12 |q| |k| / sqrt(d) and the output by as much (2.7e-4 relative,
+// measured on a float64 emulation with unit-variance q, k and v, as here), so against attention
+// over the cache's own values the bound is 2e-3.
 TEST_F(GpuLlama, prefill_attention_matches_the_reference_across_chunks) {
   for (const gpu::LlamaShape& shape :
        {shape_64(), shape_128(), with_kv(shape_64(), simd::Dtype::q8),
@@ -579,7 +551,7 @@ TEST_F(GpuLlama, prefill_attention_matches_the_reference_across_chunks) {
                            cpu_ref.data() + std::size_t{r} * qdim);
         }
         const std::vector<float> attn = read_attention(llama);
-        EXPECT_LT(relative_error(attn, ref), 2 * scratch_roundoff(shape)) << "layer " << l;
+        EXPECT_LT(relative_error(attn, ref), 1e-4) << "layer " << l;
         if (q8) {
           EXPECT_LT(relative_error(attn, cpu_ref), 2e-3) << "layer " << l;
         }
@@ -587,111 +559,6 @@ TEST_F(GpuLlama, prefill_attention_matches_the_reference_across_chunks) {
       }
     }
   }
-}
-
-// The prefill kernel against float64 attention over the keys and values its scratch holds (a
-// restored prefix of random ones, then the chunk's own, rotated by the CPU's fp32 RoPE and rounded
-// as the device does, bit for bit), for odd sizes: chunks of 1, 17 and 100 rows (a CTA's 64
-// (row, head) pairs partial, several, padded) from position 0 and from 37 (a continued sequence,
-// whose diagonal does not start a key tile), head_dim 64 and 128, groups of 1 and 4, fp16 and
-// bf16. Every output channel within gpu/device_llama.hpp's bound (times 1.25, a margin over a
-// worst case that counts each rounding once), and the relative L2 error within 2u (0.3u to 0.8u
-// in a float64 emulation of the kernel's roundings).
-TEST_F(GpuLlama, prefill_attention_is_within_its_error_bound_of_float64_attention) {
-  for (uint32_t head_dim : {64u, 128u})
-    for (uint32_t group : {1u, 4u})
-      for (simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::bf16}) {
-        const gpu::LlamaShape shape = attention_shape(head_dim, group, dtype);
-        SCOPED_TRACE("head_dim " + std::to_string(head_dim) + " group " + std::to_string(group) +
-                     (dtype == simd::Dtype::bf16 ? " bf16" : " f16"));
-        const TinyModel m(shape, 100 + head_dim + group, true);
-        gpu::DeviceLlama llama;
-        ASSERT_OK(llama.init(shape, m.weights(), 0));
-        const uint32_t d = head_dim, qdim = shape.q_dim(), kvdim = shape.kv_dim();
-        const double u = scratch_roundoff(shape);
-        const double log2e_over_sqrt_d = 1.0 / (std::log(2.0) * std::sqrt(static_cast<double>(d)));
-        std::mt19937 rng(7 * head_dim + group);
-        for (uint32_t pos0 : {0u, 37u})
-          for (uint32_t rows : {1u, 17u, 100u}) {
-            SCOPED_TRACE("pos0 " + std::to_string(pos0) + " rows " + std::to_string(rows));
-            llama.reset_prefill();
-            std::vector<float> keys = random_floats(std::size_t{pos0} * kvdim, 0.0f, 1.0f, rng);
-            std::vector<float> values = random_floats(keys.size(), 0.0f, 1.0f, rng);
-            if (pos0 > 0) ASSERT_OK(llama.load_prefix(0, 0, keys.data(), values.data(), pos0));
-            const std::vector<int32_t> tokens = random_tokens(rows, shape.n_vocab, rng);
-            std::vector<uint64_t> positions(rows);
-            std::iota(positions.begin(), positions.end(), uint64_t{pos0});
-            ASSERT_OK(llama.embed(tokens.data(), rows));
-            ASSERT_OK(llama.attention_inputs(0, positions.data(), rows));
-            keys.resize(std::size_t{pos0 + rows} * kvdim);
-            values.resize(keys.size());
-            for (uint32_t r = 0; r < rows; ++r) {
-              std::copy_n(llama.k_host() + std::size_t{r} * kvdim, kvdim,
-                          keys.data() + std::size_t{pos0 + r} * kvdim);
-              std::copy_n(llama.v_host() + std::size_t{r} * kvdim, kvdim,
-                          values.data() + std::size_t{pos0 + r} * kvdim);
-              rotate_f32(keys.data() + std::size_t{pos0 + r} * kvdim, shape.n_kv_heads, d, pos0 + r,
-                         shape.rope_theta);
-            }
-            for (std::size_t p = 0; p < pos0 + rows; ++p) {
-              cache_round(keys.data() + p * kvdim, shape, /*scratch=*/true);
-              cache_round(values.data() + p * kvdim, shape, /*scratch=*/true);
-            }
-            ASSERT_OK(llama.prefill_attention(0, pos0, rows));
-            const std::vector<float> attn = read_attention(llama);
-
-            std::vector<double> ref(attn.size());
-            uint32_t outside = 0;
-            for (uint32_t r = 0; r < rows; ++r)
-              for (uint32_t h = 0; h < shape.n_heads; ++h) {
-                const float* q = llama.q_host() + std::size_t{r} * qdim + std::size_t{h} * d;
-                const std::size_t channel = std::size_t{h / group} * d;
-                const uint32_t visible = pos0 + r + 1;
-                std::vector<double> w(visible);
-                double top = -std::numeric_limits<double>::infinity(), abs_dot = 0.0;
-                for (uint32_t j = 0; j < visible; ++j) {
-                  double dot = 0.0, sum_abs = 0.0;
-                  for (uint32_t i = 0; i < d; ++i) {
-                    const double product =
-                        double{q[i]} * keys[std::size_t{j} * kvdim + channel + i];
-                    dot += product;
-                    sum_abs += std::fabs(product);
-                  }
-                  w[j] = dot / std::sqrt(static_cast<double>(d));
-                  top = std::max(top, w[j]);
-                  abs_dot = std::max(abs_dot, sum_abs);
-                }
-                double total = 0.0;
-                for (double& x : w) total += x = std::exp(x - top);
-                for (double& x : w) x /= total;
-                const double eta = (u + d * 0x1p-23) * log2e_over_sqrt_d * abs_dot;
-                const double rho = std::exp2(eta) * (1.0 + u) * (1.0 + 0x1p-22);
-                for (uint32_t c = 0; c < d; ++c) {
-                  auto value = [&](uint32_t j) {
-                    return double{values[std::size_t{j} * kvdim + channel + c]};
-                  };
-                  double o = 0.0;
-                  for (uint32_t j = 0; j < visible; ++j) o += w[j] * value(j);
-                  double spread = 0.0, magnitude = 0.0, largest = 0.0;
-                  for (uint32_t j = 0; j < visible; ++j) {
-                    spread += w[j] * std::fabs(value(j) - o);
-                    magnitude += w[j] * std::fabs(value(j));
-                    largest = std::max(largest, std::fabs(value(j)));
-                  }
-                  const double bound =
-                      1.25 * ((rho * rho - 1.0) * spread + (visible + 4.0) * 0x1p-22 * magnitude +
-                              visible * 0x1p-24 * largest);
-                  const std::size_t at = std::size_t{r} * qdim + std::size_t{h} * d + c;
-                  ref[at] = o;
-                  if (!(std::fabs(attn[at] - o) <= bound) && outside++ == 0)
-                    ADD_FAILURE() << "row " << r << " head " << h << " channel " << c << ": "
-                                  << attn[at] << " vs " << o << ", bound " << bound;
-                }
-              }
-            EXPECT_EQ(outside, 0u) << "channels outside the bound";
-            EXPECT_LT(relative_error(attn, ref), 2 * u);
-          }
-      }
 }
 
 // The runner's whole use: a 37-token prompt prefilled in chunks of 16 with device attention, then
@@ -1036,8 +903,6 @@ TEST_F(GpuLlama, refuses_out_of_order_calls_and_bad_arguments) {
           "max_prefill_tokens");
   refused(llama.load_prefix(shape.n_layers, 0, kv.data(), kv.data(), 1), "n_layers");
   ASSERT_OK(llama.load_prefix(0, 0, kv.data(), kv.data(), shape.max_prefill_tokens - 2));
-  // A count whose sum with first wraps around 2^64 is still out of bounds.
-  refused(llama.load_prefix(0, 2, kv.data(), kv.data(), ~uint64_t{0} - 1), "max_prefill_tokens");
   std::vector<uint64_t> tail(4);
   std::iota(tail.begin(), tail.end(), uint64_t{shape.max_prefill_tokens - 2});
   ASSERT_OK(llama.embed(tokens.data(), 4));

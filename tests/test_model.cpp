@@ -379,8 +379,7 @@ TEST_F(ModelTest, the_dense_policy_is_accepted_and_a_budget_for_it_is_refused) {
 // reads positions the device scratch must reload from the host cache (the device forward pass's
 // prefill_begin); a's logits then match the CPU runner's within the modes' bf16 differences, over
 // an fp16 and over a q8 KV cache (whose values the device's prefill scratch holds in fp16, within
-// 2^-11 of them: far below those differences, so the same bound; so are the device prefill
-// kernel's roundings of q and P to fp16, about 2.5e-4 relative, gpu/device_llama.hpp).
+// 2^-11 of them: far below those differences, so the same bound).
 void expect_device_prefill_matches_the_cpu(kvsift_dtype kv_dtype) {
   std::vector<float> logits[2];
   std::vector<int32_t> ids;
