@@ -76,8 +76,6 @@ class StepStream {
                                 std::size_t bytes) noexcept = 0;
   virtual Result copy_to_host(void* host_dst, const void* device_src,
                               std::size_t bytes) noexcept = 0;
-  virtual Result refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                               const PageMove* moves, uint32_t n) noexcept = 0;
   virtual Result mark(uint32_t i) noexcept = 0;
   virtual Result wait(uint32_t i) noexcept = 0;
   virtual float elapsed_ms(uint32_t i, uint32_t j) const noexcept = 0;

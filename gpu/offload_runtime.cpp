@@ -70,12 +70,6 @@ Result StepStream::copy_to_host(void* host_dst, const void* device_src,
   return impl_ ? impl_->copy_to_host(host_dst, device_src, bytes) : not_initialised(kWhat);
 }
 
-Result StepStream::refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                                 const PageMove* moves, uint32_t n) noexcept {
-  return impl_ ? impl_->refresh_pages(host_pool, device_pool, slot_bytes, moves, n)
-               : not_initialised(kWhat);
-}
-
 Result StepStream::mark(uint32_t i) noexcept {
   return impl_ ? impl_->mark(i) : not_initialised(kWhat);
 }

@@ -1,5 +1,5 @@
-// The offload step's stream, events, buffers and page refresh on CUDA (gpu/offload_runtime.hpp),
-// the backend's StepStream and runtime calls (gpu/backend.hpp).
+// The offload step's stream, events and buffers on CUDA (gpu/offload_runtime.hpp), the backend's
+// StepStream and runtime calls (gpu/backend.hpp).
 #include <cuda_runtime.h>
 
 #include <memory>
@@ -13,20 +13,7 @@
 namespace kvsift::gpu {
 namespace {
 
-constexpr uint32_t kRefreshThreads = 256;
-
 constexpr CudaErrors from_cuda{"offload"};
-
-// One CTA per page. A step refreshes few pages (the open page of each pair, or every resident page
-// once after a sequence was freed), so one page per CTA keeps the grid simple at no cost.
-__global__ void __launch_bounds__(kRefreshThreads)
-    refresh_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool, const uint2* moves,
-                   uint32_t slot_vecs) {
-  const uint2 m = moves[blockIdx.x];
-  const uint64_t src = uint64_t{m.x} * slot_vecs, dst = uint64_t{m.y} * slot_vecs;
-  for (uint32_t v = threadIdx.x; v < slot_vecs; v += kRefreshThreads)
-    pool[dst + v] = host[src + v];
-}
 
 }  // namespace
 
@@ -70,8 +57,6 @@ class StepStream final : public backend::StepStream {
   Result copy_to_device(void* device_dst, const void* host_src,
                         std::size_t bytes) noexcept override;
   Result copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) noexcept override;
-  Result refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                       const PageMove* moves, uint32_t n) noexcept override;
   Result mark(uint32_t i) noexcept override;
   Result wait(uint32_t i) noexcept override;
   float elapsed_ms(uint32_t i, uint32_t j) const noexcept override;
@@ -118,16 +103,6 @@ Result StepStream::copy_to_host(void* host_dst, const void* device_src,
   return from_cuda(
       cudaMemcpyAsync(host_dst, device_src, bytes, cudaMemcpyDeviceToHost, device_->stream.get()),
       "copy to host");
-}
-
-Result StepStream::refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                                 const PageMove* moves, uint32_t n) noexcept {
-  if (n == 0) return Result{};
-  const auto slot_vecs = static_cast<uint32_t>(slot_bytes / 16);
-  refresh_kernel<<<n, kRefreshThreads, 0, device_->stream.get()>>>(
-      static_cast<const uint4*>(host_pool), static_cast<uint4*>(device_pool),
-      reinterpret_cast<const uint2*>(moves), slot_vecs);
-  return from_cuda.launched("page refresh launch");
 }
 
 Result StepStream::mark(uint32_t i) noexcept {

@@ -1,9 +1,10 @@
-// The CUDA work of one offload step that is neither the transfer engine (gpu/page_transfer.hpp)
-// nor the attention kernel (gpu/sparse_attention.hpp): a stream with its timing events, device
-// buffers, the small copies of q, the lists and the output, and the refresh of cached pages whose
-// host copy changed. Plain C++, so lib/offload uses it without CUDA headers: the host's facade
-// (gpu/offload_runtime.cpp) over the CUDA backend (gpu/backend.hpp, gpu/offload_runtime.cu); where
-// the backend is absent every call reports Result{unsupported} saying why.
+// The CUDA work of one offload step that is neither the transfer engine (gpu/page_transfer.hpp,
+// which also sends the refreshes of cached pages whose host copy changed) nor the attention kernel
+// (gpu/sparse_attention.hpp): a stream with its timing events, device buffers, and the small
+// copies of q, the lists and the output. Plain C++, so lib/offload uses it without CUDA headers:
+// the host's facade (gpu/offload_runtime.cpp) over the CUDA backend (gpu/backend.hpp,
+// gpu/offload_runtime.cu); where the backend is absent every call reports Result{unsupported}
+// saying why.
 #pragma once
 
 #include <cstddef>
@@ -11,7 +12,6 @@
 #include <memory>
 
 #include "gpu/host_memory.hpp"
-#include "gpu/page_residency.hpp"
 
 namespace kvsift::gpu {
 
@@ -53,13 +53,6 @@ class StepStream {
   // host memory makes the runtime stage it and return late).
   Result copy_to_device(void* device_dst, const void* host_src, std::size_t bytes) noexcept;
   Result copy_to_host(void* host_dst, const void* device_src, std::size_t bytes) noexcept;
-
-  // Copies slot_bytes (a multiple of 16) from host_pool + moves[i].host_slot * slot_bytes to
-  // device_pool + moves[i].device_slot * slot_bytes for i < n, one CTA per page with 16-byte
-  // loads. host_pool and moves are device views of mapped pinned memory (mapped_device_pointer):
-  // the kernel reads them over PCIe, so the host must not change them until the stream passes.
-  Result refresh_pages(const void* host_pool, void* device_pool, std::size_t slot_bytes,
-                       const PageMove* moves, uint32_t n) noexcept;
 
   // Records event i (< kEvents) on the stream.
   Result mark(uint32_t i) noexcept;

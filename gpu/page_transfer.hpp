@@ -5,7 +5,9 @@
 // (gpu/backend.hpp's PagePool, gpu/page_transfer.cu); where the backend is absent init() returns
 // Result{unsupported} saying why. One DevicePageCache per layer: the model's step asks each layer's
 // cache for that layer's pages, then hands device_pool() and the returned slots to
-// SparseDecodeAttention.
+// SparseDecodeAttention. ensure() is plan() (the bookkeeping) then move() (the transfer), and a
+// caller that has pages of its own to send again (the offload step's refreshes) sends them in
+// move() with the misses, one transfer for both.
 //
 // Data layout: host and device slots are alike, slot_bytes each (K [page_tokens, head_dim] then V,
 // lib/cache/geometry.hpp), so a page moves as one unit. The host pool is one contiguous region of
@@ -32,6 +34,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "gpu/host_memory.hpp"
 #include "gpu/page_residency.hpp"
@@ -85,7 +88,7 @@ struct TransferStats {
   uint64_t evictions = 0;    // misses that replaced a resident page
   uint64_t bytes_moved = 0;  // misses * slot_bytes: page bytes over PCIe (staged also sends 4 bytes
                              // of slot id per page)
-  uint64_t staged_steps = 0;  // steps whose misses took each path (steps with none take neither)
+  uint64_t staged_steps = 0;  // steps whose moves took each path (steps with none take neither)
   uint64_t mapped_steps = 0;
 
   double hit_rate() const noexcept {
@@ -123,6 +126,20 @@ class DevicePageCache {
   Result ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots, void* stream,
                 TransferPath path = TransferPath::automatic) noexcept;
 
+  // ensure() in its two halves, so that a caller can send moves of its own with the step's misses
+  // in the same operation (the offload step's refreshes: resident pages whose host copy changed;
+  // one gather instead of two launches and two PCIe round trips).
+  // plan(): the bookkeeping alone, refused as ensure() is; no device work.
+  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots) noexcept;
+  // move(): enqueues the last successful plan()'s misses, then extra[0..n_extra) (host memory,
+  // read before the call returns), by one path, and records the step's statistics (bytes_moved
+  // counts the misses only). Refused with nothing enqueued: a move() without a plan() of its own
+  // (a second one for one plan()), an extra move outside the pools, more moves than the capacity,
+  // the mapped path on an unmapped pool. A refused or failed move() ends its plan and forgets the
+  // plan's misses (misses again at the next plan()).
+  Result move(void* stream, const PageMove* extra = nullptr, std::size_t n_extra = 0,
+              TransferPath path = TransferPath::automatic) noexcept;
+
   // Device memory: capacity + reserved_slots slots of slot_bytes; ensure()'s slots index it,
   // the reserved ones start at capacity().
   const void* device_pool() const noexcept;
@@ -134,12 +151,17 @@ class DevicePageCache {
   // Forgets every resident page (PageResidency::clear), so that the next ensure() moves every page
   // it names: a benchmark's cold step. The device pool's bytes stay; later moves overwrite slots in
   // stream order, as after evictions. Allocates nothing.
-  void clear() noexcept { residency_.clear(); }
+  void clear() noexcept {
+    residency_.clear();
+    planned_ = false;
+  }
 
  private:
   PageCacheConfig config_{};
   PageResidency residency_;
   std::unique_ptr<backend::PagePool> device_;  // set by a successful init()
+  std::vector<PageMove> moves_;  // [capacity] a move()'s misses and extra moves, sent as one list
+  bool planned_ = false;         // a plan() waits for its move()
   TransferStats last_{}, totals_{};
 };
 

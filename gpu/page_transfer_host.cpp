@@ -73,6 +73,9 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
   if (Result r = pool->init(config); !r.ok) return r;
   if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
     return r;
+  moves_.clear();
+  moves_.reserve(config.capacity);
+  planned_ = false;
   config_ = config;
   device_ = std::move(pool);
   last_ = {};
@@ -82,24 +85,57 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
 
 Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
                                void* stream, TransferPath path) noexcept {
-  const auto invalid = [](const char* message) {
-    return Result::invalid(std::string("page cache: ") + message);
+  if (Result r = plan(host_slots, n, device_slots); !r.ok) return r;
+  return move(stream, nullptr, 0, path);
+}
+
+Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n,
+                             uint32_t* device_slots) noexcept {
+  if (!device_) return Result::invalid("page cache: plan() before a successful init()");
+  planned_ = false;
+  if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
+  planned_ = true;
+  return Result{};
+}
+
+Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_extra,
+                             TransferPath path) noexcept {
+  if (!device_) return Result::invalid("page cache: move() before a successful init()");
+  if (!planned_) return Result::invalid("page cache: move() without a plan() of its own");
+  planned_ = false;
+  // A refused move ends its plan: the plan's misses were mapped to slots that will not be
+  // filled, so they are forgotten (misses again next time), as when the transfer fails.
+  const auto refuse = [this](const std::string& message) {
+    residency_.forget_moves();
+    return Result::invalid("page cache: " + message);
   };
-  if (!device_) return invalid("ensure() before a successful init()");
   if (path == TransferPath::automatic) path = config_.path;
   if (path == TransferPath::mapped && !device_->host_pool_mapped())
-    return invalid("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
-  if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
+    return refuse("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
+  const std::vector<PageMove>& misses = residency_.moves();
+  if (n_extra > 0 && extra == nullptr) return refuse("extra moves are NULL");
+  // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu).
+  if (misses.size() + n_extra > capacity())
+    return refuse(std::to_string(misses.size()) + " misses and " + std::to_string(n_extra) +
+                  " extra moves are more than the cache's " + std::to_string(capacity()) +
+                  " slots");
+  for (std::size_t i = 0; i < n_extra; ++i)
+    if (extra[i].host_slot >= config_.host_slots || extra[i].device_slot >= capacity())
+      return refuse("extra move " + std::to_string(i) + " (host slot " +
+                    std::to_string(extra[i].host_slot) + ", device slot " +
+                    std::to_string(extra[i].device_slot) + ") is outside the pools");
   const StepCounts& counts = residency_.last_counts();
   const uint64_t bytes = counts.misses * config_.slot_bytes;
+  const uint64_t sent = (misses.size() + n_extra) * config_.slot_bytes;
   if (path == TransferPath::automatic)
-    path = bytes < config_.mapped_below_bytes && device_->host_pool_mapped() ? TransferPath::mapped
-                                                                             : TransferPath::staged;
-  if (counts.misses > 0) {
-    const std::vector<PageMove>& moves = residency_.moves();
+    path = sent < config_.mapped_below_bytes && device_->host_pool_mapped() ? TransferPath::mapped
+                                                                            : TransferPath::staged;
+  moves_.assign(misses.begin(), misses.end());  // within the capacity reserved: no allocation
+  moves_.insert(moves_.end(), extra, extra + n_extra);
+  if (!moves_.empty()) {
     Result r = path == TransferPath::mapped
-                   ? device_->move_mapped(moves.data(), moves.size(), stream)
-                   : device_->move_staged(moves.data(), moves.size(), stream);
+                   ? device_->move_mapped(moves_.data(), moves_.size(), stream)
+                   : device_->move_staged(moves_.data(), moves_.size(), stream);
     if (!r.ok) {
       residency_.forget_moves();
       return r;
@@ -112,8 +148,8 @@ Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32
   last_.misses = counts.misses;
   last_.evictions = counts.evictions;
   last_.bytes_moved = bytes;
-  last_.staged_steps = counts.misses > 0 && path == TransferPath::staged;
-  last_.mapped_steps = counts.misses > 0 && path == TransferPath::mapped;
+  last_.staged_steps = !moves_.empty() && path == TransferPath::staged;
+  last_.mapped_steps = !moves_.empty() && path == TransferPath::mapped;
   totals_.steps += 1;
   totals_.requested += last_.requested;
   totals_.hits += last_.hits;

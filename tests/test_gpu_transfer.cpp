@@ -367,6 +367,7 @@ TEST_P(GpuTransferCase, device_pages_match_the_host_pages_they_were_loaded_from)
   std::vector<std::vector<unsigned char>> expected(kCapacity);
   std::vector<unsigned char> device(std::size_t{kCapacity} * tc.slot_bytes);
   std::vector<uint32_t> previous;
+  std::set<uint32_t> rewritten;  // host pages changed since their device copy was made
   uint64_t total_misses = 0;
   for (int step = 0; step < 12; ++step) {
     // Part of the last step again, new pages, a duplicate; sizes from a handful to the capacity.
@@ -384,10 +385,32 @@ TEST_P(GpuTransferCase, device_pages_match_the_host_pages_they_were_loaded_from)
     std::shuffle(request.begin(), request.end(), rng);
 
     uint64_t expected_misses = 0;
-    for (uint32_t id : distinct) expected_misses += cache.residency().find(id) == kNone;
+    std::set<uint32_t> resident;
+    for (uint32_t id : distinct) {
+      if (cache.residency().find(id) == kNone)
+        ++expected_misses;
+      else
+        resident.insert(id);
+    }
     std::vector<uint32_t> slots(request.size(), 0xdeadbeef);
-    ASSERT_OK(cache.ensure(request.data(), request.size(), slots.data(), stream_));
-    for (const gpu::PageMove& m : cache.residency().moves())
+    // Odd steps plan and move in two calls, sending the resident pages rewritten since they were
+    // loaded with the misses (the offload step's refreshes); even steps take ensure().
+    std::vector<gpu::PageMove> extra;
+    if (step % 2 == 1) {
+      ASSERT_OK(cache.plan(request.data(), request.size(), slots.data()));
+      for (std::size_t i = 0; i < request.size(); ++i)
+        if (resident.count(request[i]) && rewritten.erase(request[i]))
+          extra.push_back(gpu::PageMove{request[i], slots[i]});
+      ASSERT_OK(cache.move(stream_, extra.data(), extra.size()));
+    } else {
+      ASSERT_OK(cache.ensure(request.data(), request.size(), slots.data(), stream_));
+    }
+    for (const gpu::PageMove& m : cache.residency().moves()) {
+      expected[m.device_slot].assign(host.page(m.host_slot),
+                                     host.page(m.host_slot) + tc.slot_bytes);
+      rewritten.erase(m.host_slot);
+    }
+    for (const gpu::PageMove& m : extra)
       expected[m.device_slot].assign(host.page(m.host_slot),
                                      host.page(m.host_slot) + tc.slot_bytes);
     EXPECT_EQ(cache.last_step().misses, expected_misses) << "step " << step;
@@ -409,7 +432,11 @@ TEST_P(GpuTransferCase, device_pages_match_the_host_pages_they_were_loaded_from)
     }
     // Rewrite some host pages, resident ones among them: a hit sent again would copy the new
     // bytes and fail the comparison above next step.
-    for (int i = 0; i < 40; ++i) host.rewrite(rng() % kHostSlots, rng);
+    for (int i = 0; i < 40; ++i) {
+      const uint32_t id = rng() % kHostSlots;
+      host.rewrite(id, rng);
+      rewritten.insert(id);
+    }
     previous.assign(distinct.begin(), distinct.end());
   }
   EXPECT_EQ(cache.totals().misses, total_misses);
@@ -499,6 +526,32 @@ TEST_F(GpuTransferTest, refuses_bad_ids_and_oversized_steps_then_carries_on) {
   const std::vector<uint32_t> fine = {5, 1, 2, 3};
   ASSERT_OK(cache.ensure(fine.data(), fine.size(), slots.data(), stream_));
   EXPECT_EQ(cache.last_step().misses, 4u);
+  // plan() and move(): one move per plan, extra moves inside the pools and the capacity; a
+  // refused move ends its plan and forgets its misses.
+  r = cache.move(stream_);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("without a plan()"), std::string::npos) << r.message;
+  ASSERT_OK(cache.plan(fine.data(), fine.size(), slots.data()));
+  const gpu::PageMove outside[] = {{5, slots[0]}, {64, slots[1]}};
+  r = cache.move(stream_, outside, 2);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("extra move 1 (host slot 64"), std::string::npos) << r.message;
+  r = cache.move(stream_, outside, 1);
+  EXPECT_FALSE(r.ok) << "a refused move() ended its plan";
+  const std::vector<uint32_t> other = {5, 1, 2, 6};  // 6 is new: a miss, forgotten when refused
+  ASSERT_OK(cache.plan(other.data(), other.size(), slots.data()));
+  EXPECT_EQ(cache.residency().moves().size(), 1u);
+  const gpu::PageMove too_many[] = {{5, 0}, {1, 1}, {2, 2}, {3, 3}};
+  r = cache.move(stream_, too_many, 4);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("more than the cache's 4 slots"), std::string::npos) << r.message;
+  EXPECT_EQ(cache.residency().find(6), kNone);
+  ASSERT_OK(cache.plan(other.data(), other.size(), slots.data()));
+  ASSERT_OK(cache.move(stream_, outside, 1));  // page 5 sent again with the miss
+  EXPECT_EQ(cache.last_step().misses, 1u);
+  EXPECT_EQ(cache.last_step().mapped_steps + cache.last_step().staged_steps, 1u);
+  r = cache.move(stream_);
+  EXPECT_FALSE(r.ok) << "a second move() for one plan()";
   ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
 }
 

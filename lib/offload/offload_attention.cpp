@@ -4,7 +4,9 @@
 // call 137-195 us of host work, 147-180 us from the first copy to the lists on the device,
 // 16-18 us of attention, 5-8 us for the output, 193-229 us wall clock; selection on 2 threads
 // took 1.3-1.5 ms. The transfer interval includes the device's wait for the CPU's planning, so
-// overlapping the next layer's selection with it is where time is to be won.
+// overlapping the next layer's selection with it is where time is to be won. Since then the
+// refreshes go with the misses in one gather and q with the lists in one copy: two CUDA calls and
+// a kernel fewer per part (bench/bench_offload.cpp (c), host column; to be measured on the H200).
 #include "lib/offload/offload_attention.hpp"
 
 #include <algorithm>
@@ -76,9 +78,7 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
          "OffloadAttention: the cache's page pool is pinned but not mapped into the device's "
          "address space (the mapped gather reads it over PCIe; allocate it with "
          "gpu::pinned_alloc)");
-  std::unique_ptr<OffloadAttention> self(new OffloadAttention(cache, options));
-  self->host_pool_device_ = mapped;
-  return self;
+  return std::unique_ptr<OffloadAttention>(new OffloadAttention(cache, options));
 }
 
 OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options)
@@ -115,7 +115,6 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const std::size_t slot_bytes = geometry_.slot_bytes();
   const std::size_t qo_elems =
       std::size_t{options.max_batch} * geometry_.n_query_heads() * geometry_.head_dim;
-  const std::size_t refresh_bytes = round_up(max_listed_ * sizeof(gpu::PageMove), 256);
   const std::size_t list_bytes =
       round_up((2 * std::size_t{max_pairs_} + 1 + max_listed_) * sizeof(uint32_t), 256);
   const std::size_t token_list_bytes = max_tokens_ == 0
@@ -126,37 +125,34 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const std::size_t rows_bytes = options.max_row_chunks * slot_bytes;
   const std::size_t qo_bytes = round_up(qo_elems * sizeof(float), 256);
   const uint32_t parts = options.step_parts;
-  const std::size_t part_pinned = refresh_bytes + list_bytes + token_list_bytes + rows_bytes;
-  const std::size_t part_device = list_bytes + token_list_bytes;
+  const std::size_t part_pinned = qo_bytes + list_bytes + token_list_bytes + rows_bytes;
+  const std::size_t part_device = qo_bytes + list_bytes + token_list_bytes;
   void* pinned = nullptr;
-  check(gpu::pinned_alloc(parts * part_pinned + 2 * qo_bytes, &pinned), "pinned buffers");
+  check(gpu::pinned_alloc(parts * part_pinned + qo_bytes, &pinned), "pinned buffers");
   pinned_.reset(pinned);
   void* dev = nullptr;
-  check(gpu::device_alloc(parts * part_device + 2 * qo_bytes, &dev), "device buffers");
+  check(gpu::device_alloc(parts * part_device + qo_bytes, &dev), "device buffers");
   device_.reset(dev);
   auto* p = static_cast<std::byte*>(pinned);
   auto* d = static_cast<std::byte*>(dev);
   for (uint32_t i = 0; i < parts; ++i) {
     Part& part = parts_[i];
-    part.refresh = reinterpret_cast<gpu::PageMove*>(p);
-    part.lists = reinterpret_cast<uint32_t*>(p + refresh_bytes);
-    part.token_lists = reinterpret_cast<uint32_t*>(p + refresh_bytes + list_bytes);
-    part.rows = p + refresh_bytes + list_bytes + token_list_bytes;
-    part.lists_device = reinterpret_cast<uint32_t*>(d);
-    part.token_lists_device = reinterpret_cast<uint32_t*>(d + list_bytes);
-    const void* refresh_view = nullptr;
-    check(gpu::mapped_device_pointer(part.refresh, &refresh_view), "refresh list view");
-    part.refresh_device = static_cast<const gpu::PageMove*>(refresh_view);
+    part.q_end = p + qo_bytes;
+    part.q_end_device = d + qo_bytes;
+    part.lists = reinterpret_cast<uint32_t*>(p + qo_bytes);
+    part.token_lists = reinterpret_cast<uint32_t*>(p + qo_bytes + list_bytes);
+    part.rows = p + qo_bytes + list_bytes + token_list_bytes;
+    part.lists_device = reinterpret_cast<uint32_t*>(d + qo_bytes);
+    part.token_lists_device = reinterpret_cast<uint32_t*>(d + qo_bytes + list_bytes);
     part.lists[0] = 0;  // attended_*() before the first run(): nothing
     p += part_pinned;
     d += part_device;
   }
-  q_host_ = reinterpret_cast<float*>(p);
-  out_host_ = reinterpret_cast<float*>(p + qo_bytes);
-  q_device_ = reinterpret_cast<float*>(d);
-  out_device_ = reinterpret_cast<float*>(d + qo_bytes);
+  out_host_ = reinterpret_cast<float*>(p);
+  out_device_ = reinterpret_cast<float*>(d);
 
   host_slots_.resize(max_listed_);
+  refresh_.resize(max_listed_);
   const std::size_t tracked = std::size_t{geometry_.n_layers} * options.cache_pages;
   copied_tokens_.assign(tracked, 0);
   cache_.add_seal_listener(this);
@@ -265,23 +261,16 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
   offsets[pairs] = n;
   last_part_ = part_index;
   last_pairs_ = pairs;
+
   counts.lists_us += micros(t_lists, Clock::now());
 
-  const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
-  const std::size_t q_bytes = call.n_seqs * q_row * sizeof(float);
-  float* q_host = q_host_ + row0 * q_row;
-  float* q_device = q_device_ + row0 * q_row;
-  gpu::Result r = stream_.mark(part_event(part_index, 0));
-  if (r.ok) {
-    std::memcpy(q_host, call.q, q_bytes);
-    r = stream_.copy_to_device(q_device, q_host, q_bytes);
-  }
   gpu::DevicePageCache& layer_cache = caches_[call.layer];
+  gpu::Result r = stream_.mark(part_event(part_index, 0));
   const Clock::time_point t_plan = Clock::now();
-  if (r.ok) r = layer_cache.ensure(host_slots_.data(), n, device_slots, stream_.handle());
+  if (r.ok) r = layer_cache.plan(host_slots_.data(), n, device_slots);
   if (!r.ok) return r;
 
-  // Pages cached earlier whose host copy has since changed go again, after the misses.
+  // Pages cached earlier whose host copy has since changed go again, with the misses.
   uint32_t* tokens = copied_tokens_.data() + std::size_t{call.layer} * options_.cache_pages;
   for (const gpu::PageMove& move : layer_cache.residency().moves())
     tokens[move.device_slot] = kFresh;
@@ -291,19 +280,31 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
       const uint32_t slot = device_slots[i];
       const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
       if (tokens[slot] != kFresh && tokens[slot] < held)
-        part.refresh[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
+        refresh_[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
       tokens[slot] = held;
     }
   counts.plan_us += micros(t_plan, Clock::now());
+  r = layer_cache.move(stream_.handle(), refresh_.data(), n_refresh);
+  if (!r.ok) {
+    // Nothing was sent: the step's pages were marked as copied above, so forget them all (sent
+    // again when next listed).
+    for (uint32_t i = 0; i < n; ++i) tokens[device_slots[i]] = 0;
+    return r;
+  }
   auto* pool = static_cast<std::byte*>(const_cast<void*>(layer_cache.device_pool()));
   const std::size_t slot_bytes = geometry_.slot_bytes();
-  r = stream_.refresh_pages(host_pool_device_, pool, slot_bytes, part.refresh_device, n_refresh);
 
+  // q sits right before the page lists, in the pinned block and in the device one.
+  const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
+  const std::size_t q_bytes = call.n_seqs * q_row * sizeof(float);
+  std::byte* q_host = part.q_end - q_bytes;
+  const auto* q_device = reinterpret_cast<const float*>(part.q_end_device - q_bytes);
+  std::memcpy(q_host, call.q, q_bytes);
   const uint64_t chunks = call.rows != nullptr ? call.rows->chunk_offsets[pairs] : 0;
   std::size_t list_bytes = 0;
   if (chunks == 0) {
     list_bytes = (2 * std::size_t{max_pairs_} + 1 + n) * sizeof(uint32_t);
-    if (r.ok) r = stream_.copy_to_device(part.lists_device, part.lists, list_bytes);
+    r = stream_.copy_to_device(part.q_end_device - q_bytes, q_host, q_bytes + list_bytes);
   } else {
     // Token form: each pair's page rows, then its chunks' rows from the reserved slots.
     const uint32_t row_base = layer_cache.capacity();
@@ -322,6 +323,7 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
     }
     token_offsets[pairs] = t;
     std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
+    r = stream_.copy_to_device(part.q_end_device - q_bytes, q_host, q_bytes);
     if (r.ok)
       r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
     list_bytes = token_offset_words() * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);

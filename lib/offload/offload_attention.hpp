@@ -19,6 +19,13 @@
 // cache (PageCacheConfig::reserved_slots), and the call runs the kernel's token form over the
 // pages' rows and the chunks' rows. Calls without rows keep the page form.
 //
+// The critical path of a call, after the selection: the page lists, the device cache's plan
+// (residency lookups, host only), then one gather of the misses and the refreshed pages together
+// (DevicePageCache::plan and move: one kernel and one PCIe round trip, where the refreshes were a
+// second kernel after the misses), one copy of q and the page lists (q sits right before the lists
+// in a part's pinned block and its device mirror), the attention, the output back. q no longer
+// goes first on its own: nothing reads it before the lists arrive.
+//
 // Overlap. A call can come in parts (begin(), enqueue() per part, finish()): while the device
 // moves and attends part i, the caller plans part i + 1 (lib/engine/decode_engine.hpp selects it:
 // the step's only CPU work that can run beside the device, since the query of layer l + 1 depends
@@ -88,8 +95,7 @@ struct OffloadStats {
   uint32_t parts = 0;           // parts the call came in
   double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
   double lists_us = 0.0;        //   of which the page lists (page ids to host slots)
-  double plan_us = 0.0;         //   and the residency plan (the misses' gather enqueued) with
-                                //   the refresh scan
+  double plan_us = 0.0;         //   and the residency plan with the refresh scan
   double transfer_us = 0.0;     // GPU: q, page misses and refreshes, the lists
   double attend_us = 0.0;       // GPU: the sparse attention kernel
   double copy_out_us = 0.0;     // GPU: the output back to host
@@ -172,15 +178,17 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
                          uint64_t end_page) noexcept override;
 
  private:
-  // The pinned (mapped) and device buffers of one part of a step, so that a part's host buffers
-  // are not rewritten while an earlier part's copies are in flight. Pinned: refresh moves
-  // [max_listed_]; page lists (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device
-  // slots [max_listed_]); with rows, token lists (offsets [max_pairs_ + 1], then TokenAddress
-  // [max_tokens_]) and the row staging [max_row_chunks, slot_bytes]. The device block mirrors
-  // both lists; each goes over in one copy.
+  // The pinned and device buffers of one part of a step, so that a part's host buffers are not
+  // rewritten while an earlier part's copies are in flight. Pinned: q [max_batch, n_query_heads,
+  // head_dim] fp32, the part's rows placed at the end of it so that the page lists follow them
+  // directly; page lists (offsets [max_pairs_ + 1], last_page_tokens [max_pairs_], device slots
+  // [max_listed_]); with rows, token lists (offsets [max_pairs_ + 1], then TokenAddress
+  // [max_tokens_]) and the row staging [max_row_chunks, slot_bytes]. The device block mirrors q
+  // and both lists; q and the page lists go over in one copy (one copy fewer on the step's
+  // critical path), the token lists in another.
   struct Part {
-    gpu::PageMove* refresh = nullptr;
-    const gpu::PageMove* refresh_device = nullptr;  // the mapped view the refresh kernel reads
+    std::byte* q_end = nullptr;  // pinned: the end of the q area, where the page lists begin
+    std::byte* q_end_device = nullptr;
     uint32_t* lists = nullptr;
     uint32_t* token_lists = nullptr;
     std::byte* rows = nullptr;
@@ -195,9 +203,9 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   };
 
   OffloadAttention(KvCache& cache, const OffloadOptions& options);
-  // Enqueues one part: q rows [row0, row0 + call.n_seqs) to the device, the listed pages made
-  // resident and refreshed, the rows staged, the lists, the attention into the device output at
-  // row0; records events 3 * part .. 3 * part + 2. Waits for nothing on the device.
+  // Enqueues one part: the listed pages made resident and refreshed (one gather), the rows staged,
+  // q with the lists, the attention into the device output at row0; records events 3 * part ..
+  // 3 * part + 2. Waits for nothing on the device.
   gpu::Result enqueue_part(const KvCache& cache, const AttendCall& call, uint32_t part,
                            uint32_t row0, PartCounts& counts) noexcept;
   // Copies the output rows [0, n_seqs) back, waits, and writes out. Event kDone.
@@ -224,7 +232,6 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   gpu::StepStream stream_;
   std::vector<gpu::DevicePageCache> caches_;  // [n_layers]
   gpu::SparseDecodeAttention attention_;
-  const void* host_pool_device_ = nullptr;  // the cache pool's mapped device view
 
   struct PinnedFree {
     void operator()(void* p) const noexcept { gpu::pinned_free(p); }
@@ -235,11 +242,11 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   std::unique_ptr<void, PinnedFree> pinned_;
   std::unique_ptr<void, DeviceFree> device_;
   Part parts_[kMaxParts];
-  float* q_host_ = nullptr;  // pinned [max_batch, n_query_heads, head_dim], and out after it
-  float* out_host_ = nullptr;
-  float* q_device_ = nullptr;
+  float* out_host_ = nullptr;  // pinned [max_batch, n_query_heads, head_dim]
   float* out_device_ = nullptr;
   std::vector<uint32_t> host_slots_;  // [max_listed_] the listed pages' host slots
+  // [max_listed_] a part's refreshes, sent with its misses (DevicePageCache::move copies them)
+  std::vector<gpu::PageMove> refresh_;
 
   // Marks the device copies of host slots table[first, end) of a layer stale (their slots go back
   // to the pool).
