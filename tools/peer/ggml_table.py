@@ -97,12 +97,15 @@ def main():
         with open(path) as f:
             loaded = json.load(f)
         if "runs" in loaded:  # a document this script wrote: extend it
+            for run in loaded["runs"]:  # documents before runs named their CPU: the document's
+                run.setdefault("cpu", loaded.get("cpu", "unknown"))
             runs += loaded["runs"]
             commands += loaded.get("commands", [])
         else:
+            loaded.setdefault("cpu", args.cpu)
             runs.append(loaded)
     commands += args.command
-    doc = {"cpu": args.cpu, "commands": commands, "runs": runs}
+    doc = {"commands": commands, "runs": runs}
     with open(args.json_out, "w") as f:
         json.dump(doc, f, indent=1)
         f.write("\n")
@@ -113,7 +116,7 @@ def main():
         "Written by `tools/peer/ggml_table.py` from `ggml-side-by-side.json` "
         "(`scripts/bench_vs_ggml.sh`; what is measured: `bench/ggml/bench_ggml.cpp`).",
         "",
-        f"CPU: {args.cpu}. Commands, in the order run:",
+        "Commands, in the order run (each run names its CPU):",
         "",
     ] + [f"{i + 1}. `{c}`" for i, c in enumerate(commands)]
     for i, run in enumerate(runs):
@@ -125,6 +128,7 @@ def main():
             f"## Run {i + 1}: {run['threads']} thread(s) per library"
             + (", " + ", ".join(f"{k}={v}" for k, v in env.items()) if env else ""),
             "",
+            f"- CPU: {run['cpu']}",
             f"- samples per variant: {run['reps']}, each at least {run['min_sample_ms']} ms of "
             "back-to-back calls, the variants in turns",
             f"- ggml {run['ggml_version']} ({run['ggml_commit']}), CPU features "
