@@ -31,7 +31,11 @@
 //   the logits' butterfly loses a level (48 shuffles and adds per 4 KiB instead of 128) and each
 //   lane evaluates half as many exponentials per byte, for 64 more registers a thread (fewer
 //   resident CTAs; init() sizes the default split from the occupancy of the kernel it picked).
-// Measured on the H200 after this change: (to be filled from that run).
+// Measured on the H200 (docs/results/gpu-scale/one-layer-table.txt, medians of 20 calls back to
+// back), 128K batch 1 / batch 8 / 1M batch 1 / batch 8, in us: the defaults (one wave, 2 tiles,
+// one piece) 158.9 / 1133 / 1114 / 9247; 2 CTAs a multiprocessor 150.5 / 1096 / 1124 / 9637; two
+// pieces a lane 153.9 / 1138 / 1115 / 9532; torch SDPA 130.5 / 951 / 948 / 7484. No setting wins
+// everywhere, none comes within 1.05x of torch, so the defaults stay.
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 

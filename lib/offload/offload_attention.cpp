@@ -6,7 +6,10 @@
 // took 1.3-1.5 ms. The transfer interval includes the device's wait for the CPU's planning, so
 // overlapping the next layer's selection with it is where time is to be won. Since then the
 // refreshes go with the misses in one gather and q with the lists in one copy: two CUDA calls and
-// a kernel fewer per part (bench/bench_offload.cpp (c), host column; to be measured on the H200).
+// a kernel fewer per part. The step at 128K with LOCKS at 2% selected on the device
+// (bench/bench_offload.cpp (c), docs/results/gpu-scale/one-layer-table.txt): 186 us at batch 1
+// (host 37, of it 20 the residency plan; transfer interval 58; attention 20), 1.43x torch SDPA over
+// an HBM-resident cache, where it was 217 us (1.70x) before; 1,566 us at batch 8 (1.65x).
 #include "lib/offload/offload_attention.hpp"
 
 #include <algorithm>
