@@ -9,7 +9,7 @@
 // a kernel fewer per part. The step at 128K with LOCKS at 2% selected on the device
 // (bench/bench_offload.cpp (c), docs/results/gpu-scale/one-layer-table.txt): 186 us at batch 1
 // (host 37, of it 20 the residency plan; transfer interval 58; attention 20), 1.43x torch SDPA over
-// an HBM-resident cache, where it was 217 us (1.70x) before; 1,566 us at batch 8 (1.65x).
+// an HBM-resident cache (217 us, 1.70x, in a run of the day before); 1,566 us at batch 8 (1.65x).
 #include "lib/offload/offload_attention.hpp"
 
 #include <algorithm>
