@@ -300,9 +300,6 @@ struct Body {
 
   // ---- LOCKS page scores (docs/methods.md, LOCKS; layout in simd/locks_record.hpp) ----
 
-  static constexpr uint32_t kMaxHeadDim = 256;
-  static constexpr uint32_t kMaxPageTokens = 64;
-
   static float bf16_at(const std::byte* p) noexcept {
     uint16_t h;
     std::memcpy(&h, p, sizeof h);

@@ -12,6 +12,11 @@
 
 namespace kvsift::simd {
 
+// The largest head_dim and page_tokens a kernel takes (the jobs below list the sizes): kernels
+// size their stack buffers by them.
+inline constexpr uint32_t kMaxHeadDim = 256;
+inline constexpr uint32_t kMaxPageTokens = 64;
+
 // One unit of decode attention: the G query heads of one KV head over a run of pages of one
 // (sequence, layer, KV head). The kernel starts a fresh online-softmax state and leaves the
 // unnormalised partial result (running max m, sum l, accumulator acc) for the split-K merge.

@@ -14,8 +14,8 @@
 namespace kvsift::select {
 namespace {
 
-constexpr uint32_t kMaxHeadDim = 256;
-constexpr uint32_t kMaxPageTokens = 64;
+using simd::kMaxHeadDim;
+using simd::kMaxPageTokens;
 constexpr uint32_t kMaxRank = kMaxPageTokens - 1;
 static_assert(kMaxPageTokens <= kSymmetricEigenMaxOrder);
 // The sigma floor, as the authors' build (docs/methods.md, LOCKS: summary build).

@@ -42,8 +42,6 @@
 namespace kvsift::simd {
 namespace {
 
-constexpr uint32_t kMaxHeadDim = 256;
-constexpr uint32_t kMaxPageTokens = 64;
 // Query heads whose codes are prepared for one walk over the pages; a larger group walks the
 // pages again per this many heads.
 constexpr uint32_t kQueryHeads = 32;

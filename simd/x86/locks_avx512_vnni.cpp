@@ -44,8 +44,6 @@
 namespace kvsift::simd {
 namespace {
 
-constexpr uint32_t kMaxHeadDim = 256;
-constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxQuarters = kMaxHeadDim / 32;        // 16-byte quarters of a V column
 constexpr uint32_t kMaxColumnGroups = kMaxPageTokens / 4;  // rank < page_tokens
 constexpr uint32_t kMaxHeadQuads = kLocksHeadBlock / 4;
