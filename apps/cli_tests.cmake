@@ -119,6 +119,10 @@ if(KVSIFT_BUILD_BENCH)
            kvsift-bench-decode --model ${_cli_any_file} --weights q4)
   cli_test(bench_decode.device_name 2 "--device: 'gpu' is not cpu, cuda or cuda:N"
            kvsift-bench-decode --model ${_cli_any_file} --device gpu)
+  cli_test(bench_decode.select_on_device_without_device 2 "--select-on device: selection runs on"
+           kvsift-bench-decode --model ${_cli_any_file} --select-on device)
+  cli_test(bench_decode.select_on_unknown 2 "--select-on: gpu not in \\{cpu,device\\}"
+           kvsift-bench-decode --model ${_cli_any_file} --select-on gpu)
   cli_test(bench_decode.model_missing 3 "--model ${_cli_missing}: No such file"
            kvsift-bench-decode --model ${_cli_missing})
   cli_test(bench_model.tokens_malformed 3 "--tokens .*not_tokens.json: not a JSON list"

@@ -104,19 +104,22 @@ constexpr uint32_t kFillTokens = 512;
 
 // Fills the first n_tokens positions of every layer of seq with KeyMaker's keys (one maker per
 // layer, its own topics and seed) and uniform random values, chunk by chunk, every layer in turn.
+// The layers' chunks are made in parallel (the RoPE and the random numbers were most of a 512K
+// fill on one thread) and appended one after another (appends to one model are not concurrent).
 void fill_synthetic(kvsift_model* model, const kvsift_model_info& info, int32_t seq,
                     uint64_t n_tokens) {
   namespace bench = kvsift::bench;
   const bench::Shape shape{"model", info.n_kv_heads, info.n_heads / info.n_kv_heads, info.head_dim};
   std::vector<bench::KeyMaker> makers;
   for (uint32_t l = 0; l < info.n_layers; ++l) makers.emplace_back(shape, bench::kSeed + l);
-  std::vector<float> k, v;
+  std::vector<std::vector<float>> k(info.n_layers), v(info.n_layers);
   for (uint64_t first = 0; first < n_tokens; first += kFillTokens) {
     const auto n = static_cast<uint32_t>(std::min<uint64_t>(kFillTokens, n_tokens - first));
-    for (uint32_t l = 0; l < info.n_layers; ++l) {
-      makers[l].make(first, n, k, v);
-      check(kvsift_model_sequence_append_kv(model, seq, l, n, k.data(), v.data()), "append_kv");
-    }
+#pragma omp parallel for schedule(dynamic)
+    for (uint32_t l = 0; l < info.n_layers; ++l) makers[l].make(first, n, k[l], v[l]);
+    for (uint32_t l = 0; l < info.n_layers; ++l)
+      check(kvsift_model_sequence_append_kv(model, seq, l, n, k[l].data(), v[l].data()),
+            "append_kv");
   }
 }
 
@@ -131,7 +134,7 @@ int main(int argc, char** argv) {
   std::vector<uint32_t> contexts{1024, 8192}, batches{1, 8};
   std::vector<std::string> selectors{"dense", "locks"};
   std::vector<double> budgets{0.05};
-  std::string fill = "prompt", kv_dtype = "f16", weights = "bf16";
+  std::string fill = "prompt", kv_dtype = "f16", weights = "bf16", select_on = "cpu";
   uint32_t steps = 32, warmup = 4;
   int threads = 0, busy = 0;
   uint32_t device_cache_pages = 0;
@@ -162,9 +165,13 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed decode steps per row")->check(CLI::Range(1, 100000));
   app.add_option("--warmup", warmup, "untimed decode steps first")->check(CLI::Range(0, 100000));
   app.add_option("--threads", threads, "CPU threads (0: all)")->check(CLI::Range(0, 1024));
+  app.add_option("--select-on", select_on,
+                 "where LOCKS and Louver select in offload mode: cpu, or device (the --device; "
+                 "kvsift_selector_policy.device)")
+      ->check(CLI::IsMember({"cpu", "device"}));
   app.add_option("--device-cache-pages", device_cache_pages,
-                 "offload mode: (page, KV head) slots the device caches per layer (0: every page "
-                 "of the largest context and batch, so the whole cache ends up in device memory)");
+                 "offload mode: (page, KV head) slots the device caches per layer (0: the device "
+                 "holds a copy of the whole cache, every page resident: the KV cache in HBM)");
   app.add_option("--busy", busy,
                  "spinning threads in a competing process (-1: one per CPU of the affinity mask)")
       ->check(CLI::Range(-1, 1024));
@@ -182,6 +189,8 @@ int main(int argc, char** argv) {
       if (apps::device_index(device) >= n_devices)
         throw apps::UsageError("--device " + device + ": " + std::to_string(n_devices) +
                                " CUDA device(s) here");
+    } else if (select_on == "device") {
+      throw apps::UsageError("--select-on device: selection runs on the --device, which is cpu");
     }
     apps::require_readable_file("--model", model_path);
   };
@@ -249,6 +258,7 @@ int main(int argc, char** argv) {
     kvsift_selector_policy_init(&policy);
     check(kvsift_selector_from_name(name.c_str(), &policy.selector), "--selectors");
     policy.budget = budget;
+    policy.device = select_on == "device" ? apps::device_index(device) : -1;
     for (const uint32_t context : contexts)
       for (const uint32_t batch : batches) {
         check(kvsift_model_set_selector(model, &policy), "selector");
@@ -317,6 +327,7 @@ int main(int argc, char** argv) {
         nlohmann::json row = {
             {"device", device},
             {"selector", name},
+            {"select_on", select_on},
             {"budget", policy.budget},
             {"context", context},
             {"batch", batch},

@@ -52,6 +52,11 @@ const char* transfer_path_name(TransferPath path) noexcept;
 struct PageCacheConfig {
   std::size_t slot_bytes = 0;  // bytes of one page: a multiple of 16
   uint32_t capacity = 0;       // device slots, 1..2^31 - 1
+  // The device pool mirrors the host pool slot for slot (capacity == host_slots): device slot i
+  // holds host slot i, so there is no residency to plan and nothing is evicted. plan() and
+  // ensure() are refused; move() sends the caller's moves alone, each to its own slot
+  // (device_slot == host_slot), no plan() first. For a device that holds the whole KV cache.
+  bool mirror = false;
   // Device slots after the cache's capacity that it allocates in the same pool but never manages:
   // the caller's per-step staging (token rows the offload step attends besides pages), so that
   // one pool holds everything a kernel reads. capacity + reserved_slots <= 2^31.
@@ -143,7 +148,7 @@ class DevicePageCache {
   // Device memory: capacity + reserved_slots slots of slot_bytes; ensure()'s slots index it,
   // the reserved ones start at capacity().
   const void* device_pool() const noexcept;
-  uint32_t capacity() const noexcept { return residency_.capacity(); }
+  uint32_t capacity() const noexcept { return config_.capacity; }
   const PageCacheConfig& config() const noexcept { return config_; }
   const PageResidency& residency() const noexcept { return residency_; }
   const TransferStats& last_step() const noexcept { return last_; }
@@ -158,7 +163,7 @@ class DevicePageCache {
 
  private:
   PageCacheConfig config_{};
-  PageResidency residency_;
+  PageResidency residency_;  // empty in a mirror
   std::unique_ptr<backend::PagePool> device_;  // set by a successful init()
   std::vector<PageMove> moves_;  // [capacity] a move()'s misses and extra moves, sent as one list
   bool planned_ = false;         // a plan() waits for its move()

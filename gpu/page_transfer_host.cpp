@@ -40,6 +40,9 @@ Result validate(const PageCacheConfig& c) {
                    " is above 2^31");
   if (c.host_slots == 0 || c.host_slots > PageResidency::kNone)
     return invalid("host_slots " + std::to_string(c.host_slots) + " is outside 1..2^32 - 1");
+  if (c.mirror && c.capacity != c.host_slots)
+    return invalid("a mirror's capacity " + std::to_string(c.capacity) +
+                   " is not host_slots " + std::to_string(c.host_slots));
   if (c.host_pool == nullptr) return invalid("host_pool is null");
   if (reinterpret_cast<std::uintptr_t>(c.host_pool) % 16 != 0)
     return invalid("host_pool is not 16-byte aligned");
@@ -71,8 +74,10 @@ Result DevicePageCache::init(const PageCacheConfig& config) {
   if (Result r = make_impl(&pool, &backend::Backend::make_page_pool, "GPU page cache"); !r.ok)
     return r;
   if (Result r = pool->init(config); !r.ok) return r;
-  if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
-    return r;
+  residency_ = PageResidency{};
+  if (!config.mirror)
+    if (Result r = residency_.init(config.capacity, config.host_slots, config.policy); !r.ok)
+      return r;
   moves_.clear();
   moves_.reserve(config.capacity);
   planned_ = false;
@@ -92,6 +97,7 @@ Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32
 Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n,
                              uint32_t* device_slots) noexcept {
   if (!device_) return Result::invalid("page cache: plan() before a successful init()");
+  if (config_.mirror) return Result::invalid("page cache: a mirror has no residency to plan");
   planned_ = false;
   if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
   planned_ = true;
@@ -101,7 +107,8 @@ Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n,
 Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_extra,
                              TransferPath path) noexcept {
   if (!device_) return Result::invalid("page cache: move() before a successful init()");
-  if (!planned_) return Result::invalid("page cache: move() without a plan() of its own");
+  if (!planned_ && !config_.mirror)
+    return Result::invalid("page cache: move() without a plan() of its own");
   planned_ = false;
   // A refused move ends its plan: the plan's misses were mapped to slots that will not be
   // filled, so they are forgotten (misses again next time), as when the transfer fails.
@@ -120,11 +127,16 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
                   " extra moves are more than the cache's " + std::to_string(capacity()) +
                   " slots");
   for (std::size_t i = 0; i < n_extra; ++i)
-    if (extra[i].host_slot >= config_.host_slots || extra[i].device_slot >= capacity())
+    if (extra[i].host_slot >= config_.host_slots || extra[i].device_slot >= capacity() ||
+        (config_.mirror && extra[i].device_slot != extra[i].host_slot))
       return refuse("extra move " + std::to_string(i) + " (host slot " +
                     std::to_string(extra[i].host_slot) + ", device slot " +
-                    std::to_string(extra[i].device_slot) + ") is outside the pools");
-  const StepCounts& counts = residency_.last_counts();
+                    std::to_string(extra[i].device_slot) + ") is outside the pools" +
+                    (config_.mirror ? " or not to its own slot (a mirror)" : ""));
+  // A mirror's moves are all first copies or refreshes, told apart by the caller alone: counted
+  // as misses here.
+  StepCounts counts = residency_.last_counts();
+  if (config_.mirror) counts = StepCounts{n_extra, 0, n_extra, 0};
   const uint64_t bytes = counts.misses * config_.slot_bytes;
   const uint64_t sent = (misses.size() + n_extra) * config_.slot_bytes;
   if (path == TransferPath::automatic)

@@ -13,16 +13,20 @@
 #
 # Rows, each a kvsift-bench-decode row (--fill synthetic: K/V appended straight into the host
 # cache, then whole-model decode steps on the device):
-#   hbm    dense attention with a device page cache of every page (--device-cache-pages 0): after
-#          the first step the whole cache is resident in HBM, the baseline
+#   hbm    dense attention with the device holding a copy of the whole cache
+#          (--device-cache-pages 0): after the first step every page is resident in HBM and a step
+#          sends only the pages that changed, the baseline
 #   host   the SELECTORS at BUDGETS with the device cache bounded to CACHE_FRACTION of a layer's
-#          pages: the KV cache lives in host memory and only selected pages cross PCIe
+#          pages: the KV cache lives in host memory and only selected pages cross PCIe; once per
+#          SELECT_ON place (cpu, device: where LOCKS and Louver select)
 # Raw rows (JSON lines), the tables, the commands and RESULTS.md (tools/scale_table.py) go to
 # $OUT/gpu-scale (OUT defaults to $BUILD/out).
 #
 # Environment: CONTEXTS (default 32768,131072), BATCHES (default 1), SELECTORS (default locks),
-# BUDGETS (default 0.02,0.05), CACHE_FRACTION (default 0.1), STEPS (default 16), WARMUP (default 4),
-# KV_DTYPE (default f16), MODEL_DIR (default /tmp/kvsift-models), BUILD (default build-gpu).
+# BUDGETS (default 0.02,0.05), SELECT_ON (default cpu,device), CACHE_FRACTION (default 0.1), STEPS
+# (default 16), WARMUP (default 4), KV_DTYPE (default f16), MODEL_DIR (default /tmp/kvsift-models),
+# BUILD (default build-gpu), HBM (default 1; 0 skips the hbm rows), APPEND (default 0; 1 keeps the
+# rows of earlier calls, for a matrix run over several calls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,6 +36,8 @@ contexts=${CONTEXTS:-32768,131072}
 batches=${BATCHES:-1}
 selectors=${SELECTORS:-locks}
 budgets=${BUDGETS:-0.02,0.05}
+select_on=${SELECT_ON:-cpu,device}
+hbm=${HBM:-1}
 cache_fraction=${CACHE_FRACTION:-0.1}
 steps=${STEPS:-16}
 warmup=${WARMUP:-4}
@@ -65,17 +71,21 @@ run() {  # name, then kvsift-bench-decode's arguments
     --steps "$steps" --warmup "$warmup" "$@" >> "$out/rows_$name.jsonl" \
     2> >(tee -a "$out/table_$name.txt" >&2) || status=1
 }
-rm -f "$out"/rows_*.jsonl "$out"/table_*.txt "$out/commands.txt"
+[[ ${APPEND:-0} == 1 ]] || rm -f "$out"/rows_*.jsonl "$out"/table_*.txt "$out/commands.txt"
 IFS=, read -r -a context_list <<< "$contexts"
 IFS=, read -r -a batch_list <<< "$batches"
+IFS=, read -r -a place_list <<< "$select_on"
 for context in "${context_list[@]}"; do
   for batch in "${batch_list[@]}"; do
     # A layer's (page, KV head) slots at this context and batch: 8 KV heads, 16-token pages.
     pages=$(python3 -c "import math; print(max(1, math.ceil($cache_fraction * $batch * 8 * \
 math.ceil($context / 16))))")
-    run hbm --contexts "$context" --batches "$batch" --selectors dense --device-cache-pages 0
-    run host --contexts "$context" --batches "$batch" --selectors "$selectors" \
-      --budgets "$budgets" --device-cache-pages "$pages"
+    [[ $hbm == 0 ]] ||
+      run hbm --contexts "$context" --batches "$batch" --selectors dense --device-cache-pages 0
+    for place in "${place_list[@]}"; do
+      run "host_$place" --contexts "$context" --batches "$batch" --selectors "$selectors" \
+        --budgets "$budgets" --select-on "$place" --device-cache-pages "$pages"
+    done
   done
 done
 machine="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1), host $(nproc) CPUs"

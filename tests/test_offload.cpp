@@ -39,7 +39,7 @@ struct Case {
   uint32_t n_layers, n_kv_heads, group_size;
   uint64_t context;  // prompt tokens per sequence
   uint32_t batch, steps;
-  uint64_t max_pages_per_pair;
+  uint64_t max_pages_per_pair;  // the device cache's pages per pair; 0: a mirror of the whole pool
   uint32_t free_at_step;  // replace the last sequence by a new one before this step (0: never)
 };
 
@@ -213,7 +213,14 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
 
       const OffloadStats& s = offload->last_step();
       EXPECT_EQ(s.pages_listed, cpu_selection.offsets[pairs]);
-      EXPECT_EQ(s.hits + s.misses, s.pages_listed);
+      // A mirror holds every page: what it sends is each listed open page (refreshed) and every
+      // page sealed since the last call (misses, listed or not).
+      if (c.max_pages_per_pair == 0) {
+        EXPECT_EQ(s.hits + s.refreshed, s.pages_listed);
+        EXPECT_EQ(s.evictions, 0u);
+      } else {
+        EXPECT_EQ(s.hits + s.misses, s.pages_listed);
+      }
       // Every pair's open page grew by one token since the last step: sent again unless missed.
       if (step > 1) {
         EXPECT_GE(s.refreshed + s.misses, pairs);
@@ -249,7 +256,11 @@ INSTANTIATE_TEST_SUITE_P(
         // A q8 cache (the offload model's decode attention over one: tests/test_model.cpp).
         Case{"locks_q8_b2", Kind::locks, simd::Dtype::q8, 2, 2, 4, 2048, 2, 4, 16, 3},
         // One Llama-3.1-8B layer (8 KV heads, G = 4, d = 128) at 32K, LOCKS at 5%.
-        Case{"locks_llama_32k", Kind::locks, simd::Dtype::bf16, 1, 8, 4, 32768, 1, 8, 128, 0}),
+        Case{"locks_llama_32k", Kind::locks, simd::Dtype::bf16, 1, 8, 4, 32768, 1, 8, 128, 0},
+        // Mirrors of the whole pool (the KV cache in HBM): a replaced sequence's slots are reused
+        // by its successor's prompt, whose pages must be sent again when they seal.
+        Case{"locks_mirror_b2", Kind::locks, simd::Dtype::bf16, 2, 2, 4, 4096, 2, 6, 0, 4},
+        Case{"dense_mirror_q8", Kind::dense, simd::Dtype::q8, 2, 2, 4, 2000, 2, 4, 0, 3}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 class OffloadTest : public OffloadCase {};
@@ -281,6 +292,35 @@ TEST_F(OffloadTest, dense_calls_attend_every_page) {
   EXPECT_EQ(offload->last_step().refreshed, 0u);
   EXPECT_EQ(offload->last_step().page_bytes_h2d, 0u);
   EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
+
+  // A mirror of the pool, made over the filled cache: the first call sends every slot handed out
+  // (63 pages a pair, the last one open); the next only the open pages, which a mirror always
+  // sends again; after 8 more tokens they seal and go as sealed pages, no open page left.
+  options.cache_pages = 0;
+  auto mirror = OffloadAttention::create(model.cache(), options);
+  const uint64_t pages = 2 * 2 * g.pages_for(1000);
+  const auto run_mirror = [&] {
+    std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
+    ASSERT_EQ(mirror->run(model.cache(), AttendCall{0, 2, model.seq_ids().data(),
+                                                    model.q().data(), out_gpu.data()}),
+              Status::ok)
+        << mirror->last_error();
+    EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
+  };
+  run_mirror();
+  EXPECT_EQ(mirror->last_step().misses, pages);
+  EXPECT_EQ(mirror->last_step().refreshed, 0u);
+  EXPECT_EQ(mirror->last_step().page_bytes_h2d, pages * g.slot_bytes());
+  run_mirror();
+  EXPECT_EQ(mirror->last_step().misses, 0u);
+  EXPECT_EQ(mirror->last_step().refreshed, 2u * 2u);
+  EXPECT_EQ(mirror->last_step().page_bytes_h2d, 2 * 2 * g.slot_bytes());
+  for (int32_t id : model.seq_ids()) model.append(id, 0, 8);
+  call.out = out_cpu.data();
+  cpu.run(model.cache(), call);
+  run_mirror();
+  EXPECT_EQ(mirror->last_step().misses, 2u * 2u);
+  EXPECT_EQ(mirror->last_step().refreshed, 0u);
 }
 
 TEST_F(OffloadTest, refuses_oversized_lists_and_row_chunks_beyond_the_reserve) {
@@ -311,7 +351,7 @@ TEST_F(OffloadTest, refuses_oversized_lists_and_row_chunks_beyond_the_reserve) {
   call.rows = nullptr;
   test::expect_error([&] { tiny->validate(model.cache(), call); }, Status::capacity_exceeded,
                      "cache_pages");
-  small.cache_pages = 0;
+  small.cache_pages = 1u << 31;
   test::expect_error([&] { OffloadAttention::create(model.cache(), small); },
                      Status::invalid_argument, "cache_pages");
   OffloadOptions parts = options;

@@ -87,7 +87,8 @@ def main() -> int:
     print(f"# {args.title}\n")
     print(f"{NOTE}\n")
     print(f"- Model: `{os.path.basename(args.model)}`, shape `{args.shape}`; weights "
-          f"`{first['weights']}`, KV cache `{first['kv_dtype']}`, batch {first['batch']}, "
+          f"`{first['weights']}`, KV cache `{first['kv_dtype']}`, batch "
+          f"{', '.join(str(b) for b in sorted({r['batch'] for r in rows}))}, "
           f"{first['steps']} timed steps a row.")
     machine = args.machine or f"{cpu_name()}, {os.cpu_count()} CPUs, {memory_gib():.0f} GiB"
     print(f"- Machine: {machine}; table written "
@@ -99,24 +100,34 @@ def main() -> int:
           "KV pages held and the selector's summaries and indexes.")
     transfer_head, transfer_rule = "", ""
     if offload:
-        print("\nOffload rows: transfer ms is the device's interval for the page moves (the CPU's "
+        print("\nOffload rows: selection on the CPU, or on the device where the selector says "
+              "(device); transfer ms is the device's interval for the page moves (the CPU's "
               "planning of them included), MB/step the bytes sent host to device, hit the "
               "device page cache's hit rate, cache the (page, KV head) slots it holds per layer "
-              "(0: every page, so that after the first step the whole cache is in device "
-              "memory).")
-        transfer_head, transfer_rule = " transfer ms | MB/step | hit | cache |", "---:|---:|---:|---:|"
+              "(0: a copy of the whole KV cache, every page resident in device memory: the HBM "
+              "baseline), vs HBM the step's time over the dense row with cache 0 at the same "
+              "context and batch.")
+        transfer_head = " transfer ms | MB/step | hit | cache | vs HBM |"
+        transfer_rule = "---:|---:|---:|---:|---:|"
+    hbm = {(r["context"], r["batch"]): r["step_ms"] for r in rows
+           if r["selector"] == "dense" and r.get("device_cache_pages", 0) == 0}
     print("\n| context | batch | selector | budget | tok/s | step ms (min, max) | weights ms "
           f"| attention ms | selection ms |{transfer_head} KV GB | selector MB | VmRSS GB "
           "| VmHWM GB | fill s |")
     print(f"|---:|---:|---|---:|---:|---|---:|---:|---:|{transfer_rule}---:|---:|---:|---:|---:|")
     for r in sorted(rows, key=lambda r: (r["context"], r["batch"], r["selector"] != "dense",
-                                         r["selector"], r["budget"])):
+                                         r["selector"], r["budget"], r.get("select_on", "cpu"))):
         budget = "-" if r["selector"] == "dense" else f"{r['budget']:g}"
+        selector = r["selector"]
+        if r.get("select_on") == "device" and selector != "dense":
+            selector += " (device)"
         transfer = ""
         if offload:
+            base = hbm.get((r["context"], r["batch"]))
+            ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
             transfer = (f" {r['transfer_us'] / 1e3:.1f} | {r['h2d_MB']:.1f} | {r['hit_rate']:.3f} "
-                        f"| {r.get('device_cache_pages', 0)} |")
-        print(f"| {r['context']} | {r['batch']} | {r['selector']} | {budget} | {r['tok_s']:.2f} "
+                        f"| {r.get('device_cache_pages', 0)} | {ratio} |")
+        print(f"| {r['context']} | {r['batch']} | {selector} | {budget} | {r['tok_s']:.2f} "
               f"| {r['step_ms']:.1f} ({r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}) "
               f"| {r['weights_ms']:.1f} | {r['attend_us'] / 1e3:.1f} | {r['select_us'] / 1e3:.1f} "
               f"|{transfer} {r['kv_bytes_held'] / 1e9:.2f} | {r['selector_bytes'] / 1e6:.1f} "

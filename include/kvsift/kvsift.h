@@ -197,9 +197,10 @@ typedef struct kvsift_cache_params {
    * device's page cache cross PCIe, then a sparse attention kernel attends; selection stays on the
    * CPU. UNSUPPORTED without CUDA in the build or a usable device. */
   int device;
-  /* Device page cache slots per layer; 0 (default) = max_pages / n_layers, rounded up (every page
-   * a layer holds when the layers fill evenly). A call listing more pages than this fails with
-   * CAPACITY_EXCEEDED. As many slots again are reserved per layer for token rows. */
+  /* Device page cache slots per layer; a call listing more pages than this fails with
+   * CAPACITY_EXCEEDED, and as many slots again are reserved per layer for token rows. 0 (default):
+   * the device holds a copy of the whole pool (max_pages slots, plus max_pages / n_layers for
+   * token rows), so every page stays resident and a step sends only what changed since. */
   uint32_t device_cache_pages;
 } kvsift_cache_params;
 
@@ -530,8 +531,9 @@ typedef struct kvsift_model_params {
                              CPU, and decode attention runs on the device over the selected pages,
                              which a device page cache per layer holds between steps. UNSUPPORTED
                              without CUDA in the build or a usable device. */
-  uint32_t device_cache_pages; /* Device cache pages per layer; 0 (default) = every page the
-                                  max_seqs sequences can reach. */
+  uint32_t device_cache_pages; /* Device cache pages per layer; 0 (default): the device holds a
+                                  copy of the whole KV cache (every page the max_seqs sequences
+                                  can reach stays resident; a step sends what changed). */
   kvsift_weights weights; /* How the weights are kept. Default KVSIFT_WEIGHTS_BF16. */
 } kvsift_model_params;
 

@@ -18,9 +18,9 @@ double micros(Clock::time_point from, Clock::time_point to) {
 }
 
 // The offload backend's sizes, from the cache and the engine's options: the one place they are
-// computed. A pair lists at most the pages it holds; a layer's device cache defaults to every
-// page one layer of the pool holds (a decoder appends every layer alike), and as many row slots
-// again are reserved for the token rows Louver gathers and S4R reconstructs.
+// computed. A pair lists at most the pages it holds; the device cache defaults to a mirror of the
+// whole pool (every page resident), and the token rows Louver gathers and S4R reconstructs get
+// as many slots as one layer of the pool holds (a decoder appends every layer alike).
 OffloadOptions offload_options(const KvCache& cache, const EngineOptions& options) {
   const CacheGeometry& g = cache.geometry();
   const uint64_t capacity = cache.pool().capacity();
@@ -32,10 +32,9 @@ OffloadOptions offload_options(const KvCache& cache, const EngineOptions& option
       options.max_pages_per_pair != 0
           ? options.max_pages_per_pair
           : std::max<uint64_t>(1, capacity / (uint64_t{g.n_layers} * g.n_kv_heads));
-  o.cache_pages = options.device_cache_pages != 0
-                      ? options.device_cache_pages
-                      : static_cast<uint32_t>(std::min<uint64_t>(per_layer, (1u << 31) - 1));
-  o.max_row_chunks = o.cache_pages;
+  o.cache_pages = options.device_cache_pages;
+  o.max_row_chunks = options.device_cache_pages != 0 ? options.device_cache_pages
+                                                     : std::min<uint64_t>(per_layer, 1u << 30);
   o.step_parts = options.device_step_parts;
   return o;
 }

@@ -32,7 +32,7 @@ struct EngineOptions {
   // pinned then.
   int device = -1;
   // Offload mode: device page cache slots per layer (as many again are reserved for token rows);
-  // 0: every page one layer of the pool holds.
+  // 0: the device holds a copy of the whole pool, every page resident (OffloadOptions::cache_pages).
   uint32_t device_cache_pages = 0;
   // Offload mode: the parts a batch is cut into so that selection overlaps the device (1..4; at
   // most the batch).

@@ -63,11 +63,16 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
   require(listed <= UINT32_MAX,
           "OffloadOptions: max_batch * n_kv_heads * max_pages_per_pair=", listed,
           " does not fit 32-bit list offsets");
-  require(options.cache_pages >= 1 && options.cache_pages < (1u << 31),
-          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 1..2^31 - 1");
+  require(options.cache_pages < (1u << 31),
+          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 0..2^31 - 1");
+  // A mirror's slots are the pool's ids, and its row slots come after them.
+  const uint64_t device_slots =
+      options.cache_pages != 0 ? options.cache_pages : cache.pool().capacity();
+  require(device_slots < (uint64_t{1} << 31), "OffloadOptions.cache_pages=0 mirrors the pool's ",
+          device_slots, " slots, more than 2^31 - 1 device slots");
   require(options.step_parts >= 1 && options.step_parts <= kMaxParts,
           "OffloadOptions.step_parts=", options.step_parts, " is not in 1..", kMaxParts);
-  require(options.max_row_chunks <= (uint64_t{1} << 31) - options.cache_pages,
+  require(options.max_row_chunks <= (uint64_t{1} << 31) - device_slots,
           "OffloadOptions.max_row_chunks=", options.max_row_chunks,
           " with cache_pages does not fit 2^31 device slots");
   int n_devices = 0;
@@ -102,11 +107,13 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const gpu::AttentionShape shape{geometry_.n_kv_heads, geometry_.group_size, geometry_.head_dim,
                                   geometry_.page_tokens, geometry_.dtype};
   check(attention_.init(shape, options.max_batch), "attention workspace");
-  caches_.resize(geometry_.n_layers);
+  caches_.resize(mirror() ? 1 : geometry_.n_layers);
   for (gpu::DevicePageCache& layer_cache : caches_) {
     gpu::PageCacheConfig config;
     config.slot_bytes = geometry_.slot_bytes();
-    config.capacity = options.cache_pages;
+    config.mirror = mirror();
+    config.capacity = mirror() ? static_cast<uint32_t>(cache.pool().capacity())
+                               : options.cache_pages;
     config.reserved_slots = static_cast<uint32_t>(options.max_row_chunks);
     config.host_pool = cache.pool().base();
     config.host_slots = cache.pool().capacity();
@@ -156,8 +163,16 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
 
   host_slots_.resize(max_listed_);
   refresh_.resize(max_listed_);
-  const std::size_t tracked = std::size_t{geometry_.n_layers} * options.cache_pages;
-  copied_tokens_.assign(tracked, 0);
+  if (mirror()) {
+    // Each slot is flagged once, so the list never outgrows the pool and sealing never allocates.
+    // Pages stored before this mirror existed go at the first call: every slot handed out so far.
+    pending_.reserve(cache.pool().capacity());
+    pending_flag_.assign(cache.pool().capacity(), 0);
+    for (uint64_t slot = 0; slot < cache.pool().high_water(); ++slot)
+      mark_pending(static_cast<uint32_t>(slot));
+  } else {
+    copied_tokens_.assign(std::size_t{geometry_.n_layers} * options.cache_pages, 0);
+  }
   cache_.add_seal_listener(this);
 }
 
@@ -175,8 +190,23 @@ void OffloadAttention::forget_copies(uint32_t layer, const uint32_t* table, uint
       tokens[slot] = 0;  // below any page's tokens: sent again when listed
 }
 
-// Called before the slots go back to the pool, so the page tables still name them.
+bool OffloadAttention::mark_pending(uint32_t host_slot) noexcept {
+  if (pending_flag_[host_slot] != 0) return false;
+  pending_flag_[host_slot] = 1;
+  pending_.push_back(gpu::PageMove{host_slot, host_slot});
+  return true;
+}
+
+void OffloadAttention::on_page_sealed(const SealedPage& page) noexcept {
+  if (mirror())
+    mark_pending(static_cast<uint32_t>((page.slot - cache_.pool().base()) /
+                                       static_cast<std::ptrdiff_t>(geometry_.slot_bytes())));
+}
+
+// Called before the slots go back to the pool, so the page tables still name them. A mirror has
+// nothing to forget: a slot's next contents are sent when they seal or, open, when listed.
 void OffloadAttention::on_sequence_freed(int32_t seq_id) noexcept {
+  if (mirror()) return;
   for (uint32_t layer = 0; layer < geometry_.n_layers; ++layer) {
     const uint64_t pages = geometry_.pages_for(cache_.length_unchecked(seq_id, layer));
     for (uint32_t h = 0; h < geometry_.n_kv_heads; ++h) {
@@ -190,6 +220,7 @@ void OffloadAttention::on_sequence_freed(int32_t seq_id) noexcept {
 
 void OffloadAttention::on_pages_released(int32_t seq_id, uint32_t layer, uint64_t first_page,
                                          uint64_t end_page) noexcept {
+  if (mirror()) return;
   for (uint32_t h = 0; h < geometry_.n_kv_heads; ++h)
     forget_copies(layer, cache_.page_table(seq_id, layer, h), first_page, end_page);
 }
@@ -216,7 +247,7 @@ void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) co
     fail(Status::capacity_exceeded, "OffloadAttention: the call lists ", listed,
          " pages, more than its list buffers hold (", max_listed_, ")");
   // Every page of a call must be resident at once (pages of different pairs are distinct).
-  if (listed > options_.cache_pages)
+  if (!mirror() && listed > options_.cache_pages)
     fail(Status::capacity_exceeded, "OffloadAttention: the call lists ", listed,
          " pages, more than the device cache holds (OffloadOptions.cache_pages=",
          options_.cache_pages, ")");
@@ -267,35 +298,63 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
 
   counts.lists_us += micros(t_lists, Clock::now());
 
-  gpu::DevicePageCache& layer_cache = caches_[call.layer];
+  gpu::DevicePageCache& layer_cache = cache_for(call.layer);
   gpu::Result r = stream_.mark(part_event(part_index, 0));
-  const Clock::time_point t_plan = Clock::now();
-  if (r.ok) r = layer_cache.plan(host_slots_.data(), n, device_slots);
   if (!r.ok) return r;
-
-  // Pages cached earlier whose host copy has since changed go again, with the misses.
-  uint32_t* tokens = copied_tokens_.data() + std::size_t{call.layer} * options_.cache_pages;
-  for (const gpu::PageMove& move : layer_cache.residency().moves())
-    tokens[move.device_slot] = kFresh;
+  const Clock::time_point t_plan = Clock::now();
+  const std::size_t slot_bytes = geometry_.slot_bytes();
+  // What this part sends and finds, for the stats.
+  uint64_t hits = 0, misses = 0, evictions = 0, page_bytes = 0;
   uint32_t n_refresh = 0;
-  for (uint32_t pair = 0; pair < pairs; ++pair)
-    for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
-      const uint32_t slot = device_slots[i];
-      const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
-      if (tokens[slot] != kFresh && tokens[slot] < held)
-        refresh_[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
-      tokens[slot] = held;
+  if (mirror()) {
+    // Every page is resident at its own slot: what goes is what changed since its copy, the pages
+    // sealed since the last call (of any layer) and each listed open page.
+    std::memcpy(device_slots, host_slots_.data(), std::size_t{n} * sizeof(uint32_t));
+    const std::size_t sealed = pending_.size();
+    for (uint32_t pair = 0; pair < pairs; ++pair)
+      if (offsets[pair + 1] > offsets[pair] && last_tokens[pair] < B &&
+          mark_pending(host_slots_[offsets[pair + 1] - 1]))
+        ++n_refresh;
+    counts.plan_us += micros(t_plan, Clock::now());
+    // Refused or failed: the list stays, sent at the next call.
+    r = layer_cache.move(stream_.handle(), pending_.data(), pending_.size());
+    if (!r.ok) return r;
+    hits = n - n_refresh;
+    misses = sealed;
+    page_bytes = pending_.size() * slot_bytes;
+    for (const gpu::PageMove& move : pending_) pending_flag_[move.host_slot] = 0;
+    pending_.clear();
+  } else {
+    r = layer_cache.plan(host_slots_.data(), n, device_slots);
+    if (!r.ok) return r;
+
+    // Pages cached earlier whose host copy has since changed go again, with the misses.
+    uint32_t* tokens = copied_tokens_.data() + std::size_t{call.layer} * options_.cache_pages;
+    for (const gpu::PageMove& move : layer_cache.residency().moves())
+      tokens[move.device_slot] = kFresh;
+    for (uint32_t pair = 0; pair < pairs; ++pair)
+      for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
+        const uint32_t slot = device_slots[i];
+        const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
+        if (tokens[slot] != kFresh && tokens[slot] < held)
+          refresh_[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
+        tokens[slot] = held;
+      }
+    counts.plan_us += micros(t_plan, Clock::now());
+    r = layer_cache.move(stream_.handle(), refresh_.data(), n_refresh);
+    if (!r.ok) {
+      // Nothing was sent: the step's pages were marked as copied above, so forget them all (sent
+      // again when next listed).
+      for (uint32_t i = 0; i < n; ++i) tokens[device_slots[i]] = 0;
+      return r;
     }
-  counts.plan_us += micros(t_plan, Clock::now());
-  r = layer_cache.move(stream_.handle(), refresh_.data(), n_refresh);
-  if (!r.ok) {
-    // Nothing was sent: the step's pages were marked as copied above, so forget them all (sent
-    // again when next listed).
-    for (uint32_t i = 0; i < n; ++i) tokens[device_slots[i]] = 0;
-    return r;
+    const gpu::TransferStats& moved = layer_cache.last_step();
+    hits = moved.hits;
+    misses = moved.misses;
+    evictions = moved.evictions;
+    page_bytes = moved.bytes_moved + uint64_t{n_refresh} * slot_bytes;
   }
   auto* pool = static_cast<std::byte*>(const_cast<void*>(layer_cache.device_pool()));
-  const std::size_t slot_bytes = geometry_.slot_bytes();
 
   // q sits right before the page lists, in the pinned block and in the device one.
   const std::size_t q_row = std::size_t{geometry_.n_query_heads()} * geometry_.head_dim;
@@ -366,13 +425,11 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
   }
   if (r.ok) r = stream_.mark(part_event(part_index, 2));
 
-  const gpu::TransferStats& moved = layer_cache.last_step();
   counts.listed += n;
-  counts.hits += moved.hits;
-  counts.misses += moved.misses;
-  counts.evictions += moved.evictions;
+  counts.hits += hits;
+  counts.misses += misses;
+  counts.evictions += evictions;
   counts.refreshed += n_refresh;
-  const uint64_t page_bytes = moved.bytes_moved + uint64_t{n_refresh} * slot_bytes;
   counts.page_bytes_h2d += page_bytes;
   counts.bytes_h2d += page_bytes + chunks * slot_bytes + q_bytes + list_bytes;
   return r;
@@ -512,10 +569,11 @@ std::span<const uint32_t> OffloadAttention::attended_device_slots() const noexce
 void OffloadAttention::read_device_slot(uint32_t layer, uint32_t device_slot, void* out) {
   require(layer < geometry_.n_layers, "layer=", layer,
           " is out of range (n_layers=", geometry_.n_layers, ")");
-  require(device_slot < options_.cache_pages + options_.max_row_chunks, "device_slot=", device_slot,
-          " is out of range (cache_pages + max_row_chunks=",
-          options_.cache_pages + options_.max_row_chunks, ")");
-  const auto* pool = static_cast<const std::byte*>(caches_[layer].device_pool());
+  const gpu::DevicePageCache& layer_cache = cache_for(layer);
+  const uint64_t slots = uint64_t{layer_cache.capacity()} + options_.max_row_chunks;
+  require(device_slot < slots, "device_slot=", device_slot,
+          " is out of range (the device cache's slots and max_row_chunks: ", slots, ")");
+  const auto* pool = static_cast<const std::byte*>(layer_cache.device_pool());
   check(stream_.copy_to_host(out, pool + std::size_t{device_slot} * geometry_.slot_bytes(),
                              geometry_.slot_bytes()),
         "read device slot");

@@ -12,7 +12,10 @@
 // page that was cached partial and has since filled), and slots given back to the pool, by
 // free_sequence() or by release_pages() (S4R), are reused by later appends: the cache tells its
 // listeners before it gives them back, and the device copies of exactly those slots are marked so
-// that they are sent again the next time their slot is listed.
+// that they are sent again the next time their slot is listed. A mirror (OffloadOptions::
+// cache_pages = 0: a device copy of the whole pool, slot for slot) needs none of that bookkeeping:
+// a full page changes only by being sealed anew in a reused slot, so the pages sealed since the
+// last call go at the next call, with each open page it lists; a step's host work is its lists.
 //
 // Row chunks (the token rows Louver gathers and S4R reconstructs) go over per call: the host
 // copies them into pinned staging, one copy moves them to slots reserved after each layer's page
@@ -67,6 +70,10 @@ struct OffloadOptions {
   uint64_t max_row_chunks = 0;
   // Device page cache slots per layer, 1..2^31 - 1; a call listing more pages than this is refused
   // (capacity_exceeded). Each slot is geometry.slot_bytes() of device memory, times n_layers.
+  // 0: the device mirrors the whole host pool (gpu/page_transfer.hpp, PageCacheConfig::mirror),
+  // every page of every layer at its own slot: nothing is planned or evicted, and a call sends
+  // only the pages sealed since the last call and the open pages it lists. The KV cache in HBM,
+  // for a device that holds it; the pool's size of device memory.
   uint32_t cache_pages = 0;
   gpu::EvictionPolicy eviction = gpu::EvictionPolicy::clock;
   // automatic: the mapped-memory gather kernel (measured faster than staging at every size on
@@ -169,10 +176,12 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   // internal).
   void read_device_slot(uint32_t layer, uint32_t device_slot, void* out);
 
-  const gpu::DevicePageCache& device_cache(uint32_t layer) const { return caches_.at(layer); }
+  const gpu::DevicePageCache& device_cache(uint32_t layer) const {
+    return caches_.at(mirror() ? 0 : layer);
+  }
   const OffloadOptions& options() const noexcept { return options_; }
 
-  void on_page_sealed(const SealedPage&) noexcept override {}
+  void on_page_sealed(const SealedPage& page) noexcept override;
   void on_sequence_freed(int32_t seq_id) noexcept override;
   void on_pages_released(int32_t seq_id, uint32_t layer, uint64_t first_page,
                          uint64_t end_page) noexcept override;
@@ -203,6 +212,10 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   };
 
   OffloadAttention(KvCache& cache, const OffloadOptions& options);
+  bool mirror() const noexcept { return options_.cache_pages == 0; }
+  gpu::DevicePageCache& cache_for(uint32_t layer) noexcept { return caches_[mirror() ? 0 : layer]; }
+  // Mirror: lists a host slot to send at the next call, unless it is listed already.
+  bool mark_pending(uint32_t host_slot) noexcept;
   // Enqueues one part: the listed pages made resident and refreshed (one gather), the rows staged,
   // q with the lists, the attention into the device output at row0; records events 3 * part ..
   // 3 * part + 2. Waits for nothing on the device.
@@ -230,7 +243,7 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   uint64_t max_tokens_ = 0;  // (max_listed_ + max_row_chunks) * page_tokens; 0 without rows
   DecodeAttention checker_;  // validate()'s shared checks; its workspace is never run
   gpu::StepStream stream_;
-  std::vector<gpu::DevicePageCache> caches_;  // [n_layers]
+  std::vector<gpu::DevicePageCache> caches_;  // [n_layers], or the one mirror
   gpu::SparseDecodeAttention attention_;
 
   struct PinnedFree {
@@ -255,7 +268,10 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   // Per layer and device slot: the page's token count when its copy was made (kFresh: moved by
   // this call's ensure(); 0: stale, its host slot was given back).
   static constexpr uint32_t kFresh = UINT32_MAX;
-  std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]
+  std::vector<uint32_t> copied_tokens_;  // [n_layers * cache_pages]; empty in a mirror
+  // Mirror: the slots to send at the next call (sealed since the last one), each flagged once.
+  std::vector<gpu::PageMove> pending_;
+  std::vector<uint8_t> pending_flag_;  // [pool capacity]
 
   uint32_t last_part_ = 0, last_pairs_ = 0;
   // The call begin() started: its parts so far, what they moved, their host time, its start.
