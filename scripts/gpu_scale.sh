@@ -25,7 +25,8 @@
 # Environment: CONTEXTS (default 32768,131072), BATCHES (default 1), SELECTORS (default locks),
 # BUDGETS (default 0.02,0.05), SELECT_ON (default cpu,device), CACHE_FRACTION (default 0.1), STEPS
 # (default 16), WARMUP (default 4), KV_DTYPE (default f16), MODEL_DIR (default /tmp/kvsift-models),
-# BUILD (default build-gpu), HBM (default 1; 0 skips the hbm rows), APPEND (default 0; 1 keeps the
+# BUILD (default build-gpu), TOKENIZER (a GGUF file with SmolLM2's tokenizer, default
+# $BUILD/model.gguf), HBM (default 1; 0 skips the hbm rows), APPEND (default 0; 1 keeps the
 # rows of earlier calls, for a matrix run over several calls).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,7 +58,7 @@ if [[ ! -s $model ]]; then
   python3 -m pip install --quiet --no-deps --target "$pylib" "$wheel"
   start=$SECONDS
   PYTHONPATH=$pylib python3 tools/synthetic_model/make_model.py --shape llama3-8b --type bf16 \
-    --seed 1 --tokenizer-from "$build/model.gguf" --out "$model"
+    --seed 1 --tokenizer-from "${TOKENIZER:-$build/model.gguf}" --out "$model"
   echo "gpu_scale.sh: wrote $model in $((SECONDS - start)) s" >&2
 fi
 

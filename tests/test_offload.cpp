@@ -1,10 +1,12 @@
 // The offload step (lib/offload) against the CPU kernel on the same selections: decode steps with
 // appends over a pinned cache, a 5% LOCKS or oracle selection made by two selectors of the same
 // policy (one per mode), and per call: the same pages chosen, the pages the device attended equal
-// to the selection's host pages byte for byte, the output within 1e-3 of DecodeAttention's. Skips
+// to the selection's host pages byte for byte, the output within 1e-3 of DecodeAttention's (or the
+// CPU kernel's own bound where it attends with integer products: tests/test_util.hpp). Skips
 // without a CUDA build or a usable device.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -174,14 +176,17 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
       cpu.validate(model.cache(), cpu_call);
       cpu.run(model.cache(), cpu_call);
 
-      // Same pages chosen in both modes.
+      // Same pages chosen in both modes (a dense device step selects nothing: it attends every
+      // page, which is what the CPU's dense selection lists).
       const uint32_t pairs = c.batch * H;
       ASSERT_EQ(cpu_selection.n_pairs, pairs);
-      ASSERT_EQ(gpu_selection.n_pairs, pairs);
-      for (uint32_t pair = 0; pair <= pairs; ++pair)
-        ASSERT_EQ(gpu_selection.offsets[pair], cpu_selection.offsets[pair]) << "pair " << pair;
-      for (uint32_t i = 0; i < cpu_selection.offsets[pairs]; ++i)
-        ASSERT_EQ(gpu_selection.page_ids[i], cpu_selection.page_ids[i]) << "entry " << i;
+      if (c.kind != Kind::dense) {
+        ASSERT_EQ(gpu_selection.n_pairs, pairs);
+        for (uint32_t pair = 0; pair <= pairs; ++pair)
+          ASSERT_EQ(gpu_selection.offsets[pair], cpu_selection.offsets[pair]) << "pair " << pair;
+        for (uint32_t i = 0; i < cpu_selection.offsets[pairs]; ++i)
+          ASSERT_EQ(gpu_selection.page_ids[i], cpu_selection.page_ids[i]) << "entry " << i;
+      }
 
       // The device attended exactly those pages: their host slots, and device slots holding the
       // host pages' current bytes (a stale or wrong slot would differ).
@@ -208,7 +213,8 @@ TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
       for (std::size_t i = 0; i < out_elems; ++i)
         ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
       const double error = test::relative_error(out_gpu.data(), out_cpu.data(), out_elems);
-      EXPECT_LE(error, 1e-3) << "step " << step << " layer " << layer;
+      EXPECT_LE(error, std::max(1e-3, test::attend_tolerance(test::kernels().level, c.dtype)))
+          << "step " << step << " layer " << layer;
       worst_error = std::max(worst_error, error);
 
       const OffloadStats& s = offload->last_step();

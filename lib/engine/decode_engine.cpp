@@ -116,6 +116,19 @@ void DecodeEngine::select_part(const select::SelectCall& call) {
 void DecodeEngine::attend_selected(const AttendCall& call, bool whole_batch) {
   // The selector trusts its call (ids, layer, sizes): validated before it runs.
   cpu_.validate_sequences(cache_, call);
+  if (offload_ && !whole_batch && selector_->policy().kind == select::Kind::dense) {
+    // Every page, in the call's whole-cache form: a list of every page id would be written,
+    // checked and translated for each layer, three passes over the context on the CPU between
+    // two kernels of the device's step.
+    last_ = LayerStepStats{};
+    AttendCall every_page = call;
+    every_page.pages = nullptr;
+    every_page.rows = nullptr;
+    run_attention(every_page);
+    last_.pairs = uint64_t{call.n_seqs} * cache_.geometry().n_kv_heads;
+    last_.pages_chosen = last_.attended.pages_read;
+    return;
+  }
   const uint32_t parts =
       offload_ && !whole_batch ? std::min(offload_->options().step_parts, call.n_seqs) : 1;
   if (parts > 1) {

@@ -84,7 +84,8 @@ class DecodeEngine {
   // The layer step: selection for call's sequences, then attention over what it chose (call.pages
   // and call.rows are ignored). whole_batch: select the batch in one piece even on a device, so
   // that selection() afterwards describes every sequence (an observer reads it); otherwise a
-  // device step selects in parts and selection() holds the last part's choice. Throws Error: bad
+  // device step selects in parts and selection() holds the last part's choice, and a dense one
+  // attends every page without selecting (selection() is left as it was). Throws Error: bad
   // arguments (before anything ran), what the selector's prepare() throws, internal for a device
   // failure.
   void attend_selected(const AttendCall& call, bool whole_batch = false);

@@ -287,7 +287,9 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
         host_slots_[n++] = table[last_id = call.pages->page_ids[i]];
     } else {
       const uint64_t n_pages = geometry_.pages_for(length);
-      for (uint64_t id = 0; id < n_pages; ++id) host_slots_[n++] = table[last_id = id];
+      std::copy_n(table, n_pages, host_slots_.data() + n);
+      n += static_cast<uint32_t>(n_pages);
+      last_id = n_pages - 1;
     }
     last_tokens[pair] =
         n > offsets[pair] ? static_cast<uint32_t>(std::min<uint64_t>(B, length - last_id * B)) : B;
