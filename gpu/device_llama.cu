@@ -455,7 +455,6 @@ struct DeviceLlama::Device {
     for (Event& e : staged) KVSIFT_TRY(from_cuda(e.create(cudaEventDisableTiming), "event"));
 
     layers.resize(shape.n_layers);
-    const std::size_t scratch = std::size_t{shape.max_prefill_tokens} * kvdim;
     for (uint32_t l = 0; l < shape.n_layers; ++l) {
       const LlamaLayerWeights& h = w.layers[l];
       Layer& L = layers[l];
@@ -465,8 +464,6 @@ struct DeviceLlama::Device {
       KVSIFT_TRY(upload(&L.w_down, h.w_down, std::size_t{E} * F, "w_down"));
       KVSIFT_TRY(upload(&L.attn_norm, h.attn_norm, E, "attn_norm"));
       KVSIFT_TRY(upload(&L.ffn_norm, h.ffn_norm, E, "ffn_norm"));
-      KVSIFT_TRY(alloc(&L.k_scratch, scratch, "prefill keys"));
-      KVSIFT_TRY(alloc(&L.v_scratch, scratch, "prefill values"));
     }
     KVSIFT_TRY(upload(&token_embd, w.token_embd, std::size_t{V} * E, "token_embd"));
     if (w.output == w.token_embd)
@@ -513,6 +510,17 @@ struct DeviceLlama::Device {
       staging[s] = p;
     }
     return Result{};
+  }
+
+  // A layer's prefill scratch, allocated by its first prefill or load_prefix: a model that only
+  // decodes (its context appended to the host cache) never holds it, and at 512K tokens of an
+  // 8B-shaped model it would be 64 GiB.
+  Result scratch_for(uint32_t layer) {
+    Layer& L = layers[layer];
+    if (L.k_scratch != nullptr) return Result{};
+    const std::size_t scratch = std::size_t{shape.max_prefill_tokens} * shape.kv_dim();
+    KVSIFT_TRY(alloc(&L.k_scratch, scratch, "prefill keys"));
+    return alloc(&L.v_scratch, scratch, "prefill values");
   }
 
   template <class T>
@@ -929,6 +937,7 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
   const bool bf16 = shape_.kv_dtype == simd::Dtype::bf16;  // else fp16, a q8 cache's too
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
+    KVSIFT_TRY(d.scratch_for(layer));
     if (shape_.kv_dtype == simd::Dtype::q8) {
       const auto store = shape_.head_dim == 64 ? store_kv_q8_kernel<64> : store_kv_q8_kernel<128>;
       store<<<dim3(rows, shape_.n_kv_heads), 32, 0, d.stream.get()>>>(
@@ -986,6 +995,7 @@ Result DeviceLlama::load_prefix(uint32_t layer, uint64_t first, const float* k_p
   // continues an older sequence), so simplicity over overlap.
   const Result r = [&]() -> Result {
     KVSIFT_TRY(from_cuda(cudaSetDevice(d.ordinal), "cudaSetDevice"));
+    KVSIFT_TRY(d.scratch_for(layer));
     for (uint64_t done = 0; done < n;) {
       const uint64_t count = std::min<uint64_t>(shape_.max_rows, n - done);
       const std::size_t values = count * kvdim, bytes = values * sizeof(float);

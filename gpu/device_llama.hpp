@@ -131,10 +131,11 @@ inline constexpr uint32_t kMaxGraphRows = 8;
 //
 // Device memory: the weights (2 bytes a parameter; a tied output head is not counted twice), plus
 // about max_rows * (4 * (n_embd + 2 * q_dim + 4 * kv_dim + 2 * n_ff + n_vocab) + 2 * max(n_embd,
-// q_dim, n_ff)) bytes of activations (the logits dominate), plus 4 * n_layers *
-// max_prefill_tokens * kv_dim bytes of prefill scratch, plus 4 * max_positions * head_dim bytes of
-// RoPE table, plus a 32 MiB cuBLAS workspace, plus the decode graphs (small: one kernel node per
-// launch): device_bytes() says exactly, but for the graphs.
+// q_dim, n_ff)) bytes of activations (the logits dominate), plus, from a layer's first
+// prefill_attention or load_prefix on, 4 * max_prefill_tokens * kv_dim bytes of prefill scratch
+// for that layer (a model that only decodes never holds it), plus 4 * max_positions * head_dim
+// bytes of RoPE table, plus a 32 MiB cuBLAS workspace, plus the decode graphs (small: one kernel
+// node per launch): device_bytes() says exactly, but for the graphs.
 //
 // Errors: a call with bad arguments, or out of order, returns ok=false naming the argument and
 // leaves the device untouched. A CUDA or cuBLAS failure returns ok=false naming the call

@@ -57,8 +57,10 @@ if [[ ! -s $model ]]; then
   pylib=$model_dir/python
   python3 -m pip install --quiet --no-deps --target "$pylib" "$wheel"
   start=$SECONDS
+  # 1M positions: the 512K and 1M rows run past Llama 3.1's published 128K window.
   PYTHONPATH=$pylib python3 tools/synthetic_model/make_model.py --shape llama3-8b --type bf16 \
-    --seed 1 --tokenizer-from "${TOKENIZER:-$build/model.gguf}" --out "$model"
+    --seed 1 --context-length 1048576 --tokenizer-from "${TOKENIZER:-$build/model.gguf}" \
+    --out "$model"
   echo "gpu_scale.sh: wrote $model in $((SECONDS - start)) s" >&2
 fi
 

@@ -127,6 +127,7 @@ void DecodeEngine::attend_selected(const AttendCall& call, bool whole_batch) {
     run_attention(every_page);
     last_.pairs = uint64_t{call.n_seqs} * cache_.geometry().n_kv_heads;
     last_.pages_chosen = last_.attended.pages_read;
+    last_.kept_estimate_sum = static_cast<double>(last_.pairs);  // all of every pair's mass
     return;
   }
   const uint32_t parts =

@@ -46,12 +46,16 @@ def write(make_model, model_path, tmp_path_factory):
     folder = tmp_path_factory.mktemp("synthetic")
     written: dict[tuple, str] = {}
 
-    def run(shape: str, layers: int, qtype: str, seed: int, again: bool = False) -> str:
-        key = (shape, layers, qtype, seed, again)
+    def run(shape: str, layers: int, qtype: str, seed: int, again: bool = False,
+            context_length: int | None = None) -> str:
+        key = (shape, layers, qtype, seed, again, context_length)
         if key not in written:
-            out = str(folder / f"{shape}-{layers}-{qtype}-{seed}{'-again' if again else ''}.gguf")
+            out = str(folder / f"{shape}-{layers}-{qtype}-{seed}{'-again' if again else ''}"
+                      f"{'' if context_length is None else f'-{context_length}'}.gguf")
             argv = ["--shape", shape, "--type", qtype, "--seed", str(seed), "--layers",
                     str(layers), "--out", out, "--tokenizer-from", model_path]
+            if context_length is not None:
+                argv += ["--context-length", str(context_length)]
             assert make_model.main(argv) == 0
             written[key] = out
         return written[key]
@@ -88,6 +92,14 @@ def test_a_cut_loads_with_the_shapes_hyperparameters_and_finite_logits(make_mode
         m.free_sequence(seq)
 
 
+def test_context_length_sets_the_positions_the_runner_accepts(write):
+    path = write("smollm2-135m", 1, "q4_0", 7, context_length=16384)
+    with kvsift.Model(path, n_ctx=16384, n_threads=2) as m:
+        assert m.info.n_ctx_train == 16384
+    with pytest.raises(kvsift.KvsiftError, match="beyond the model's 8192 positions"):
+        kvsift.Model(write("smollm2-135m", 1, "q4_0", 7), n_ctx=16384, n_threads=2)
+
+
 @pytest.mark.parametrize("qtype", TYPES)
 def test_the_same_seed_writes_the_same_bytes(write, qtype):
     a = write("smollm2-135m", 2, qtype, 7)
@@ -116,6 +128,8 @@ def test_the_padded_vocabulary_detokenizes_and_stays_unused(write, model_path):
      "not in 1..32"),
     (["--shape", "llama3-8b", "--type", "q4_0", "--out", "/no/such/folder/x.gguf"],
      "does not exist"),
+    (["--shape", "llama3-8b", "--type", "q4_0", "--out", "x.gguf", "--context-length", "0"],
+     "not in 1..2^32-1"),
     (["--shape", "smollm2-135m", "--type", "q4_0", "--out", "x.gguf", "--tokenizer-from",
       TOOL], "not a readable GGUF file"),
 ])

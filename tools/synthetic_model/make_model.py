@@ -210,7 +210,7 @@ def write_model(args: argparse.Namespace) -> None:
     writer.add_file_type(int(gguf.LlamaFileType[ftype]))
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     writer.add_block_count(n_layers)
-    writer.add_context_length(shape.n_ctx)
+    writer.add_context_length(args.context_length or shape.n_ctx)
     writer.add_embedding_length(shape.n_embd)
     writer.add_feed_forward_length(shape.n_ff)
     writer.add_head_count(shape.n_heads)
@@ -284,8 +284,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--tokenizer-from", metavar="GGUF",
                    help="GGUF file whose tokenizer.* metadata is copied (default: $KVSIFT_MODEL, "
                         "else the SmolLM2 file that scripts/fetch_model.sh prints)")
+    p.add_argument("--context-length", type=int,
+                   help="positions the file declares (default: the shape's, 131072 for Llama 3): "
+                        "long-context runs past the published window; RoPE is unchanged")
     p.add_argument("--progress", action="store_true", help="print a tensor count on a terminal")
     args = p.parse_args(argv)
+    if args.context_length is not None and not 1 <= args.context_length < 2**32:
+        p.error(f"--context-length {args.context_length} is not in 1..2^32-1")
     n = SHAPES[args.shape].n_layers
     if args.layers is not None and not 1 <= args.layers <= n:
         p.error(f"--layers {args.layers} is not in 1..{n} for {args.shape}")
