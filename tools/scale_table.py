@@ -18,7 +18,8 @@ NOTE = (
     "The weights are seeded random numbers (tools/synthetic_model/make_model.py), so the text "
     "the model writes is meaningless; the timings and the memory are real: every step runs the "
     "whole model (every weight product, the K/V appends, selection and attention). The context "
-    "is not prefilled (a prefill of 128K tokens through 8B takes hours on a CPU): its K/V are "
+    "is not prefilled (a prefill of 128K tokens through 8B takes hours on a CPU, and the "
+    "device's prefill attention is not yet a tiled kernel that reaches 512K): its K/V are "
     "put into the cache through `kvsift_model_sequence_append_kv`, keys of bench/key_maker.hpp (a "
     "mixture of topic directions per page, outlier channels, RoPE at theta 500000) and random "
     "values, and the first decode step follows them.")
@@ -89,7 +90,7 @@ def main() -> int:
     print(f"- Model: `{os.path.basename(args.model)}`, shape `{args.shape}`; weights "
           f"`{first['weights']}`, KV cache `{first['kv_dtype']}`, batch "
           f"{', '.join(str(b) for b in sorted({r['batch'] for r in rows}))}, "
-          f"{first['steps']} timed steps a row.")
+          f"{' or '.join(str(n) for n in sorted({r['steps'] for r in rows}))} timed steps a row.")
     machine = args.machine or f"{cpu_name()}, {os.cpu_count()} CPUs, {memory_gib():.0f} GiB"
     print(f"- Machine: {machine}; table written "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC from kvsift "
@@ -125,7 +126,8 @@ def main() -> int:
         if offload:
             base = hbm.get((r["context"], r["batch"]))
             ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
-            transfer = (f" {r['transfer_us'] / 1e3:.1f} | {r['h2d_MB']:.1f} | {r['hit_rate']:.3f} "
+            hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
+            transfer = (f" {r['transfer_us'] / 1e3:.1f} | {r['h2d_MB']:.1f} | {hit} "
                         f"| {r.get('device_cache_pages', 0)} | {ratio} |")
         print(f"| {r['context']} | {r['batch']} | {selector} | {budget} | {r['tok_s']:.2f} "
               f"| {r['step_ms']:.1f} ({r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}) "
