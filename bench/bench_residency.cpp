@@ -137,8 +137,11 @@ uint32_t refresh_scan(const gpu::PageResidency& residency, const uint32_t* ids,
                       uint32_t* tokens, gpu::PageMove* refresh) {
   for (const gpu::PageMove& move : residency.moves()) tokens[move.device_slot] = kFresh;
   uint32_t n_refresh = 0;
+  const uint32_t n = pairs * kListed;
+  constexpr uint32_t kAhead = 16;
   for (uint32_t pair = 0; pair < pairs; ++pair)
     for (uint32_t i = pair * kListed; i < (pair + 1) * kListed; ++i) {
+      if (i + kAhead < n) __builtin_prefetch(&tokens[slots[i + kAhead]], 1);
       const uint32_t slot = slots[i];
       const uint32_t held = i + 1 == (pair + 1) * kListed ? open_tokens : kPageTokens;
       if (tokens[slot] != kFresh && tokens[slot] < held)
