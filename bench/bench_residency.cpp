@@ -24,6 +24,13 @@
 // plan_us is.
 //
 //   kvsift-bench-residency --benchmark_repetitions=5 --benchmark_report_aggregates_only=true
+//
+// Measured on a 2-vCPU Xeon (Sapphire Rapids, KVM), BM_plan ns per page, median of 9 (3 runs of
+// 3, old and new binaries alternating), hit rate 0.95: before (linear probing, a seen set, one
+// virtual on_use a page) -> after (gpu/page_residency.hpp's buckets, pending misses, batched
+// on_use): one layer, clock 14.4 -> 8.4 (batch 1), 15.7 -> 8.0 (batch 8); lru 14.0 -> 8.6,
+// 16.9 -> 10.7. 32 layers in turn: clock 13.1 -> 10.9, 26.1 -> 25.0; lru 16.0 -> 14.1,
+// 45.6 -> 38.6 (these vary by up to 2x from run to run on this shared machine).
 #include <benchmark/benchmark.h>
 
 #include <algorithm>
