@@ -5,12 +5,18 @@
 #include <bit>
 #include <string>
 
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 namespace kvsift::gpu {
 namespace {
 
 // Exact LRU: slots in a doubly-linked list, most recent at the head; the victim is the first
 // unpinned slot from the tail. The step's hits are used before its misses ask for victims, so the
-// tail is unpinned and the walk stops at once.
+// tail is unpinned and the walk stops at once. (A queue of uses with lazy deletion, two sequential
+// stores a use, measured slower: nearly every entry went stale and its compaction cost more than
+// the list's stores, which stay in L1 or L2 at a step's few thousand slots.)
 class LruPolicy final : public ReplacementPolicy {
  public:
   explicit LruPolicy(uint32_t capacity) : prev_(capacity), next_(capacity) {
@@ -22,13 +28,16 @@ class LruPolicy final : public ReplacementPolicy {
     tail_ = capacity - 1;
   }
 
-  void on_use(uint32_t slot) noexcept override {
-    if (slot == head_) return;
-    unlink(slot);
-    prev_[slot] = kEnd;
-    next_[slot] = head_;
-    prev_[head_] = slot;
-    head_ = slot;
+  void on_use(const uint32_t* slots, std::size_t n) noexcept override {
+    for (std::size_t i = 0; i < n; ++i) {
+      const uint32_t slot = slots[i];
+      if (slot == head_) continue;
+      unlink(slot);
+      prev_[slot] = kEnd;
+      next_[slot] = head_;
+      prev_[head_] = slot;
+      head_ = slot;
+    }
   }
 
   uint32_t victim(const uint64_t* pinned_step, uint64_t step) noexcept override {
@@ -58,7 +67,9 @@ class ClockPolicy final : public ReplacementPolicy {
  public:
   explicit ClockPolicy(uint32_t capacity) : referenced_(capacity, 0) {}
 
-  void on_use(uint32_t slot) noexcept override { referenced_[slot] = 1; }
+  void on_use(const uint32_t* slots, std::size_t n) noexcept override {
+    for (std::size_t i = 0; i < n; ++i) referenced_[slots[i]] = 1;
+  }
 
   uint32_t victim(const uint64_t* pinned_step, uint64_t step) noexcept override {
     const auto n = static_cast<uint32_t>(referenced_.size());
@@ -78,6 +89,22 @@ class ClockPolicy final : public ReplacementPolicy {
   std::vector<uint8_t> referenced_;
   uint32_t hand_ = 0;
 };
+
+// Bit j set when key[j] == key: the lanes of a bucket holding a key (at most one) or, for kNone,
+// the empty ones.
+uint32_t lanes_equal(const uint32_t* keys, uint32_t key) noexcept {
+#if defined(__SSE2__)
+  const __m128i k = _mm_set1_epi32(static_cast<int>(key));
+  const __m128i lo = _mm_cmpeq_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(keys)), k);
+  const __m128i hi = _mm_cmpeq_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(keys + 4)), k);
+  return static_cast<uint32_t>(_mm_movemask_ps(_mm_castsi128_ps(lo)) |
+                               _mm_movemask_ps(_mm_castsi128_ps(hi)) << 4);
+#else
+  uint32_t lanes = 0;
+  for (uint32_t j = 0; j < 8; ++j) lanes |= uint32_t{keys[j] == key} << j;
+  return lanes;
+#endif
+}
 
 Result invalid(std::string message) {
   return Result::invalid(std::move(message));
@@ -106,18 +133,20 @@ Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolic
     return invalid("page cache: unknown eviction policy");
   capacity_ = capacity;
   host_slots_ = host_slots;
-  // Both tables at most half full: the map holds <= capacity pages, the step's seen set stops at
-  // capacity + 1 distinct misses.
-  const uint64_t table = std::bit_ceil(2 * (uint64_t{capacity} + 1));
-  mask_ = static_cast<uint32_t>(table - 1);
-  map_.assign(table, Entry{});
-  seen_.assign(table, Seen{});
+  // At most half full: the map holds <= capacity pages and, during a plan, <= capacity pending
+  // misses (the step is refused before one more).
+  const uint64_t buckets = std::bit_ceil(4 * (uint64_t{capacity} + 1)) / 8;
+  bucket_mask_ = static_cast<uint32_t>(buckets - 1);
+  buckets_.resize(buckets);
+  overflow_.resize(buckets);
+  clear_map();
   host_of_.assign(capacity, kNone);
   pinned_step_.assign(capacity, 0);
   free_.resize(capacity);
   for (uint32_t s = 0; s < capacity; ++s) free_[s] = capacity - 1 - s;  // slot 0 first
-  missed_.clear();
-  missed_.reserve(capacity + 1);
+  missed_.assign(capacity, 0);
+  pending_.assign(capacity, nullptr);
+  used_.assign(capacity, 0);
   moves_.clear();
   moves_.reserve(capacity);
   policy_ = make_replacement_policy(policy, capacity);
@@ -126,44 +155,42 @@ Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolic
   return Result{};
 }
 
-uint32_t PageResidency::find(uint32_t host_slot) const noexcept {
-  if (map_.empty()) return kNone;
-  for (uint32_t i = probe_start(host_slot);; i = (i + 1) & mask_) {
-    if (map_[i].key == host_slot) return map_[i].value;
-    if (map_[i].key == kNone) return kNone;
+void PageResidency::clear_map() noexcept {
+  for (Bucket& b : buckets_) std::fill(std::begin(b.key), std::end(b.key), kNone);
+  std::fill(overflow_.begin(), overflow_.end(), 0);
+}
+
+uint32_t PageResidency::find_value(uint32_t key) const noexcept {
+  for (uint32_t b = bucket_of(key);; b = (b + 1) & bucket_mask_) {
+    if (const uint32_t lanes = lanes_equal(buckets_[b].key, key); lanes != 0)
+      return buckets_[b].value[std::countr_zero(lanes)];
+    if (overflow_[b] == 0) return kNone;
   }
 }
 
-void PageResidency::map_insert(uint32_t key, uint32_t value) noexcept {
-  uint32_t i = probe_start(key);
-  while (map_[i].key != kNone) i = (i + 1) & mask_;
-  map_[i] = Entry{key, value};
+uint32_t PageResidency::find(uint32_t host_slot) const noexcept {
+  return buckets_.empty() ? kNone : find_value(host_slot);
+}
+
+uint32_t* PageResidency::map_insert(uint32_t key, uint32_t value) noexcept {
+  for (uint32_t b = bucket_of(key);; b = (b + 1) & bucket_mask_) {
+    if (const uint32_t empty = lanes_equal(buckets_[b].key, kNone); empty != 0) {
+      const int j = std::countr_zero(empty);
+      buckets_[b].key[j] = key;
+      buckets_[b].value[j] = value;
+      return &buckets_[b].value[j];
+    }
+    ++overflow_[b];
+  }
 }
 
 void PageResidency::map_erase(uint32_t key) noexcept {
-  uint32_t i = probe_start(key);
-  while (map_[i].key != key) i = (i + 1) & mask_;
-  // Backward shift: move later entries of the run into the hole when their home allows it.
-  for (uint32_t j = (i + 1) & mask_; map_[j].key != kNone; j = (j + 1) & mask_) {
-    const uint32_t home = probe_start(map_[j].key);
-    // j's entry may move to i when its home is not in (i, j] (cyclically).
-    const bool stays = i <= j ? (home > i && home <= j) : (home > i || home <= j);
-    if (stays) continue;
-    map_[i] = map_[j];
-    i = j;
-  }
-  map_[i] = Entry{};
-}
-
-uint32_t PageResidency::seen_insert(uint32_t key) noexcept {
-  for (uint32_t i = probe_start(key);; i = (i + 1) & mask_) {
-    Seen& e = seen_[i];
-    if (e.step != step_) {
-      e = Seen{step_, key, static_cast<uint32_t>(missed_.size())};
-      missed_.push_back(key);
-      return e.missed;
+  for (uint32_t b = bucket_of(key);; b = (b + 1) & bucket_mask_) {
+    if (const uint32_t lanes = lanes_equal(buckets_[b].key, key); lanes != 0) {
+      buckets_[b].key[std::countr_zero(lanes)] = kNone;
+      return;
     }
-    if (e.key == key) return e.missed;
+    --overflow_[b];
   }
 }
 
@@ -177,6 +204,22 @@ uint32_t PageResidency::take_slot() noexcept {
   map_erase(host_of_[s]);
   ++counts_.evictions;
   return s;
+}
+
+Result PageResidency::refuse_step(const uint32_t* host_slots, std::size_t n,
+                                  std::size_t n_missed) {
+  for (std::size_t j = 0; j < n_missed; ++j) map_erase(missed_[j]);
+  // The exact count for the message (a cold path: the step is refused, so it may allocate).
+  try {
+    std::vector<uint32_t> ids(host_slots, host_slots + n);
+    std::sort(ids.begin(), ids.end());
+    const auto distinct = std::unique(ids.begin(), ids.end()) - ids.begin();
+    return invalid("page cache: the step needs " + std::to_string(distinct) +
+                   " distinct pages, more than the cache's " + std::to_string(capacity_) +
+                   " slots");
+  } catch (...) {
+    return invalid("page cache: the step needs more distinct pages than its slots");
+  }
 }
 
 Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
@@ -193,63 +236,57 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
   ++step_;
   counts_ = {};
   counts_.requested = n;
-  missed_.clear();
   moves_.clear();
-  // A miss is written as kMissed | its index in missed_ until its slot is known.
+  // A miss enters the map at once as pending, kMissed | its index in missed_, so that its
+  // duplicates find it there (their bucket is the line the lookup already read) rather than in a
+  // set of their own; the value becomes its slot once the step is accepted. Slots are below 2^31
+  // (init), so the flag is unambiguous, and kNone (absent) has it too.
   constexpr uint32_t kMissed = uint32_t{1} << 31;
-  // Millions of pages a step wait on their probes' cache lines: prefetch a few requests ahead.
-  constexpr std::size_t kAhead = 8;
-  uint64_t hits = 0;
+  uint32_t* const used = used_.data();      // distinct hits' slots
+  uint32_t* const missed = missed_.data();  // distinct misses' host slots
+  std::size_t hits = 0, misses = 0;
+  // A step over thousands of pages waits on their buckets' lines: prefetch a few requests ahead
+  // (the stamps' lines, found from the buckets', are fewer and nearer).
+  constexpr std::size_t kAhead = 16;
+  for (std::size_t i = 0; i < std::min(kAhead, n); ++i)
+    __builtin_prefetch(&buckets_[bucket_of(host_slots[i])]);
   for (std::size_t i = 0; i < n; ++i) {
-    if (i + kAhead < n) {
-      const uint32_t ahead = probe_start(host_slots[i + kAhead]);
-      __builtin_prefetch(&map_[ahead]);
-      __builtin_prefetch(&seen_[ahead]);
-    }
-    const uint32_t s = find(host_slots[i]);
-    if (s != kNone) {
+    if (i + kAhead < n) __builtin_prefetch(&buckets_[bucket_of(host_slots[i + kAhead])]);
+    const uint32_t s = find_value(host_slots[i]);
+    if (s < kMissed) {  // a hit
       device_slots[i] = s;
-      if (pinned_step_[s] != step_) {
+      if (pinned_step_[s] != step_) {  // its first request this step
         pinned_step_[s] = step_;
-        ++hits;
+        used[hits++] = s;
       }
+    } else if (s != kNone) {  // a pending miss requested again
+      device_slots[i] = s;
     } else {
-      device_slots[i] = kMissed | seen_insert(host_slots[i]);
-      if (hits + missed_.size() > capacity_) break;
+      if (hits + misses >= capacity_) return refuse_step(host_slots, n, misses);
+      device_slots[i] = kMissed | static_cast<uint32_t>(misses);
+      pending_[misses] = map_insert(host_slots[i], kMissed | static_cast<uint32_t>(misses));
+      missed[misses++] = host_slots[i];
     }
   }
-  if (hits + missed_.size() > capacity_) {
-    // The exact count for the message (a cold path: the step is refused, so it may allocate).
-    missed_.clear();
-    try {
-      std::vector<uint32_t> ids(host_slots, host_slots + n);
-      std::sort(ids.begin(), ids.end());
-      const auto distinct = std::unique(ids.begin(), ids.end()) - ids.begin();
-      return invalid("page cache: the step needs " + std::to_string(distinct) +
-                     " distinct pages, more than the cache's " + std::to_string(capacity_) +
-                     " slots");
-    } catch (...) {
-      return invalid("page cache: the step needs more distinct pages than its slots");
-    }
-  }
+  // The check above saw the hits before each miss; the step's later hits count too.
+  if (hits + misses > capacity_) return refuse_step(host_slots, n, misses);
   // Hits first, so that no victim is chosen before every resident page of the step is used.
-  for (std::size_t i = 0; i < n; ++i)
-    if (!(device_slots[i] & kMissed)) policy_->on_use(device_slots[i]);
-  for (std::size_t j = 0; j < missed_.size(); ++j) {
-    if (j + kAhead < missed_.size()) __builtin_prefetch(&map_[probe_start(missed_[j + kAhead])]);
-    const uint32_t host = missed_[j];
+  policy_->on_use(used, hits);
+  for (std::size_t j = 0; j < misses; ++j) {
+    const uint32_t host = missed[j];
     const uint32_t s = take_slot();
     host_of_[s] = host;
     pinned_step_[s] = step_;
-    map_insert(host, s);
-    policy_->on_use(s);
+    *pending_[j] = s;  // evictions clear other entries' lanes, never move one
     moves_.push_back(PageMove{host, s});
+    // At once: LRU's walk from the tail would pass over every earlier fill of the step.
+    policy_->on_use(&s, 1);
   }
-  // Slots are below 2^31 (init), so the flag is unambiguous.
-  for (std::size_t i = 0; i < n; ++i)
-    if (device_slots[i] & kMissed) device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
+  if (misses > 0)
+    for (std::size_t i = 0; i < n; ++i)
+      if (device_slots[i] & kMissed) device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
   counts_.hits = hits;
-  counts_.misses = missed_.size();
+  counts_.misses = misses;
   return Result{};
 }
 
@@ -266,11 +303,10 @@ void PageResidency::forget_moves() noexcept {
 // page again, and each of those pages was used (on_use) after this call, so what it remembers of
 // earlier pages no longer decides anything.
 void PageResidency::clear() noexcept {
-  std::fill(map_.begin(), map_.end(), Entry{});
+  clear_map();
   std::fill(host_of_.begin(), host_of_.end(), kNone);
   free_.resize(capacity_);  // init() sized it to capacity_: no allocation
   for (uint32_t s = 0; s < capacity_; ++s) free_[s] = capacity_ - 1 - s;
-  missed_.clear();
   moves_.clear();
 }
 

@@ -27,16 +27,18 @@ enum class EvictionPolicy : uint8_t {
 
 const char* eviction_policy_name(EvictionPolicy policy) noexcept;
 
-// The replacement policy behind one small interface: told of every use, asked for victims. One
-// virtual call per page per step (not per token); a step of thousands of pages spends a few
-// microseconds here against the hundreds its transfer takes.
+// The replacement policy behind one small interface: told of every use, asked for victims. A
+// step's hits come in one batch, so that the per-page work (a store or a few) is not behind a
+// virtual call a page; its misses, a few in a hundred on a decode step, one call each.
 class ReplacementPolicy {
  public:
   virtual ~ReplacementPolicy() = default;
-  // The slot was used this step (a hit, or a fill after a miss).
-  virtual void on_use(uint32_t slot) noexcept = 0;
-  // A slot whose pinned_step differs from step (every slot holds a page when this is asked, and
-  // at least one is not pinned). Does not mark the slot used: on_use follows.
+  // The slots were used this step (hits, or fills after misses), each named once, in order of use.
+  virtual void on_use(const uint32_t* slots, std::size_t n) noexcept = 0;
+  // A slot whose pinned_step differs from step, to be refilled (every slot holds a page when this
+  // is asked, and at least one is not pinned). The step's hits were used (on_use) before its first
+  // victim, and each fill is used before the next victim is asked for; the call itself does not
+  // mark the slot used.
   virtual uint32_t victim(const uint64_t* pinned_step, uint64_t step) noexcept = 0;
 };
 
@@ -94,38 +96,48 @@ class PageResidency {
   uint32_t resident() const noexcept { return capacity_ - static_cast<uint32_t>(free_.size()); }
 
  private:
-  // Open addressing with linear probing over a power-of-two table, at most half full; kNone keys
-  // are empty. Removal shifts the run back (no tombstones), so lookups stay short. A key and its
-  // value share an entry: one cache line per probe, which is what a step over millions of pages
-  // waits on.
-  struct Entry {
-    uint32_t key = kNone, value = kNone;
+  // The map: open addressing over a power-of-two table of buckets, each one cache line of 8 keys
+  // then their 8 values (kNone keys are empty), at most half full with the resident pages and a
+  // plan's pending misses (their value kMissed | index, so that duplicates find them). A lookup compares its key with
+  // a bucket's 8 at once, and moves to the next bucket only while overflow_ says some key stored
+  // further on passed this one: with 8 lanes at half load that is rare, so nearly every lookup is
+  // one line and no data-dependent branch but hit or miss. (Linear probing over single entries
+  // took ~1.4 probes a lookup, and the mispredicted end of the probe loop was a third of plan().)
+  // Entries never move, so removal only clears the lane and undoes the overflow counts its insert
+  // added.
+  struct alignas(64) Bucket {
+    uint32_t key[8];
+    uint32_t value[8];
   };
-  // This step's distinct misses, generation-stamped (no clearing between steps): the key and its
-  // index in missed_.
-  struct Seen {
-    uint64_t step = 0;
-    uint32_t key = kNone, missed = 0;
-  };
-  uint32_t probe_start(uint32_t key) const noexcept {
-    return static_cast<uint32_t>((key * 0x9e3779b97f4a7c15ull) >> 32) & mask_;
+  // Fibonacci hashing: a layer's host slots are strided (interleaved with other layers'), so their
+  // low bits alone would share buckets.
+  uint32_t bucket_of(uint32_t key) const noexcept {
+    return static_cast<uint32_t>((key * 0x9e3779b97f4a7c15ull) >> 32) & bucket_mask_;
   }
-  void map_insert(uint32_t key, uint32_t value) noexcept;
+  void clear_map() noexcept;
+  // The value of key, or kNone.
+  uint32_t find_value(uint32_t key) const noexcept;
+  // Where key's value is stored; valid until the key is erased.
+  uint32_t* map_insert(uint32_t key, uint32_t value) noexcept;
   void map_erase(uint32_t key) noexcept;
-  // The index in missed_ of this step's miss `key`, appending it first when new.
-  uint32_t seen_insert(uint32_t key) noexcept;
   // A free slot, or the policy's victim with its page unmapped.
   uint32_t take_slot() noexcept;
+  // Refuses a step that needs more distinct pages than the capacity, erasing its n_missed pending
+  // misses from the map (a cold path).
+  Result refuse_step(const uint32_t* host_slots, std::size_t n, std::size_t n_missed);
 
   uint32_t capacity_ = 0;
   uint64_t host_slots_ = 0;
-  uint32_t mask_ = 0;
-  std::vector<Entry> map_;             // host -> device
-  std::vector<Seen> seen_;             // this step's distinct misses
+  uint32_t bucket_mask_ = 0;
+  std::vector<Bucket> buckets_;        // host -> device
+  std::vector<uint32_t> overflow_;     // [buckets] keys stored past the bucket from before it
   std::vector<uint32_t> host_of_;      // [capacity] the page a slot holds, or kNone
   std::vector<uint64_t> pinned_step_;  // [capacity] the last step that used the slot
   std::vector<uint32_t> free_;         // slots holding no page
-  std::vector<uint32_t> missed_;       // this step's distinct missing ids
+  // Per-step workspaces of capacity entries, filled from the front by plan().
+  std::vector<uint32_t> missed_;    // the step's distinct missing ids
+  std::vector<uint32_t*> pending_;  // their values in the map
+  std::vector<uint32_t> used_;      // the step's distinct hits' slots
   std::vector<PageMove> moves_;
   std::unique_ptr<ReplacementPolicy> policy_;
   uint64_t step_ = 0;

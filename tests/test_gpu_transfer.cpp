@@ -193,6 +193,124 @@ TEST_P(Residency, forgotten_moves_are_misses_again) {
   EXPECT_EQ(residency.moves().size(), 1u);
 }
 
+TEST_P(Residency, refuses_a_step_whose_hits_come_after_its_misses) {
+  // The count of distinct pages must include the hits after the last miss.
+  gpu::PageResidency residency;
+  ASSERT_OK(residency.init(3, 100, GetParam()));
+  const std::vector<uint32_t> kept = plan(residency, {1, 2, 3});
+  const std::vector<uint32_t> ids = {4, 5, 1, 2};
+  std::vector<uint32_t> slots(ids.size());
+  const gpu::Result r = residency.plan(ids.data(), ids.size(), slots.data());
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("needs 4 distinct pages"), std::string::npos) << r.message;
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(residency.find(i + 1), kept[i]);
+  EXPECT_EQ(residency.find(4), kNone);
+  EXPECT_EQ(residency.find(5), kNone);
+  EXPECT_EQ(residency.resident(), 3u);
+  // The refused misses left nothing behind: they are plain misses now, each moved once.
+  const std::vector<uint32_t> next = plan(residency, {4, 5, 4, 1});
+  EXPECT_EQ(residency.moves().size(), 2u);
+  EXPECT_EQ(next[0], next[2]);
+  EXPECT_EQ(next[3], kept[0]);
+  EXPECT_EQ(residency.last_counts().hits, 1u);
+  EXPECT_EQ(residency.last_counts().evictions, 2u);
+}
+
+TEST_P(Residency, takes_ids_up_to_the_last_host_slot) {
+  // The largest pool, 2^32 - 1 slots: ids up to 2^32 - 2 are pages, 2^32 - 1 (kNone) is not.
+  gpu::PageResidency residency;
+  ASSERT_OK(residency.init(4, kNone, GetParam()));
+  const std::vector<uint32_t> ids = {kNone - 1, 0, kNone - 2, kNone - 1};
+  const std::vector<uint32_t> slots = plan(residency, ids);
+  EXPECT_EQ(residency.moves().size(), 3u);
+  EXPECT_EQ(slots[0], slots[3]);
+  EXPECT_EQ(residency.find(kNone - 1), slots[0]);
+  EXPECT_EQ(residency.find(0), slots[1]);
+  EXPECT_EQ(residency.find(kNone - 2), slots[2]);
+  const uint32_t bad = kNone;
+  uint32_t slot = 0;
+  EXPECT_FALSE(residency.plan(&bad, 1, &slot).ok);
+  plan(residency, {kNone - 1, 0});
+  EXPECT_EQ(residency.last_counts().hits, 2u);
+  EXPECT_TRUE(residency.moves().empty());
+}
+
+TEST_P(Residency, clear_empties_the_cache_for_reuse) {
+  gpu::PageResidency residency;
+  ASSERT_OK(residency.init(4, 1000, GetParam()));
+  plan(residency, {1, 2, 3, 4});
+  plan(residency, {5, 1});
+  residency.clear();
+  EXPECT_EQ(residency.resident(), 0u);
+  for (uint32_t id = 1; id <= 5; ++id) EXPECT_EQ(residency.find(id), kNone);
+  // Every page is a miss again and takes a free slot; then the cache fills and evicts as new.
+  const std::vector<uint32_t> slots = plan(residency, {5, 6, 1, 7});
+  EXPECT_EQ(residency.moves().size(), 4u);
+  EXPECT_EQ(residency.last_counts().evictions, 0u);
+  EXPECT_EQ(std::set<uint32_t>(slots.begin(), slots.end()).size(), 4u);
+  plan(residency, {8, 6});
+  EXPECT_EQ(residency.last_counts().evictions, 1u);
+  EXPECT_EQ(residency.find(6), slots[1]);
+  EXPECT_EQ(residency.resident(), 4u);
+}
+
+TEST_P(Residency, agrees_with_a_model_over_a_long_walk_of_large_steps) {
+  // Steps of hundreds of pages with duplicates, strided ids as a pool interleaving layers hands
+  // out, a cache of a few steps' pages (so that the map's buckets fill and overflow), refused
+  // steps and forgotten moves: after each step every page sits where the plans and moves put it.
+  gpu::PageResidency residency;
+  constexpr uint32_t kCapacity = 1000;
+  ASSERT_OK(residency.init(kCapacity, uint64_t{1} << 24, GetParam()));
+  std::mt19937 rng(23);
+  std::map<uint32_t, uint32_t> model;
+  std::vector<uint32_t> previous;
+  for (int step = 0; step < 400; ++step) {
+    std::vector<uint32_t> request;
+    for (uint32_t id : previous)
+      if (rng() % 10 != 0) request.push_back(id);
+    const uint32_t fresh = 10 + rng() % 60;
+    for (uint32_t i = 0; i < fresh; ++i) request.push_back((rng() % 30000) * 256 + 40 + rng() % 8);
+    const bool too_many = step % 50 == 49;
+    if (too_many)
+      for (uint32_t i = 0; i <= kCapacity; ++i) request.push_back(uint32_t{1} << 23 | i);
+    std::set<uint32_t> distinct(request.begin(), request.end());
+    if (!too_many && distinct.size() > 400)
+      request.assign(distinct.begin(), std::next(distinct.begin(), 400));
+    for (std::size_t i = 0, d = request.size() / 8; i < d; ++i)
+      request.push_back(request[rng() % request.size()]);
+    std::shuffle(request.begin(), request.end(), rng);
+    std::vector<uint32_t> slots(request.size());
+    const gpu::Result r = residency.plan(request.data(), request.size(), slots.data());
+    ASSERT_EQ(r.ok, !too_many) << "step " << step << ": " << r.message;
+    if (r.ok) {
+      for (const gpu::PageMove& m : residency.moves()) {
+        ASSERT_FALSE(model.count(m.host_slot)) << "a resident page moved, step " << step;
+        for (auto it = model.begin(); it != model.end(); ++it)
+          if (it->second == m.device_slot) {
+            ASSERT_FALSE(std::count(request.begin(), request.end(), it->first))
+                << "step " << step << " evicted page " << it->first << ", which it needs";
+            model.erase(it);
+            break;
+          }
+        model[m.host_slot] = m.device_slot;
+      }
+      for (std::size_t i = 0; i < request.size(); ++i)
+        ASSERT_EQ(slots[i], model.at(request[i])) << "step " << step;
+      std::set<uint32_t> used(slots.begin(), slots.end());
+      ASSERT_EQ(used.size(), std::set<uint32_t>(request.begin(), request.end()).size());
+      if (step % 7 == 3) {
+        for (const gpu::PageMove& m : residency.moves()) model.erase(m.host_slot);
+        residency.forget_moves();
+      }
+      previous.clear();
+      for (uint32_t id : request)
+        if (!(id & uint32_t{1} << 23)) previous.push_back(id);
+    }
+    for (const auto& [host, device] : model) ASSERT_EQ(residency.find(host), device);
+    ASSERT_EQ(residency.resident(), model.size());
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, Residency,
                          ::testing::Values(gpu::EvictionPolicy::lru, gpu::EvictionPolicy::clock),
                          [](const auto& info) {
