@@ -140,8 +140,8 @@ std::vector<std::vector<uint32_t>> host_slots(const Trace& tr, uint32_t layer) {
 // each pair is the open page, one token longer each step.
 constexpr uint32_t kFresh = 0xffffffffu;
 uint32_t refresh_scan(const gpu::PageResidency& residency, const uint32_t* ids,
-                      const uint32_t* slots, uint32_t pairs, uint32_t open_tokens,
-                      uint32_t* tokens, gpu::PageMove* refresh) {
+                      const uint32_t* slots, uint32_t pairs, uint32_t open_tokens, uint32_t* tokens,
+                      gpu::PageMove* refresh) {
   for (const gpu::PageMove& move : residency.moves()) tokens[move.device_slot] = kFresh;
   uint32_t n_refresh = 0;
   const uint32_t n = pairs * kListed;
@@ -189,9 +189,9 @@ void BM_plan(benchmark::State& state, gpu::EvictionPolicy policy, bool with_refr
         hits += residency[l].last_counts().hits;
         misses += residency[l].last_counts().misses;
         if (with_refresh)
-          refreshed += refresh_scan(residency[l], step, slots.data(), pairs,
-                                    static_cast<uint32_t>(open_tokens), tokens[l].data(),
-                                    refresh.data());
+          refreshed +=
+              refresh_scan(residency[l], step, slots.data(), pairs,
+                           static_cast<uint32_t>(open_tokens), tokens[l].data(), refresh.data());
         benchmark::DoNotOptimize(slots.data());
       }
     }
@@ -204,19 +204,21 @@ void BM_plan(benchmark::State& state, gpu::EvictionPolicy policy, bool with_refr
     return;
   }
   const double pages = static_cast<double>(state.iterations()) * 2 * kSteps * layers * step_pages;
-  state.counters["ns_per_page"] = benchmark::Counter(
-      pages * 1e-9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
+  state.counters["ns_per_page"] =
+      benchmark::Counter(pages * 1e-9, benchmark::Counter::kIsRate | benchmark::Counter::kInvert);
   state.counters["hit_rate"] = static_cast<double>(hits) / static_cast<double>(hits + misses);
   state.counters["overlap"] = tr.overlap;
   state.counters["pages_per_step"] = step_pages;
   if (with_refresh)
     state.counters["refreshed_per_step"] =
-        static_cast<double>(refreshed) / (static_cast<double>(state.iterations()) * 2 * kSteps * layers);
+        static_cast<double>(refreshed) /
+        (static_cast<double>(state.iterations()) * 2 * kSteps * layers);
 }
 
 void register_all() {
   for (const bool with_refresh : {false, true})
-    for (const gpu::EvictionPolicy policy : {gpu::EvictionPolicy::clock, gpu::EvictionPolicy::lru}) {
+    for (const gpu::EvictionPolicy policy :
+         {gpu::EvictionPolicy::clock, gpu::EvictionPolicy::lru}) {
       const std::string name = std::string(with_refresh ? "BM_plan_refresh/" : "BM_plan/") +
                                gpu::eviction_policy_name(policy);
       benchmark::RegisterBenchmark(name.c_str(), BM_plan, policy, with_refresh)

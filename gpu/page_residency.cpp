@@ -206,8 +206,7 @@ uint32_t PageResidency::take_slot() noexcept {
   return s;
 }
 
-Result PageResidency::refuse_step(const uint32_t* host_slots, std::size_t n,
-                                  std::size_t n_missed) {
+Result PageResidency::refuse_step(const uint32_t* host_slots, std::size_t n, std::size_t n_missed) {
   for (std::size_t j = 0; j < n_missed; ++j) map_erase(missed_[j]);
   // The exact count for the message (a cold path: the step is refused, so it may allocate).
   try {
@@ -284,7 +283,8 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
   }
   if (misses > 0)
     for (std::size_t i = 0; i < n; ++i)
-      if (device_slots[i] & kMissed) device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
+      if (device_slots[i] & kMissed)
+        device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
   counts_.hits = hits;
   counts_.misses = misses;
   return Result{};

@@ -98,13 +98,13 @@ class PageResidency {
  private:
   // The map: open addressing over a power-of-two table of buckets, each one cache line of 8 keys
   // then their 8 values (kNone keys are empty), at most half full with the resident pages and a
-  // plan's pending misses (their value kMissed | index, so that duplicates find them). A lookup compares its key with
-  // a bucket's 8 at once, and moves to the next bucket only while overflow_ says some key stored
-  // further on passed this one: with 8 lanes at half load that is rare, so nearly every lookup is
-  // one line and no data-dependent branch but hit or miss. (Linear probing over single entries
-  // took ~1.4 probes a lookup, and the mispredicted end of the probe loop was a third of plan().)
-  // Entries never move, so removal only clears the lane and undoes the overflow counts its insert
-  // added.
+  // plan's pending misses (their value kMissed | index, so that duplicates find them). A lookup
+  // compares its key with a bucket's 8 at once, and moves to the next bucket only while overflow_
+  // says some key stored further on passed this one: with 8 lanes at half load that is rare, so
+  // nearly every lookup is one line and no data-dependent branch but hit or miss. (Linear probing
+  // over single entries took ~1.4 probes a lookup, and the mispredicted end of the probe loop was a
+  // third of plan().) Entries never move, so removal only clears the lane and undoes the overflow
+  // counts its insert added.
   struct alignas(64) Bucket {
     uint32_t key[8];
     uint32_t value[8];

@@ -63,8 +63,8 @@ std::unique_ptr<OffloadAttention> OffloadAttention::create(KvCache& cache,
   require(listed <= UINT32_MAX,
           "OffloadOptions: max_batch * n_kv_heads * max_pages_per_pair=", listed,
           " does not fit 32-bit list offsets");
-  require(options.cache_pages < (1u << 31),
-          "OffloadOptions.cache_pages=", options.cache_pages, " is not in 0..2^31 - 1");
+  require(options.cache_pages < (1u << 31), "OffloadOptions.cache_pages=", options.cache_pages,
+          " is not in 0..2^31 - 1");
   // A mirror's slots are the pool's ids, and its row slots come after them.
   const uint64_t device_slots =
       options.cache_pages != 0 ? options.cache_pages : cache.pool().capacity();
@@ -112,8 +112,8 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
     gpu::PageCacheConfig config;
     config.slot_bytes = geometry_.slot_bytes();
     config.mirror = mirror();
-    config.capacity = mirror() ? static_cast<uint32_t>(cache.pool().capacity())
-                               : options.cache_pages;
+    config.capacity =
+        mirror() ? static_cast<uint32_t>(cache.pool().capacity()) : options.cache_pages;
     config.reserved_slots = static_cast<uint32_t>(options.max_row_chunks);
     config.host_pool = cache.pool().base();
     config.host_slots = cache.pool().capacity();
