@@ -101,6 +101,23 @@ TEST_P(Residency, never_evicts_a_page_of_its_own_step) {
   }
 }
 
+// A plan's moves applied to a model of the slots (host page -> device slot): a moved page was not
+// resident, and takes its slot from the page that held it, which the step must not need.
+void apply_moves(const gpu::PageResidency& residency, const std::vector<uint32_t>& request,
+                 std::map<uint32_t, uint32_t>& model, int step) {
+  for (const gpu::PageMove& m : residency.moves()) {
+    ASSERT_FALSE(model.count(m.host_slot)) << "a resident page moved, step " << step;
+    for (auto it = model.begin(); it != model.end(); ++it)
+      if (it->second == m.device_slot) {
+        ASSERT_FALSE(std::count(request.begin(), request.end(), it->first))
+            << "step " << step << " evicted page " << it->first << ", which it needs";
+        model.erase(it);
+        break;
+      }
+    model[m.host_slot] = m.device_slot;
+  }
+}
+
 TEST_P(Residency, agrees_with_a_model_of_the_slots_over_a_random_walk) {
   gpu::PageResidency residency;
   ASSERT_OK(residency.init(64, 5000, GetParam()));
@@ -123,19 +140,10 @@ TEST_P(Residency, agrees_with_a_model_of_the_slots_over_a_random_walk) {
     for (uint32_t id : request)
       if (!before.count(id)) expected_moves.insert(id);
     std::set<uint32_t> moved;
-    for (const gpu::PageMove& m : residency.moves()) {
+    for (const gpu::PageMove& m : residency.moves())
       ASSERT_TRUE(moved.insert(m.host_slot).second) << "page " << m.host_slot << " moved twice";
-      // The slot's previous page leaves the model.
-      for (auto it = model.begin(); it != model.end(); ++it)
-        if (it->second == m.device_slot) {
-          ASSERT_FALSE(std::count(request.begin(), request.end(), it->first))
-              << "step " << step << " evicted page " << it->first << ", which it needs";
-          model.erase(it);
-          break;
-        }
-      model[m.host_slot] = m.device_slot;
-    }
     ASSERT_EQ(moved, expected_moves) << "step " << step;
+    ASSERT_NO_FATAL_FAILURE(apply_moves(residency, request, model, step));
     for (std::size_t i = 0; i < request.size(); ++i) {
       ASSERT_EQ(slots[i], model.at(request[i])) << "step " << step;
       if (before.count(request[i])) {
@@ -283,17 +291,7 @@ TEST_P(Residency, agrees_with_a_model_over_a_long_walk_of_large_steps) {
     const gpu::Result r = residency.plan(request.data(), request.size(), slots.data());
     ASSERT_EQ(r.ok, !too_many) << "step " << step << ": " << r.message;
     if (r.ok) {
-      for (const gpu::PageMove& m : residency.moves()) {
-        ASSERT_FALSE(model.count(m.host_slot)) << "a resident page moved, step " << step;
-        for (auto it = model.begin(); it != model.end(); ++it)
-          if (it->second == m.device_slot) {
-            ASSERT_FALSE(std::count(request.begin(), request.end(), it->first))
-                << "step " << step << " evicted page " << it->first << ", which it needs";
-            model.erase(it);
-            break;
-          }
-        model[m.host_slot] = m.device_slot;
-      }
+      ASSERT_NO_FATAL_FAILURE(apply_moves(residency, request, model, step));
       for (std::size_t i = 0; i < request.size(); ++i)
         ASSERT_EQ(slots[i], model.at(request[i])) << "step " << step;
       std::set<uint32_t> used(slots.begin(), slots.end());
