@@ -18,6 +18,9 @@
 #                   --a-tunings 0:2:1,8:2:1 --locks-device 0 ...)
 #   BENCH_TIMEOUT   seconds for kvsift-bench-offload (default 270); rows finish smallest first and
 #                   each is in the CSV as soon as it is done, so a cut run keeps its early rows
+#   RUNS            whole runs, torch and ours each time (default 1): the table is the first run's,
+#                   then per row the median and range over the runs of c/a (each run's step over
+#                   that run's torch) and of a_ours/a_torch, with the goals read on the medians
 #   SDPA_TIMEOUT    seconds for the torch baseline (default 75)
 #   GPU_BENCH_BUILD the staged build folder (default build-gpu, gpu_check.sh's)
 set -euo pipefail
@@ -51,19 +54,26 @@ if missing=$(ldd "$bin" | grep 'not found'); then
 fi
 
 status=0
-rm -f "$out/sdpa.csv" "$out/offload.csv"
-# Torch first: quick and predictable; then ours, whose largest row comes last.
-timeout "${SDPA_TIMEOUT:-75}" python3 tools/sdpa_baseline.py --contexts "$contexts" \
-  --batches "$batches" --csv "$out/sdpa.csv" 2>&1 | tee "$out/sdpa.log" || {
-  echo "sdpa_baseline: exit ${PIPESTATUS[0]} (124: timed out)"
-  status=1
-}
-# shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
-timeout "${BENCH_TIMEOUT:-270}" "$bin" --contexts "${contexts// /,}" --batches "${batches// /,}" \
-  --csv "$out/offload.csv" ${BENCH_ARGS:-} 2>&1 | tee "$out/offload.log" || {
-  echo "$target: exit ${PIPESTATUS[0]} (124: timed out, 2: a row failed)"
-  status=1
-}
+runs=${RUNS:-1}
+rm -f "$out"/sdpa*.csv "$out"/offload*.csv
+for run in $(seq 1 "$runs"); do
+  # Torch first: quick and predictable; then ours, whose largest row comes last.
+  timeout "${SDPA_TIMEOUT:-75}" python3 tools/sdpa_baseline.py --contexts "$contexts" \
+    --batches "$batches" --csv "$out/sdpa_$run.csv" 2>&1 | tee "$out/sdpa.log" || {
+    echo "sdpa_baseline: exit ${PIPESTATUS[0]} (124: timed out)"
+    status=1
+  }
+  # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
+  timeout "${BENCH_TIMEOUT:-270}" "$bin" --contexts "${contexts// /,}" \
+    --batches "${batches// /,}" --csv "$out/offload_$run.csv" ${BENCH_ARGS:-} 2>&1 |
+    tee "$out/offload.log" || {
+    echo "$target: exit ${PIPESTATUS[0]} (124: timed out, 2: a row failed)"
+    status=1
+  }
+done
+# The first run's files are the table's (and keep their old names).
+[[ -f $out/sdpa_1.csv ]] && cp "$out/sdpa_1.csv" "$out/sdpa.csv"
+[[ -f $out/offload_1.csv ]] && cp "$out/offload_1.csv" "$out/offload.csv"
 
 echo
 python3 - "$out/offload.csv" "$out/sdpa.csv" <<'PY' | tee "$out/table.txt"
@@ -162,6 +172,56 @@ for n in notes:
 if not ours:
     print("no rows from kvsift-bench-offload (see offload.log)")
 PY
+if ((runs > 1)); then
+  python3 - "$out" "$runs" <<'PY' | tee -a "$out/table.txt"
+import csv, os, statistics, sys
+
+out, runs = sys.argv[1], int(sys.argv[2])
+
+def rows(path):
+    return list(csv.DictReader(open(path))) if os.path.exists(path) else []
+
+def num(x):
+    try:
+        return float(x)
+    except (TypeError, ValueError):
+        return None
+
+# Per (context, batch): each run's c/a (its step over its own torch) and a_ours/a_torch.
+steps, kernels = {}, {}
+for run in range(1, runs + 1):
+    torch = {}
+    for r in rows(os.path.join(out, f"sdpa_{run}.csv")):
+        key, us = (int(r["context"]), int(r["batch"])), num(r["us"])
+        if us is not None and (key not in torch or us < torch[key]):
+            torch[key] = us
+    for r in rows(os.path.join(out, f"offload_{run}.csv")):
+        key = (int(r["context"]), int(r["batch"]))
+        c, a = num(r["c_us"]), num(r["a_us"])
+        if key in torch and c is not None:
+            steps.setdefault(key, []).append(c / torch[key])
+        if key in torch and a is not None:
+            kernels.setdefault(key, []).append(a / torch[key])
+
+print(f"\nover {runs} runs (each ratio against the same run's torch SDPA): median (min..max), n")
+for key in sorted(set(steps) | set(kernels)):
+    T, B = key
+    line = f"  ctx {T:>8} B {B:>2}:"
+    for name, values in (("c/a", steps.get(key, [])), ("a_ours/a_torch", kernels.get(key, []))):
+        if values:
+            line += (f"  {name} {statistics.median(values):.2f} "
+                     f"({min(values):.2f}..{max(values):.2f}) n={len(values)}")
+    print(line)
+    if T == 131072 and steps.get(key):
+        m = statistics.median(steps[key])
+        print(f"    goal (c)/(a) <= 1.5 at 128K, B={B}, median: {m:.2f} "
+              f"{'met' if m <= 1.5 else 'NOT met'}")
+    if T in (131072, 1048576) and kernels.get(key):
+        m = statistics.median(kernels[key])
+        print(f"    goal (a ours)/(a torch) <= 1.05, B={B}, median: {m:.2f} "
+              f"{'met' if m <= 1.05 else 'NOT met'}")
+PY
+fi
 # The kernel tuning sweeps (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per row, one line
 # per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us and spread, for (a) (every page, TB/s) and
 # for (c)'s last call (the selective lists in the device cache).
