@@ -5,10 +5,13 @@
 // pages it does not hold (the next n of a shuffled walk over a 1 GiB mapped pinned pool), so all
 // n move; the time is wall clock from ensure() to the stream's completion, CPU gather included.
 // Paths: staged (4 MiB chunks, the CPU gathering chunk c + 1 while chunk c crosses), staged_1copy
-// (one chunk: one gather, one copy, one scatter), mapped (the GPU reads the pool), and copy (one
+// (one chunk: one gather, one copy, one scatter), mapped (the GPU reads the pool), copies (one
+// cudaMemcpyBatchAsync of a copy per page on the copy engines), and copy (one
 // cudaMemcpyAsync of n * page contiguous pinned bytes, timed the same way: the link's ceiling).
 // Each path case also times that plain copy 9 times right after its loop and reports `of_copy`,
 // its GB/s over the copy's median GB/s in the same run.
+//
+// BM_gpu_transfer_pool/<alloc>/gib:<g>: the mapped path from a pool of a KV cache's size (below).
 //
 // BM_page_cache_hit_rate/<drift>/<policy>/cap_pct:<c> (CPU only): one layer of Llama-3.1-8B (8 KV
 // heads, 16-token pages of 8 KiB) decoding 256 steps from 128K tokens. Each KV head selects 2% of
@@ -33,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -285,12 +289,13 @@ Device& device() {
   return held;
 }
 
-enum class Path { staged, staged_1copy, mapped, copy };
+enum class Path { staged, staged_1copy, mapped, copies, copy };
 const char* path_name(Path p) {
   switch (p) {
     case Path::staged: return "staged";
     case Path::staged_1copy: return "staged_1copy";
     case Path::mapped: return "mapped";
+    case Path::copies: return "copies";
     default: return "copy";
   }
 }
@@ -316,7 +321,9 @@ void BM_gpu_transfer(benchmark::State& state, Path path, std::size_t page, uint3
     config.capacity = n;
     config.host_pool = dev.pool;
     config.host_slots = host_slots;
-    config.path = path == Path::mapped ? gpu::TransferPath::mapped : gpu::TransferPath::staged;
+    config.path = path == Path::mapped   ? gpu::TransferPath::mapped
+                  : path == Path::copies ? gpu::TransferPath::copies
+                                         : gpu::TransferPath::staged;
     if (path == Path::staged_1copy) config.staging_chunk_bytes = n * (page + 4);
     if (gpu::Result r = cache.init(config); !r.ok) {
       state.SkipWithError(r.message.c_str());
@@ -379,6 +386,76 @@ void BM_gpu_transfer(benchmark::State& state, Path path, std::size_t page, uint3
   state.counters["copy_GBps"] = copy_gbps;
   state.counters["of_copy"] = gbps / copy_gbps;
   state.counters["bytes"] = static_cast<double>(bytes);
+}
+
+// A pool of a KV cache's size: 4,096 random 8 KiB pages a step (32 MiB, the mapped path) from a
+// pool of `gib` GiB, allocated by cudaHostAlloc (4 KiB pages) or by gpu::pinned_alloc (from 1 GiB
+// up: transparent huge pages, registered), against one plain copy of as many contiguous bytes of
+// the same pool. Does the device's read rate fall with the pool's size, and do huge pages keep it?
+void BM_gpu_transfer_pool(benchmark::State& state, bool huge, std::size_t gib) {
+  Device& dev = device();
+  if (!dev.error.empty()) {
+    state.SkipWithError(dev.error.c_str());
+    return;
+  }
+  constexpr std::size_t kPage = 8192;
+  constexpr uint32_t kPages = 4096;
+  const std::size_t pool_bytes = gib << 30;
+  void* pool = nullptr;
+  const std::string error =
+      huge ? gpu::pinned_alloc(pool_bytes, &pool).message
+           : cuda_error(cudaHostAlloc(&pool, pool_bytes, cudaHostAllocMapped), "cudaHostAlloc");
+  if (pool == nullptr) {
+    state.SkipWithError(error.c_str());
+    return;
+  }
+  const auto release = [&] { huge ? gpu::pinned_free(pool) : (void)cudaFreeHost(pool); };
+  std::memset(pool, 1, pool_bytes);
+  const uint64_t host_slots = pool_bytes / kPage;
+  gpu::PageCacheConfig config;
+  config.slot_bytes = kPage;
+  config.capacity = kPages;
+  config.host_pool = pool;
+  config.host_slots = host_slots;
+  config.path = gpu::TransferPath::mapped;
+  gpu::DevicePageCache cache;
+  if (gpu::Result r = cache.init(config); !r.ok) {
+    state.SkipWithError(r.message.c_str());
+    release();
+    return;
+  }
+  std::mt19937_64 rng(kSeed + gib);
+  std::vector<uint32_t> ids(kPages), slots(kPages);
+  std::vector<double> copies;
+  double seconds = 0.0;
+  for (auto _ : state) {
+    cache.clear();
+    for (uint32_t& id : ids) id = static_cast<uint32_t>(rng() % host_slots);  // repeats: rare
+    const auto start = Clock::now();
+    const gpu::Result r = cache.ensure(ids.data(), ids.size(), slots.data(), dev.stream);
+    cudaStreamSynchronize(dev.stream);
+    const double s = seconds_since(start);
+    if (!r.ok) {
+      state.SkipWithError(r.message.c_str());
+      break;
+    }
+    state.SetIterationTime(s);
+    seconds += s;
+    const std::size_t offset = (rng() % (host_slots - kPages)) * kPage;
+    const auto copy_start = Clock::now();
+    cudaMemcpyAsync(dev.copy_to, static_cast<unsigned char*>(pool) + offset, kPages * kPage,
+                    cudaMemcpyHostToDevice, dev.stream);
+    cudaStreamSynchronize(dev.stream);
+    copies.push_back(seconds_since(copy_start));
+  }
+  release();
+  const double bytes = static_cast<double>(cache.totals().bytes_moved);
+  state.counters["GBps"] = bytes / seconds * 1e-9;
+  state.counters["copy_GBps"] = static_cast<double>(kPages * kPage) / median(copies) * 1e-9;
+  std::ifstream thp("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string setting;
+  std::getline(thp, setting);
+  state.SetLabel("thp: " + setting);
 }
 
 // The staged path's CPU half alone: n random 8 KiB pages of the pinned pool into pinned staging
@@ -468,6 +545,7 @@ void BM_gpu_transfer_decode(benchmark::State& state, bool fast, gpu::EvictionPol
   state.counters["hit_rate_all"] = totals.hit_rate();  // step 0's cold misses included
   state.counters["mapped_steps"] = static_cast<double>(totals.mapped_steps);
   state.counters["staged_steps"] = static_cast<double>(totals.staged_steps);
+  state.counters["copies_steps"] = static_cast<double>(totals.copies_steps);
 }
 
 double min_of(const std::vector<double>& v) {
@@ -495,7 +573,7 @@ void register_benchmarks() {
       }
   for (std::size_t page : kPageSizes)
     for (uint32_t n : kPageCounts)
-      for (Path path : {Path::staged, Path::staged_1copy, Path::mapped, Path::copy}) {
+      for (Path path : {Path::staged, Path::staged_1copy, Path::mapped, Path::copies, Path::copy}) {
         // One chunk differs from the chunked staging only past one 4 MiB chunk.
         if (path == Path::staged_1copy && n * (page + 4) <= (std::size_t{4} << 20)) continue;
         const std::string name = std::string("BM_gpu_transfer/") + path_name(path) +
@@ -506,6 +584,16 @@ void register_benchmarks() {
             ->ComputeStatistics("min", min_of)
             ->ComputeStatistics("max", max_of);
       }
+  for (bool huge : {false, true})
+    for (std::size_t gib : {1, 48}) {
+      const std::string name = std::string("BM_gpu_transfer_pool/") +
+                               (huge ? "pinned_alloc" : "hostalloc") +
+                               "/gib:" + std::to_string(gib);
+      benchmark::RegisterBenchmark(name.c_str(), BM_gpu_transfer_pool, huge, gib)
+          ->UseManualTime()
+          ->Iterations(40)
+          ->Unit(benchmark::kMicrosecond);
+    }
   for (uint32_t threads : {1u, 4u, 8u, 16u, 0u})
     for (uint32_t n : {512u, 4096u}) {
       const std::string name = "BM_page_gather/threads:" + std::to_string(threads) +
@@ -518,8 +606,8 @@ void register_benchmarks() {
     }
   for (bool fast : {false, true})
     for (gpu::EvictionPolicy policy : {gpu::EvictionPolicy::lru, gpu::EvictionPolicy::clock})
-      for (gpu::TransferPath path :
-           {gpu::TransferPath::automatic, gpu::TransferPath::staged, gpu::TransferPath::mapped}) {
+      for (gpu::TransferPath path : {gpu::TransferPath::automatic, gpu::TransferPath::staged,
+                                     gpu::TransferPath::mapped, gpu::TransferPath::copies}) {
         const std::string name = std::string("BM_gpu_transfer_decode/") + (fast ? "fast" : "slow") +
                                  "/" + gpu::eviction_policy_name(policy) + "/cap_pct:150/" +
                                  gpu::transfer_path_name(path);
