@@ -282,7 +282,7 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4],
 
 // Two fp32 values as the sums hi + lo of the scratch's type, each pair packed as an mma operand
 // register (x0 in the low half). The residual x - hi is exact in fp32, so what is lost is lo's own
-// rounding: about 2^-22 of x for fp16, 2^-16 for bf16 (fp16's lo goes subnormal below |x| of
+// rounding: about 2^-22 of x for fp16, 2^-18 for bf16 (fp16's lo goes subnormal below |x| of
 // about 2^-3, an absolute loss under 2^-25).
 template <bool kBf16>
 __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
@@ -301,9 +301,9 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 // staged once in shared memory and read there by all its warps, so a key leaves global memory
 // once per 16 * row_tiles rows and group, not once per row and head. A warp keeps its 16 rows'
 // scores for the tile and their outputs in mma.sync's registers (fp32 accumulators) with an fp32
-// online softmax (running max and sum per row, expf as the CPU runner); the causal mask applies
-// only on tiles that reach past the warp's first row. Memory beyond the scratch stays constant per
-// block: there is no score matrix.
+// online softmax (running max and sum per row, expf); the causal mask applies only on tiles that
+// reach past the warp's first row. Memory beyond the scratch stays constant per block: there is
+// no score matrix.
 // Accuracy: the tensor cores take 16-bit operands. Keys and values already are (the scratch's
 // type), but q and the probabilities p are fp32, and rounding them alone would move the output by
 // about 2^-11 (fp16) or 2^-8 (bf16) relative, beyond the 1e-4 of tests/test_gpu_llama.cpp against
@@ -311,13 +311,13 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 // and both parts are multiplied, at twice the tensor work.
 // Work: per (query row, query head, visible key) head_dim multiply-adds for q.k and as many for
 // p v, doubled by the split: 8 * head_dim flops, so about n^2 / 2 * n_heads * 8 * head_dim for an
-// n-token prompt; for the Llama-3.1-8B shape at n = 128K, 2.8e14 per layer, on the order of a
-// second per layer at the few hundred TFLOP/s that mma.sync reaches on Hopper, and 16 times that
-// at 512K. Limits: a tile's load is not overlapped with the previous tile's products (no cp.async
-// pipeline); one expf per score runs on the special function units; there is no split over keys,
-// so a chunk of few rows has few blocks (n_kv_heads per 16 * row_tiles rows) and leaves most of
-// the device idle. The blocks of the chunk's last rows have the most tiles; they are launched
-// first.
+// n-token prompt. For the Llama-3.1-8B shape at n = 128K that is 2.8e14 per layer: about a second
+// per layer if mma.sync sustains 300 TFLOP/s (not measured here), and 16 times that at 512K.
+// Limits: a tile's load is not overlapped with the previous tile's products (no cp.async
+// pipeline); one expf per score runs on the special function units; 8 warps of about 250
+// registers fill an SM's register file, one block per SM; there is no split over keys, so a
+// chunk of few rows has few blocks (n_kv_heads per 16 * row_tiles rows) and leaves most of the
+// device idle. The blocks of the chunk's last rows have the most tiles; they are launched first.
 template <uint32_t kHeadDim, bool kBf16>
 __global__ void __launch_bounds__(kAttentionMaxWarps * 32)
     prefill_attention_kernel(const float* __restrict__ qkv, uint32_t qkv_stride,

@@ -1,10 +1,10 @@
 // The device Llama forward pass (gpu/device_llama.hpp) against float64 references on tiny random
 // models: each stage on the device's own inputs (embedding, RMSNorm + QKV + RoPE, the rest of a
-// layer, prefill attention across chunks, the output head), a whole 2-layer forward (a prefill of
-// 37 tokens in chunks, then 3 decode steps with the attention done here in float64, as the host
-// runner does it) against a float64 forward of the same tokens, a prefill continued through
-// load_prefix, decode graphs against the ungraphed path (bit for bit, and their cap on rows
-// values), and the argument and order checks.
+// layer, prefill attention across chunks and at a few thousand positions, the output head), a whole
+// 2-layer forward (a prefill of 37 tokens in chunks, then 3 decode steps with the attention done
+// here in float64, as the host runner does it) against a float64 forward of the same tokens, a
+// prefill continued through load_prefix, decode graphs against the ungraphed path (bit for bit, and
+// their cap on rows values), and the argument and order checks.
 //
 // The references round where the device (and the CPU runner) rounds: every product's input to
 // bf16, stored keys (after RoPE) and values to the cache's dtype (q8: per KV head and row, then
