@@ -1,7 +1,8 @@
 // The Llama forward pass's device side (gpu/device_llama.hpp): cuBLAS for the products, small
 // kernels for the rest. The kernels are written for obvious correctness first: one block per row
-// (RMSNorm, RoPE, embedding, KV store), flat grid-stride loops (elementwise), and one block per
-// (query row, query head) for prefill attention; the products carry nearly all the time.
+// (RMSNorm, RoPE, embedding, KV store) and flat grid-stride loops (elementwise); the products
+// carry nearly all the time. Prefill attention is the exception: quadratic in the context, it is
+// tiled on tensor cores (prefill_attention_kernel).
 #include <cublas_v2.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -24,7 +25,10 @@ namespace {
 constexpr uint32_t kRowThreads = 256;   // RMSNorm, embedding, RoPE, KV store: one block per row
 constexpr uint32_t kFlatThreads = 256;  // elementwise kernels
 constexpr uint32_t kFlatMaxBlocks = 4096;
-constexpr uint32_t kAttentionWarps = 4;
+// Prefill attention: 16 query rows a warp (the mma's M), keys staged 64 at a time, 8 warps at most.
+constexpr uint32_t kAttentionRows = 16;
+constexpr uint32_t kAttentionKeys = 64;
+constexpr uint32_t kAttentionMaxWarps = 8;
 // cuBLAS's own recommendation for Hopper. Set by hand so that no product allocates while a graph
 // is captured, and the same in every call, so that the graphed and the ungraphed products choose
 // the same algorithm.
@@ -256,73 +260,232 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-// Causal prefill attention, one block per (query row r, query head): the block's warps take the
-// visible positions 0 .. pos0 + r round-robin, each lane holding head_dim / 32 channels of q and of
-// its own accumulator, with an fp32 online softmax per warp; the warps merge at the end. Prompts
-// are at most a few thousand tokens and a chunk's blocks fill the device, so no split over keys.
+// A warp's D (16x8, fp32) += A (16x16) B (16x8), both operands fp16 or bf16 (the scratch's type),
+// in mma.sync's fragment layout: with g = lane / 4 and t = lane % 4, a[0] holds A[g][2t, 2t + 1],
+// a[1] A[g + 8][2t, 2t + 1], a[2] and a[3] the same rows at columns 2t + 8 and 2t + 9; b0 holds
+// B[2t, 2t + 1][g], b1 B[2t + 8, 2t + 9][g] (the lower index in the low half); d[0], d[1] are
+// D[g][2t, 2t + 1] and d[2], d[3] D[g + 8][2t, 2t + 1].
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                          uint32_t b1) {
+  if constexpr (kBf16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+        "{%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two fp32 values as the sums hi + lo of the scratch's type, each pair packed as an mma operand
+// register (x0 in the low half). The residual x - hi is exact in fp32, so what is lost is lo's own
+// rounding: about 2^-22 of x for fp16, 2^-18 for bf16 (fp16's lo goes subnormal below |x| of
+// about 2^-3, an absolute loss under 2^-25).
+template <bool kBf16>
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  const uint16_t h0 = to_kv<kBf16>(x0), h1 = to_kv<kBf16>(x1);
+  const uint16_t l0 = to_kv<kBf16>(x0 - from_kv<kBf16>(h0));
+  const uint16_t l1 = to_kv<kBf16>(x1 - from_kv<kBf16>(h1));
+  hi = static_cast<uint32_t>(h0) | static_cast<uint32_t>(h1) << 16;
+  lo = static_cast<uint32_t>(l0) | static_cast<uint32_t>(l1) << 16;
+}
+
+// Causal prefill attention, flash-style. Every query row of a chunk reads every earlier key, so
+// what decides the cost at long context is how often a key is read from global memory and how
+// the products run. A block takes row_tiles tiles of 16 query rows for one KV head and up to
+// kAttentionMaxWarps of the query heads that share it (its GQA group): one warp per (tile, head).
+// It walks the keys from 0 to the causal limit of its last row in tiles of kAttentionKeys, each
+// staged once in shared memory and read there by all its warps, so a key leaves global memory
+// once per 16 * row_tiles rows and group, not once per row and head. A warp keeps its 16 rows'
+// scores for the tile and their outputs in mma.sync's registers (fp32 accumulators) with an fp32
+// online softmax (running max and sum per row, expf); the causal mask applies only on tiles that
+// reach past the warp's first row. Memory beyond the scratch stays constant per block: there is
+// no score matrix.
+// Accuracy: the tensor cores take 16-bit operands. Keys and values already are (the scratch's
+// type), but q and the probabilities p are fp32, and rounding them alone would move the output by
+// about 2^-11 (fp16) or 2^-8 (bf16) relative, beyond the 1e-4 of tests/test_gpu_llama.cpp against
+// float64 attention over the scratch. Each is split as hi + lo in the scratch's type (split_pair)
+// and both parts are multiplied, at twice the tensor work.
+// Work: per (query row, query head, visible key) head_dim multiply-adds for q.k and as many for
+// p v, doubled by the split: 8 * head_dim flops, so about n^2 / 2 * n_heads * 8 * head_dim for an
+// n-token prompt. For the Llama-3.1-8B shape at n = 128K that is 2.8e14 per layer: about a second
+// per layer if mma.sync sustains 300 TFLOP/s (not measured here), and 16 times that at 512K.
+// Limits: a tile's load is not overlapped with the previous tile's products (no cp.async
+// pipeline); one expf per score runs on the special function units; 8 warps of about 250
+// registers fill an SM's register file, one block per SM; there is no split over keys, so a
+// chunk of few rows has few blocks (n_kv_heads per 16 * row_tiles rows) and leaves most of the
+// device idle. The blocks of the chunk's last rows have the most tiles; they are launched first.
 template <uint32_t kHeadDim, bool kBf16>
-__global__ void __launch_bounds__(kAttentionWarps * 32)
+__global__ void __launch_bounds__(kAttentionMaxWarps * 32)
     prefill_attention_kernel(const float* __restrict__ qkv, uint32_t qkv_stride,
                              const uint16_t* __restrict__ k_scratch,
                              const uint16_t* __restrict__ v_scratch, uint32_t kv_dim,
-                             uint32_t group_size, uint64_t pos0, float scale,
-                             float* __restrict__ out, uint32_t q_dim) {
-  constexpr uint32_t kPerLane = kHeadDim / 32;
-  const uint32_t row = blockIdx.x, head = blockIdx.y, kv_head = head / group_size;
+                             uint32_t group_size, uint32_t heads_per_block, uint32_t row_tiles,
+                             uint64_t pos0, uint32_t rows, float scale, float* __restrict__ out,
+                             uint32_t q_dim) {
+  constexpr uint32_t kRows = kAttentionRows, kKeys = kAttentionKeys;
+  // Shared rows padded by 16 bytes: the fragment reads of a warp then fall in distinct banks.
+  constexpr uint32_t kStride = kHeadDim + 8;
+  constexpr uint32_t kChunks = kHeadDim / 8;  // 16-byte pieces of a key's head
+  __shared__ alignas(16) uint16_t k_tile[kKeys * kStride];
+  __shared__ alignas(16) uint16_t v_tile[kKeys * kStride];
+
   const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  const float* q = qkv + static_cast<std::size_t>(row) * qkv_stride + head * kHeadDim;
-  float qv[kPerLane], acc[kPerLane];
-  for (uint32_t e = 0; e < kPerLane; ++e) {
-    qv[e] = q[lane * kPerLane + e];
-    acc[e] = 0.0f;
-  }
-  float m = -INFINITY, l = 0.0f;
-  const uint64_t visible = pos0 + row + 1;
-  const std::size_t channel = std::size_t{kv_head} * kHeadDim + lane * kPerLane;
-  for (uint64_t j = warp; j < visible; j += kAttentionWarps) {
-    const uint16_t* k = k_scratch + j * kv_dim + channel;
-    float dot = 0.0f;
-    for (uint32_t e = 0; e < kPerLane; ++e) dot += qv[e] * from_kv<kBf16>(k[e]);
-    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-    const float s = dot * scale;
-    const float m_new = fmaxf(m, s);
-    const float correction = expf(m - m_new);  // 0 for the first key (m = -inf)
-    const float p = expf(s - m_new);
-    l = l * correction + p;
-    const uint16_t* v = v_scratch + j * kv_dim + channel;
-    for (uint32_t e = 0; e < kPerLane; ++e) acc[e] = acc[e] * correction + p * from_kv<kBf16>(v[e]);
-    m = m_new;
-  }
-  __shared__ float warp_m[kAttentionWarps], warp_l[kAttentionWarps];
-  __shared__ float warp_acc[kAttentionWarps][kHeadDim];
-  if (lane == 0) {
-    warp_m[warp] = m;
-    warp_l[warp] = l;
-  }
-  for (uint32_t e = 0; e < kPerLane; ++e) warp_acc[warp][lane * kPerLane + e] = acc[e];
-  __syncthreads();
-  float m_all = -INFINITY;
-  for (uint32_t w = 0; w < kAttentionWarps; ++w) m_all = fmaxf(m_all, warp_m[w]);
-  float* o = out + static_cast<std::size_t>(row) * q_dim + head * kHeadDim;
-  for (uint32_t i = threadIdx.x; i < kHeadDim; i += kAttentionWarps * 32) {
-    float sum = 0.0f, value = 0.0f;
-    for (uint32_t w = 0; w < kAttentionWarps; ++w) {
-      if (warp_l[w] == 0.0f) continue;  // a warp that saw no position (visible < warps)
-      const float c = expf(warp_m[w] - m_all);
-      sum += warp_l[w] * c;
-      value += warp_acc[w][i] * c;
+  const uint32_t g = lane / 4, t = lane % 4;
+  const uint32_t kv_head = blockIdx.y;
+  const uint32_t in_group = blockIdx.z * heads_per_block + warp % heads_per_block;
+  const uint32_t block_row0 = (gridDim.x - 1 - blockIdx.x) * row_tiles * kRows;
+  const uint32_t row0 = block_row0 + warp / heads_per_block * kRows;
+  // A warp past the group or the chunk only helps load the tiles.
+  const bool active = in_group < group_size && row0 < rows;
+  const uint32_t head = kv_head * group_size + min(in_group, group_size - 1);
+  const uint64_t block_last = pos0 + min(block_row0 + row_tiles * kRows - 1, rows - 1);
+  const uint64_t warp_first = pos0 + row0;
+  const uint64_t warp_last = pos0 + min(row0 + kRows - 1, rows - 1);
+  // This lane's rows g and g + 8; one past the chunk repeats its last row (and is not written).
+  const uint32_t my_rows[2] = {min(row0 + g, rows - 1), min(row0 + g + 8, rows - 1)};
+  const uint64_t limit[2] = {pos0 + my_rows[0], pos0 + my_rows[1]};
+
+  // q as the A operand of q k^T, split hi + lo, over the head's kHeadDim / 16 steps.
+  uint32_t q_hi[kHeadDim / 16][4], q_lo[kHeadDim / 16][4];
+#pragma unroll
+  for (uint32_t step = 0; step < kHeadDim / 16; ++step)
+#pragma unroll
+    for (uint32_t i = 0; i < 4; ++i) {
+      const float* q =
+          qkv + std::size_t{my_rows[i % 2]} * qkv_stride + std::size_t{head} * kHeadDim;
+      const uint32_t c = step * 16 + 2 * t + 8 * (i / 2);
+      split_pair<kBf16>(q[c], q[c + 1], q_hi[step][i], q_lo[step][i]);
     }
-    o[i] = value / sum;
+
+  float o[kHeadDim / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  const uint64_t kv_end = pos0 + rows;  // keys past it are no row's and may be unwritten
+  const std::size_t channel = std::size_t{kv_head} * kHeadDim;
+  for (uint64_t j0 = 0; j0 <= block_last; j0 += kKeys) {
+    __syncthreads();  // the previous tile's reads are done
+#pragma unroll
+    for (uint32_t i = threadIdx.x; i < kKeys * kChunks; i += blockDim.x) {
+      const uint32_t key = i / kChunks, c = i % kChunks * 8;
+      uint4 k = make_uint4(0, 0, 0, 0), v = k;
+      if (j0 + key < kv_end) {
+        const std::size_t at = (j0 + key) * kv_dim + channel + c;
+        k = *reinterpret_cast<const uint4*>(k_scratch + at);
+        v = *reinterpret_cast<const uint4*>(v_scratch + at);
+      }
+      *reinterpret_cast<uint4*>(k_tile + key * kStride + c) = k;
+      *reinterpret_cast<uint4*>(v_tile + key * kStride + c) = v;
+    }
+    __syncthreads();
+    if (!active || j0 > warp_last) continue;
+
+    // s = q k^T for the tile's keys in 8-key column blocks.
+    float s[kKeys / 8][4];
+#pragma unroll
+    for (uint32_t n = 0; n < kKeys / 8; ++n) {
+      s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.0f;
+      const uint16_t* k = k_tile + (n * 8 + g) * kStride + 2 * t;
+#pragma unroll
+      for (uint32_t step = 0; step < kHeadDim / 16; ++step) {
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k + step * 16);
+        const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k + step * 16 + 8);
+        mma_16816<kBf16>(s[n], q_hi[step], b0, b1);
+        mma_16816<kBf16>(s[n], q_lo[step], b0, b1);
+      }
+    }
+
+    // The online softmax; a row's four lanes (one g) share its max through two shuffles.
+    const bool masked = j0 + kKeys - 1 > warp_first;
+    float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (uint32_t n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) {
+        float x = s[n][e] * scale;
+        if (masked && j0 + n * 8 + 2 * t + e % 2 > limit[e / 2]) x = -INFINITY;
+        s[n][e] = x;
+        tile_max[e / 2] = fmaxf(tile_max[e / 2], x);
+      }
+    float correction[2];
+#pragma unroll
+    for (uint32_t h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int offset = 1; offset < 4; offset *= 2)
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], offset));
+      // Finite: every row sees key 0, in the first tile.
+      const float m_new = fmaxf(m[h], tile_max[h]);
+      correction[h] = expf(m[h] - m_new);  // 0 on the first tile (m = -inf)
+      m[h] = m_new;
+      l[h] *= correction[h];  // this lane's share of the row's sum; the four add up at the end
+    }
+#pragma unroll
+    for (uint32_t n = 0; n < kKeys / 8; ++n)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) {
+        s[n][e] = expf(s[n][e] - m[e / 2]);
+        l[e / 2] += s[n][e];
+      }
+#pragma unroll
+    for (uint32_t n = 0; n < kHeadDim / 8; ++n)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) o[n][e] *= correction[e / 2];
+
+// o += p v: p's accumulator layout is the A operand's for 16-key steps.
+#pragma unroll
+    for (uint32_t step = 0; step < kKeys / 16; ++step) {
+      uint32_t p_hi[4], p_lo[4];
+#pragma unroll
+      for (uint32_t i = 0; i < 4; ++i) {
+        const float* p = s[2 * step + i / 2] + 2 * (i % 2);
+        split_pair<kBf16>(p[0], p[1], p_hi[i], p_lo[i]);
+      }
+      const uint16_t* v = v_tile + (step * 16 + 2 * t) * kStride + g;
+#pragma unroll
+      for (uint32_t n = 0; n < kHeadDim / 8; ++n) {
+        const uint16_t* vn = v + n * 8;
+        const uint32_t b0 = vn[0] | static_cast<uint32_t>(vn[kStride]) << 16;
+        const uint32_t b1 = vn[8 * kStride] | static_cast<uint32_t>(vn[9 * kStride]) << 16;
+        mma_16816<kBf16>(o[n], p_hi, b0, b1);
+        mma_16816<kBf16>(o[n], p_lo, b0, b1);
+      }
+    }
+  }
+  if (!active) return;
+#pragma unroll
+  for (uint32_t h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int offset = 1; offset < 4; offset *= 2)
+      l[h] += __shfl_xor_sync(0xffffffffu, l[h], offset);
+    const uint32_t row = row0 + g + 8 * h;
+    if (row >= rows) continue;
+    float* out_row = out + std::size_t{row} * q_dim + std::size_t{head} * kHeadDim + 2 * t;
+#pragma unroll
+    for (uint32_t n = 0; n < kHeadDim / 8; ++n) {
+      out_row[n * 8] = o[n][2 * h] / l[h];
+      out_row[n * 8 + 1] = o[n][2 * h + 1] / l[h];
+    }
   }
 }
 
+// The grid: (row blocks, last rows first) x KV heads x slices of the group. Up to
+// kAttentionMaxWarps warps a block, as many row tiles as the group leaves room for (at most 4,
+// and no more than the chunk fills).
 template <uint32_t kHeadDim, bool kBf16>
-void launch_prefill_attention(dim3 grid, cudaStream_t stream, const float* qkv, uint32_t qkv_stride,
+void launch_prefill_attention(cudaStream_t stream, const float* qkv, uint32_t qkv_stride,
                               const uint16_t* k, const uint16_t* v, uint32_t kv_dim,
-                              uint32_t group_size, uint64_t pos0, float scale, float* out,
-                              uint32_t q_dim) {
-  prefill_attention_kernel<kHeadDim, kBf16><<<grid, kAttentionWarps * 32, 0, stream>>>(
-      qkv, qkv_stride, k, v, kv_dim, group_size, pos0, scale, out, q_dim);
+                              uint32_t n_kv_heads, uint32_t group_size, uint64_t pos0,
+                              uint32_t rows, float scale, float* out, uint32_t q_dim) {
+  const uint32_t heads = std::min(group_size, kAttentionMaxWarps);
+  const uint32_t row_tiles = std::min(
+      {std::max(kAttentionMaxWarps / heads, 1u), 4u, (rows + kAttentionRows - 1) / kAttentionRows});
+  const uint32_t block_rows = row_tiles * kAttentionRows;
+  const dim3 grid((rows + block_rows - 1) / block_rows, n_kv_heads,
+                  (group_size + heads - 1) / heads);
+  prefill_attention_kernel<kHeadDim, kBf16><<<grid, 32 * heads * row_tiles, 0, stream>>>(
+      qkv, qkv_stride, k, v, kv_dim, group_size, heads, row_tiles, pos0, rows, scale, out, q_dim);
 }
 
 // Which small host->device upload a pinned staging region serves.
@@ -952,13 +1115,12 @@ Result DeviceLlama::prefill_attention(uint32_t layer, uint64_t pos0, uint32_t ro
           L.v_scratch);
     }
     KVSIFT_TRY(launched("store_kv"));
-    const dim3 grid(rows, shape_.n_heads);
     auto launch =
         shape_.head_dim == 64
             ? (bf16 ? launch_prefill_attention<64, true> : launch_prefill_attention<64, false>)
             : (bf16 ? launch_prefill_attention<128, true> : launch_prefill_attention<128, false>);
-    launch(grid, d.stream.get(), d.qkv, stride, L.k_scratch, L.v_scratch, kvdim, group, pos0, scale,
-           d.attn, qdim);
+    launch(d.stream.get(), d.qkv, stride, L.k_scratch, L.v_scratch, kvdim, shape_.n_kv_heads, group,
+           pos0, rows, scale, d.attn, qdim);
     return launched("prefill_attention");
   }();
   if (!r.ok) {

@@ -1,10 +1,10 @@
 // The device Llama forward pass (gpu/device_llama.hpp) against float64 references on tiny random
 // models: each stage on the device's own inputs (embedding, RMSNorm + QKV + RoPE, the rest of a
-// layer, prefill attention across chunks, the output head), a whole 2-layer forward (a prefill of
-// 37 tokens in chunks, then 3 decode steps with the attention done here in float64, as the host
-// runner does it) against a float64 forward of the same tokens, a prefill continued through
-// load_prefix, decode graphs against the ungraphed path (bit for bit, and their cap on rows
-// values), and the argument and order checks.
+// layer, prefill attention across chunks and at a few thousand positions, the output head), a whole
+// 2-layer forward (a prefill of 37 tokens in chunks, then 3 decode steps with the attention done
+// here in float64, as the host runner does it) against a float64 forward of the same tokens, a
+// prefill continued through load_prefix, decode graphs against the ungraphed path (bit for bit, and
+// their cap on rows values), and the argument and order checks.
 //
 // The references round where the device (and the CPU runner) rounds: every product's input to
 // bf16, stored keys (after RoPE) and values to the cache's dtype (q8: per KV head and row, then
@@ -557,6 +557,95 @@ TEST_F(GpuLlama, prefill_attention_matches_the_reference_across_chunks) {
         }
         ASSERT_OK(llama.finish_layer(l, false));
       }
+    }
+  }
+}
+
+// The tiles of the prefill attention kernel at a few thousand positions: a prompt of one row and
+// then 70, and a prefix restored by load_prefix (random keys and values, an unaligned length)
+// continued by chunks of odd sizes, so that chunks start inside a key tile and a row tile, end
+// short of both, and hold single rows; GQA groups of 3 and 4, head_dim 64 and 128, fp16 and bf16
+// keys. Rows at and next to the 16-row tile edges and at both ends of a chunk, all heads, against
+// float64 attention over the scratch's values, bound as above.
+TEST_F(GpuLlama, prefill_attention_tiles_match_the_reference_at_longer_context) {
+  struct Case {
+    uint32_t head_dim, group;
+    simd::Dtype dtype;
+  };
+  for (const Case& c : {Case{64, 3, simd::Dtype::f16}, Case{128, 4, simd::Dtype::bf16},
+                        Case{128, 3, simd::Dtype::f16}, Case{64, 4, simd::Dtype::bf16}}) {
+    SCOPED_TRACE("head_dim " + std::to_string(c.head_dim) + " group " + std::to_string(c.group) +
+                 (c.dtype == simd::Dtype::bf16 ? " bf16" : " f16"));
+    gpu::LlamaShape shape;
+    shape.n_layers = 1;
+    shape.n_embd = 80;
+    shape.n_ff = 96;
+    shape.n_kv_heads = 2;
+    shape.n_heads = c.group * shape.n_kv_heads;
+    shape.head_dim = c.head_dim;
+    shape.n_vocab = 101;
+    shape.rope_theta = 500000.0f;
+    shape.rms_eps = 1e-5f;
+    shape.max_rows = 160;
+    shape.max_positions = 3072;
+    shape.max_prefill_tokens = 3072;
+    shape.kv_dtype = c.dtype;
+    const TinyModel m(shape, 71 + c.head_dim + c.group, true);
+    const uint32_t qdim = shape.q_dim(), kvdim = shape.kv_dim();
+    gpu::DeviceLlama llama;
+    ASSERT_OK(llama.init(shape, m.weights(), 0));
+    std::mt19937 rng(72 + c.head_dim + c.group);
+
+    // Prefills chunks of the given sizes from pos0 on, checking each against cache.
+    auto chunks = [&](HostCache& cache, uint32_t pos0, const std::vector<uint32_t>& sizes) {
+      for (const uint32_t rows : sizes) {
+        SCOPED_TRACE("chunk of " + std::to_string(rows) + " at " + std::to_string(pos0));
+        const std::vector<int32_t> tokens = random_tokens(rows, shape.n_vocab, rng);
+        std::vector<uint64_t> positions(rows);
+        std::iota(positions.begin(), positions.end(), uint64_t{pos0});
+        ASSERT_OK(llama.embed(tokens.data(), rows));
+        ASSERT_OK(llama.attention_inputs(0, positions.data(), rows));
+        for (uint32_t r = 0; r < rows; ++r)
+          cache.store(0, pos0 + r, llama.k_host() + std::size_t{r} * kvdim,
+                      llama.v_host() + std::size_t{r} * kvdim);
+        ASSERT_OK(llama.prefill_attention(0, pos0, rows));
+        const std::vector<float> attn = read_attention(llama);
+        std::vector<float> got;
+        std::vector<double> ref;
+        for (uint32_t r = 0; r < rows; ++r) {
+          if (r >= 2 && r + 2 < rows && (r + 1) % 16 > 2) continue;
+          got.insert(got.end(), attn.begin() + std::size_t{r} * qdim,
+                     attn.begin() + std::size_t{r + 1} * qdim);
+          ref.resize(got.size());
+          cache.attend(0, llama.q_host() + std::size_t{r} * qdim, pos0 + r + 1,
+                       ref.data() + ref.size() - qdim);
+        }
+        EXPECT_LT(relative_error(got, ref), 1e-4);
+        ASSERT_OK(llama.finish_layer(0, false));
+        pos0 += rows;
+      }
+    };
+
+    {
+      SCOPED_TRACE("from position 0");
+      HostCache cache(shape);
+      chunks(cache, 0, {1, 70});
+    }
+    llama.reset_prefill();
+    {
+      SCOPED_TRACE("after a restored prefix");
+      const uint32_t prefix = 2713;
+      const std::vector<float> keys = random_floats(std::size_t{prefix} * kvdim, 0.0f, 1.0f, rng);
+      const std::vector<float> values = random_floats(keys.size(), 0.0f, 1.0f, rng);
+      ASSERT_OK(llama.load_prefix(0, 0, keys.data(), values.data(), prefix));
+      HostCache cache(shape);
+      cache.keys[0].assign(keys.begin(), keys.end());
+      cache.values[0].assign(values.begin(), values.end());
+      for (uint32_t pos = 0; pos < prefix; ++pos) {
+        cache_round(cache.keys[0].data() + std::size_t{pos} * kvdim, shape, true);
+        cache_round(cache.values[0].data() + std::size_t{pos} * kvdim, shape, true);
+      }
+      chunks(cache, prefix, {160, 1, 97, 45});
     }
   }
 }
