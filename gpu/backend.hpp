@@ -33,7 +33,7 @@
 
 namespace kvsift::gpu::backend {
 
-inline constexpr uint32_t kInterfaceVersion = 3;
+inline constexpr uint32_t kInterfaceVersion = 2;
 
 // gpu/sparse_attention.hpp states the contract of every call.
 class SparseDecodeAttention {
@@ -64,7 +64,6 @@ class PagePool {
   // path, enqueued on `stream` (a cudaStream_t).
   virtual Result move_staged(const PageMove* moves, std::size_t n, void* stream) noexcept = 0;
   virtual Result move_mapped(const PageMove* moves, std::size_t n, void* stream) noexcept = 0;
-  virtual Result move_copies(const PageMove* moves, std::size_t n, void* stream) noexcept = 0;
 };
 
 // gpu/offload_runtime.hpp states the contract of every call.

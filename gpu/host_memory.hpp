@@ -22,9 +22,7 @@ Result backend_status();
 // Number of usable CUDA devices.
 Result device_count(int* n_devices);
 
-// Page-locked host memory mapped into the device's address space, and its release: cudaHostAlloc,
-// or from 1 GiB up (a KV pool) a region in transparent huge pages registered with
-// cudaHostRegister (gpu/runtime.cu says why).
+// Page-locked, mapped host memory (cudaHostAlloc) and its release.
 Result pinned_alloc(std::size_t bytes, void** out);
 void pinned_free(void* p) noexcept;
 

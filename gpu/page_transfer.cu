@@ -3,12 +3,12 @@
 //
 // Both kernels move 16-byte vectors; a vector's page and offset are a quotient and a remainder by
 // the slot's vector count (slots are not powers of two: a q8 slot of simd/page_layout.hpp holds
-// its rows' scales after the codes). The division costs nothing next to PCIe. The mapped kernel
-// reads host memory over PCIe: each CTA takes a contiguous range of the step's vectors, first
-// fetches its few (host, device) slot pairs from the mapped move list into shared memory (one PCIe
-// round trip), then streams its range with kUnroll loads in flight per thread before their stores,
-// so that a wave of CTAs keeps megabytes of reads outstanding (PCIe at ~55 GB/s and ~1-2 us of
-// latency needs only ~100 KB).
+// its rows' scales after the codes). The division costs nothing next to PCIe (measured below).
+// The mapped kernel reads host memory over PCIe: each CTA takes a contiguous range of the step's
+// vectors, first fetches its few (host, device) slot pairs from the mapped move list into shared
+// memory (one PCIe round trip), then streams its range with kUnroll
+// loads in flight per thread before their stores, so that a wave of CTAs keeps megabytes of reads
+// outstanding (PCIe at ~55 GB/s and ~1-2 us of latency needs only ~100 KB).
 //
 // Measured on the H200 (bench/bench_gpu_transfer.cpp; GB/s of page bytes, wall clock from ensure()
 // to the stream's completion, against one pinned cudaMemcpyAsync of as many contiguous bytes):
@@ -21,14 +21,22 @@
 // 16 MiB). Staging was DRAM-bound: 16 threads gather alone at 67 GB/s (49 with streaming stores,
 // which keep the staging out of the cache), but gather and DMA together share the host's DRAM; one
 // 32 MiB chunk instead of 4 MiB ones changed little (21.9 vs 22.4 GB/s before streaming stores).
+//
+// Tried and measured on the H200 (same benchmark, medians of 5 in one process, 8 KiB pages,
+// 512 / 4096 pages a step; a plain copy of as many bytes 49.5 / 54.7 GB/s), then left out:
+// - A warp per page (the CTA's moves in shared memory, 16 loads in flight per lane, no division):
+//   38.4 / 43.3 GB/s against this kernel's 40.4 / 44.2: the division is not what limits it.
+// - The copy engines, one cudaMemcpyBatchAsync of a copy per page: 3.0 / 3.7 GB/s (0.07 of a
+//   copy); on the decode-like trace 860 us a step against 91. Per-copy cost, not the link.
+// - Host pools of 48 GiB, a KV cache's size (BM_gpu_transfer_pool): 40.3 GB/s against 44.8 from
+//   1 GiB; the same region in transparent huge pages (madvise, then cudaHostRegister) read at
+//   41.8, within the spread, so the pool stays cudaHostAlloc'd.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
-#include <new>
 #include <string>
 #include <utility>
-#include <vector>
 
 #include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
@@ -39,42 +47,39 @@ namespace kvsift::gpu {
 namespace {
 
 constexpr uint32_t kThreads = 256;
-constexpr uint32_t kWarps = kThreads / 32;
-// 16-byte vectors a lane of the mapped gather has in flight: a warp reads 8 KiB per round trip,
-// one whole f16 page (16 tokens x 128 channels, K and V) of Llama-3.1-8B's shape.
-constexpr uint32_t kLaneVecs = 16;
-// Moves a mapped-gather CTA stages in shared memory.
+constexpr uint32_t kUnroll = 4;
+// Slot pairs a mapped-gather CTA stages in shared memory; its range spans at most this many pages.
 constexpr uint32_t kMaxCtaPages = 64;
 // CTAs per multiprocessor the kernels aim for (8 x 256 threads fill an SM's 2048).
 constexpr uint32_t kCtasPerSm = 8;
 
 constexpr CudaErrors from_cuda{"page cache"};
 
-// One warp per page: the CTA fetches its pages' moves from the mapped list into shared memory (one
-// PCIe round trip), then each warp streams whole pages, kLaneVecs loads in flight per lane before
-// their stores, with no per-vector division (a page's vectors are the warp's lanes and unrolled
-// steps).
 __global__ void __launch_bounds__(kThreads)
     gather_mapped_kernel(const uint4* __restrict__ host, uint4* __restrict__ pool,
                          const uint2* moves, uint32_t n_pages, uint32_t slot_vecs,
-                         uint32_t pages_per_cta) {
+                         uint64_t vecs_per_cta) {
   __shared__ uint2 s_moves[kMaxCtaPages];
-  const uint32_t first = blockIdx.x * pages_per_cta;
-  const uint32_t count = min(pages_per_cta, n_pages - first);
-  for (uint32_t p = threadIdx.x; p < count; p += kThreads) s_moves[p] = moves[first + p];
+  const uint64_t total = uint64_t{n_pages} * slot_vecs;
+  const uint64_t begin = uint64_t{blockIdx.x} * vecs_per_cta;
+  const uint64_t end = min(total, begin + vecs_per_cta);
+  const uint32_t first = static_cast<uint32_t>(begin / slot_vecs);
+  const uint32_t last = static_cast<uint32_t>((end - 1) / slot_vecs);
+  for (uint32_t p = first + threadIdx.x; p <= last; p += kThreads) s_moves[p - first] = moves[p];
   __syncthreads();
-  const uint32_t lane = threadIdx.x % 32;
-  for (uint32_t p = threadIdx.x / 32; p < count; p += kWarps) {
-    const uint4* src = host + uint64_t{s_moves[p].x} * slot_vecs;
-    uint4* dst = pool + uint64_t{s_moves[p].y} * slot_vecs;
-    for (uint32_t v0 = lane; v0 < slot_vecs; v0 += 32 * kLaneVecs) {
-      uint4 r[kLaneVecs];
+  for (uint64_t v0 = begin + threadIdx.x; v0 < end; v0 += kThreads * kUnroll) {
+    uint4 r[kUnroll];
 #pragma unroll
-      for (uint32_t u = 0; u < kLaneVecs; ++u)
-        if (v0 + 32 * u < slot_vecs) r[u] = src[v0 + 32 * u];
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * kThreads;
+      if (v < end)
+        r[u] = host[uint64_t{s_moves[v / slot_vecs - first].x} * slot_vecs + v % slot_vecs];
+    }
 #pragma unroll
-      for (uint32_t u = 0; u < kLaneVecs; ++u)
-        if (v0 + 32 * u < slot_vecs) dst[v0 + 32 * u] = r[u];
+    for (uint32_t u = 0; u < kUnroll; ++u) {
+      const uint64_t v = v0 + u * kThreads;
+      if (v < end)
+        pool[uint64_t{s_moves[v / slot_vecs - first].y} * slot_vecs + v % slot_vecs] = r[u];
     }
   }
 }
@@ -100,7 +105,6 @@ class PagePool final : public backend::PagePool {
   bool host_pool_mapped() const noexcept override { return host_pool_device_ != nullptr; }
   Result move_staged(const PageMove* moves, std::size_t n, void* stream) noexcept override;
   Result move_mapped(const PageMove* moves, std::size_t n, void* stream) noexcept override;
-  Result move_copies(const PageMove* moves, std::size_t n, void* stream) noexcept override;
 
  private:
   // The events come first so that they go last: freeing pinned or device memory waits for the
@@ -115,10 +119,6 @@ class PagePool final : public backend::PagePool {
   std::size_t chunk_pages_ = 0;
   PinnedBuffer<PageMove> moves_host_;  // pinned, mapped: the mapped kernel's list [capacity]
   const void* moves_device_ = nullptr;
-  // The copies path's batch: a copy's destination, source and bytes (grown to the largest step).
-  std::vector<void*> copy_dsts_;
-  std::vector<const void*> copy_srcs_;
-  std::vector<std::size_t> copy_sizes_;
   uint32_t multiprocessors_ = 0;
   uint32_t slot_vecs_ = 0;  // 16-byte vectors of a slot
   PageCacheConfig config_{};
@@ -224,48 +224,20 @@ Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_
     return r;
   std::memcpy(moves_host_.get(), moves, n * sizeof(PageMove));
   const auto n_pages = static_cast<uint32_t>(n);
-  // A warp per page; pages per CTA a multiple of the warps, more than one warp's worth each only
-  // when there are more pages than a wave of CTAs has warps.
-  const uint32_t wave_warps = multiprocessors_ * kCtasPerSm * kWarps;
-  const uint32_t pages_per_cta =
-      std::min(kMaxCtaPages, kWarps * ((n_pages + wave_warps - 1) / wave_warps));
-  const uint32_t grid = (n_pages + pages_per_cta - 1) / pages_per_cta;
-  gather_mapped_kernel<<<grid, kThreads, 0, stream>>>(
+  const uint64_t total = uint64_t{n_pages} * slot_vecs_;
+  const uint64_t slot_vecs = slot_vecs_;
+  // One wave of CTAs when there is enough work, at least a block's worth of vectors each, and
+  // few enough pages per CTA that its pairs fit in shared memory (a range of r vectors touches at
+  // most r / slot_vecs + 2 pages).
+  const uint64_t target = uint64_t{multiprocessors_} * kCtasPerSm;
+  uint64_t per_cta = std::max<uint64_t>((total + target - 1) / target, kThreads);
+  per_cta = std::min(per_cta, (kMaxCtaPages - 2) * slot_vecs);
+  const uint64_t grid = (total + per_cta - 1) / per_cta;
+  gather_mapped_kernel<<<static_cast<uint32_t>(grid), kThreads, 0, stream>>>(
       static_cast<const uint4*>(host_pool_device_), static_cast<uint4*>(pool_.get()),
-      static_cast<const uint2*>(moves_device_), n_pages, slot_vecs_, pages_per_cta);
+      static_cast<const uint2*>(moves_device_), n_pages, slot_vecs_, per_cta);
   if (Result r = from_cuda.launched("mapped gather launch"); !r.ok) return r;
   return from_cuda(cudaEventRecord(moves_free_.get(), stream), "event");
-}
-
-Result PagePool::move_copies(const PageMove* moves, std::size_t n, void* stream_ptr) noexcept {
-  const std::size_t slot_bytes = config_.slot_bytes;
-  const auto* host = static_cast<const unsigned char*>(config_.host_pool);
-  auto* device = static_cast<unsigned char*>(pool_.get());
-  try {
-    copy_dsts_.clear();
-    copy_srcs_.clear();
-    copy_sizes_.clear();
-    for (std::size_t i = 0; i < n; ++i) {
-      // A page adjacent to the previous one in both pools extends its copy (a mirror's new pages).
-      if (i > 0 && moves[i].host_slot == moves[i - 1].host_slot + 1 &&
-          moves[i].device_slot == moves[i - 1].device_slot + 1) {
-        copy_sizes_.back() += slot_bytes;
-        continue;
-      }
-      copy_dsts_.push_back(device + std::size_t{moves[i].device_slot} * slot_bytes);
-      copy_srcs_.push_back(host + std::size_t{moves[i].host_slot} * slot_bytes);
-      copy_sizes_.push_back(slot_bytes);
-    }
-  } catch (const std::bad_alloc&) {
-    return Result::out_of_memory("page cache: the copies path's batch lists");
-  }
-  cudaMemcpyAttributes attributes{};
-  attributes.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // the pool is written between steps
-  std::size_t first_copy = 0;
-  return from_cuda(cudaMemcpyBatchAsync(copy_dsts_.data(), copy_srcs_.data(), copy_sizes_.data(),
-                                        copy_sizes_.size(), &attributes, &first_copy, 1,
-                                        static_cast<cudaStream_t>(stream_ptr)),
-                   "copies (cudaMemcpyBatchAsync)");
 }
 
 }  // namespace cuda

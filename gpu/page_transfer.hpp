@@ -13,7 +13,7 @@
 // lib/cache/geometry.hpp), so a page moves as one unit. The host pool is one contiguous region of
 // host_slots slots (lib/cache/page_pool.hpp); the device pool is one allocation of capacity slots.
 //
-// Three ways to move a step's misses (each one or a few operations per step, never one per page):
+// Two ways to move a step's misses (both are one or a few operations per step, never one per page):
 // - staged: OpenMP threads gather the missing pages into pinned staging, chunk by chunk; each
 //   chunk (pages, then their device slots) goes host-to-device in one cudaMemcpyAsync on the copy
 //   engine, and a scatter kernel puts its pages into their slots. The CPU gathers chunk c + 1 while
@@ -21,10 +21,6 @@
 // - mapped: one kernel reads the pages straight from the host pool over PCIe (16-byte loads of
 //   mapped pinned memory) into their slots. No CPU work but writing the list of moves; needs the
 //   pool allocated by pinned_alloc (cudaHostAllocMapped) or registered as mapped.
-// - copies: the copy engines move each page (each run of pages adjacent in both pools) straight
-//   from the host pool to its slot, all of a step's copies in one cudaMemcpyBatchAsync. No SM and
-//   no staging; the host pool must be pinned for the copies to be DMA, and the stream must not be
-//   the legacy default stream (the batch call refuses it).
 // TransferPath::automatic takes the mapped kernel for steps whose misses come to fewer than
 // mapped_below_bytes, staging from there up. Measured on the H200 host
 // (bench/bench_gpu_transfer.cpp, 8 to 4096 pages of 4 and 8 KiB, wall clock to completion), the
@@ -49,7 +45,7 @@ namespace backend {
 class PagePool;
 }
 
-enum class TransferPath : uint8_t { automatic, staged, mapped, copies };
+enum class TransferPath : uint8_t { automatic, staged, mapped };
 
 const char* transfer_path_name(TransferPath path) noexcept;
 
@@ -97,9 +93,8 @@ struct TransferStats {
   uint64_t evictions = 0;    // misses that replaced a resident page
   uint64_t bytes_moved = 0;  // misses * slot_bytes: page bytes over PCIe (staged also sends 4 bytes
                              // of slot id per page)
-  uint64_t staged_steps = 0;  // steps whose moves took each path (steps with none take none)
+  uint64_t staged_steps = 0;  // steps whose moves took each path (steps with none take neither)
   uint64_t mapped_steps = 0;
-  uint64_t copies_steps = 0;
 
   double hit_rate() const noexcept {
     return hits + misses == 0 ? 1.0
@@ -168,7 +163,7 @@ class DevicePageCache {
 
  private:
   PageCacheConfig config_{};
-  PageResidency residency_;                    // empty in a mirror
+  PageResidency residency_;  // empty in a mirror
   std::unique_ptr<backend::PagePool> device_;  // set by a successful init()
   std::vector<PageMove> moves_;  // [capacity] a move()'s misses and extra moves, sent as one list
   bool planned_ = false;         // a plan() waits for its move()

@@ -22,7 +22,6 @@ const char* transfer_path_name(TransferPath path) noexcept {
   switch (path) {
     case TransferPath::staged: return "staged";
     case TransferPath::mapped: return "mapped";
-    case TransferPath::copies: return "copies";
     default: return "automatic";
   }
 }
@@ -42,8 +41,8 @@ Result validate(const PageCacheConfig& c) {
   if (c.host_slots == 0 || c.host_slots > PageResidency::kNone)
     return invalid("host_slots " + std::to_string(c.host_slots) + " is outside 1..2^32 - 1");
   if (c.mirror && c.capacity != c.host_slots)
-    return invalid("a mirror's capacity " + std::to_string(c.capacity) + " is not host_slots " +
-                   std::to_string(c.host_slots));
+    return invalid("a mirror's capacity " + std::to_string(c.capacity) +
+                   " is not host_slots " + std::to_string(c.host_slots));
   if (c.host_pool == nullptr) return invalid("host_pool is null");
   if (reinterpret_cast<std::uintptr_t>(c.host_pool) % 16 != 0)
     return invalid("host_pool is not 16-byte aligned");
@@ -52,7 +51,7 @@ Result validate(const PageCacheConfig& c) {
     return invalid("staging_chunk_bytes " + std::to_string(c.staging_chunk_bytes) +
                    " is outside slot_bytes + 4..1 GiB");
   if (c.path != TransferPath::automatic && c.path != TransferPath::staged &&
-      c.path != TransferPath::mapped && c.path != TransferPath::copies)
+      c.path != TransferPath::mapped)
     return invalid("unknown transfer path");
   if (c.policy != EvictionPolicy::lru && c.policy != EvictionPolicy::clock)
     return invalid("unknown eviction policy");
@@ -120,9 +119,6 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
   if (path == TransferPath::automatic) path = config_.path;
   if (path == TransferPath::mapped && !device_->host_pool_mapped())
     return refuse("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
-  if (path == TransferPath::copies && stream == nullptr)
-    return refuse(
-        "path copies needs a stream: cudaMemcpyBatchAsync refuses the legacy default one");
   const std::vector<PageMove>& misses = residency_.moves();
   if (n_extra > 0 && extra == nullptr) return refuse("extra moves are NULL");
   // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu).
@@ -149,10 +145,9 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
   moves_.assign(misses.begin(), misses.end());  // within the capacity reserved: no allocation
   moves_.insert(moves_.end(), extra, extra + n_extra);
   if (!moves_.empty()) {
-    Result r =
-        path == TransferPath::mapped   ? device_->move_mapped(moves_.data(), moves_.size(), stream)
-        : path == TransferPath::copies ? device_->move_copies(moves_.data(), moves_.size(), stream)
-                                       : device_->move_staged(moves_.data(), moves_.size(), stream);
+    Result r = path == TransferPath::mapped
+                   ? device_->move_mapped(moves_.data(), moves_.size(), stream)
+                   : device_->move_staged(moves_.data(), moves_.size(), stream);
     if (!r.ok) {
       residency_.forget_moves();
       return r;
@@ -167,7 +162,6 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
   last_.bytes_moved = bytes;
   last_.staged_steps = !moves_.empty() && path == TransferPath::staged;
   last_.mapped_steps = !moves_.empty() && path == TransferPath::mapped;
-  last_.copies_steps = !moves_.empty() && path == TransferPath::copies;
   totals_.steps += 1;
   totals_.requested += last_.requested;
   totals_.hits += last_.hits;
@@ -176,7 +170,6 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
   totals_.bytes_moved += last_.bytes_moved;
   totals_.staged_steps += last_.staged_steps;
   totals_.mapped_steps += last_.mapped_steps;
-  totals_.copies_steps += last_.copies_steps;
   return Result{};
 }
 

@@ -1,12 +1,8 @@
 // The CUDA backend's root (gpu/backend.hpp): the runtime calls of gpu/host_memory.hpp, the Backend
 // that hands out the device objects, and the module's one exported symbol.
 #include <cuda_runtime.h>
-#include <sys/mman.h>
 
-#include <cstdint>
-#include <mutex>
 #include <type_traits>
-#include <unordered_map>
 
 #include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_result.cuh"
@@ -24,58 +20,8 @@ Result device_count(int* n_devices) {
   return r;
 }
 
-namespace {
-
-// Regions of at least this size are mapped by the kernel in 2 MiB transparent huge pages and then
-// registered with CUDA, rather than allocated by cudaHostAlloc (4 KiB pages): a KV pool of tens of
-// GiB read a page here and a page there by the device crosses far more translations than the TLBs
-// hold, one per 4 KiB page.
-constexpr std::size_t kHugeRegionBytes = std::size_t{1} << 30;
-constexpr std::size_t kHugePage = std::size_t{2} << 20;
-
-// The registered regions, by the pointer handed out: the mapping to unmap on release.
-struct Mapping {
-  void* base;
-  std::size_t bytes;
-};
-std::mutex registered_mutex;
-std::unordered_map<void*, Mapping>& registered() {
-  static std::unordered_map<void*, Mapping> regions;
-  return regions;
-}
-
-Result huge_pinned_alloc(std::size_t bytes, void** out) {
-  // Over-reserved by a huge page so that the region can start on a 2 MiB boundary.
-  const std::size_t reserved = bytes + kHugePage;
-  void* base = mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (base == MAP_FAILED) return Result::out_of_memory("pinned host memory (mmap)");
-  const auto start = (reinterpret_cast<std::uintptr_t>(base) + kHugePage - 1) & ~(kHugePage - 1);
-  void* p = reinterpret_cast<void*>(start);
-  madvise(p, bytes, MADV_HUGEPAGE);  // advice: where the host has none, 4 KiB pages serve
-  const Result r =
-      cuda_result(cudaHostRegister(p, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable),
-                  "pinned host memory (cudaHostRegister)");
-  if (!r.ok) {
-    munmap(base, reserved);
-    return r;
-  }
-  try {
-    const std::lock_guard<std::mutex> lock(registered_mutex);
-    registered().emplace(p, Mapping{base, reserved});
-  } catch (...) {
-    cudaHostUnregister(p);
-    munmap(base, reserved);
-    return Result::out_of_memory("pinned host memory (the region's record)");
-  }
-  *out = p;
-  return r;
-}
-
-}  // namespace
-
 Result pinned_alloc(std::size_t bytes, void** out) {
   *out = nullptr;
-  if (bytes >= kHugeRegionBytes) return huge_pinned_alloc(bytes, out);
   const Result r =
       cuda_result(cudaHostAlloc(out, bytes, cudaHostAllocMapped | cudaHostAllocPortable),
                   "pinned host memory (cudaHostAlloc)");
@@ -84,20 +30,7 @@ Result pinned_alloc(std::size_t bytes, void** out) {
 }
 
 void pinned_free(void* p) noexcept {
-  Mapping mapping{nullptr, 0};
-  {
-    const std::lock_guard<std::mutex> lock(registered_mutex);
-    if (const auto it = registered().find(p); it != registered().end()) {
-      mapping = it->second;
-      registered().erase(it);
-    }
-  }
-  if (mapping.base == nullptr) {
-    cudaFreeHost(p);
-    return;
-  }
-  cudaHostUnregister(p);
-  munmap(mapping.base, mapping.bytes);
+  cudaFreeHost(p);
 }
 
 namespace {

@@ -577,55 +577,12 @@ INSTANTIATE_TEST_SUITE_P(
                       TransferCase{gpu::TransferPath::automatic, 8192, gpu::EvictionPolicy::clock},
                       TransferCase{gpu::TransferPath::staged, 16, gpu::EvictionPolicy::lru},
                       TransferCase{gpu::TransferPath::mapped, 16, gpu::EvictionPolicy::clock},
-                      TransferCase{gpu::TransferPath::copies, 8192, gpu::EvictionPolicy::clock},
-                      TransferCase{gpu::TransferPath::copies, 16, gpu::EvictionPolicy::lru},
                       // A q8 slot (simd/page_layout.hpp: 2 * 16 * 128 codes + 8 * 16 scale
                       // bytes) is no power of two; the 2176-byte one ends mid-CTA range.
                       TransferCase{gpu::TransferPath::staged, 4224, gpu::EvictionPolicy::lru},
                       TransferCase{gpu::TransferPath::mapped, 4224, gpu::EvictionPolicy::clock},
-                      TransferCase{gpu::TransferPath::mapped, 2176, gpu::EvictionPolicy::lru},
-                      TransferCase{gpu::TransferPath::copies, 4224, gpu::EvictionPolicy::lru}),
+                      TransferCase{gpu::TransferPath::mapped, 2176, gpu::EvictionPolicy::lru}),
     transfer_case_name);
-
-// The copies path sends a run of pages adjacent in both pools as one copy: a mirror's moves, runs
-// and single pages in any order, each slot against its host page after a rewrite of the pool.
-TEST_F(GpuTransferTest, copies_path_moves_runs_of_a_mirror_and_refuses_the_default_stream) {
-  constexpr std::size_t kSlotBytes = 4224;
-  constexpr uint64_t kSlots = 64;
-  HostPool host(kSlotBytes, kSlots, true, 29);
-  gpu::PageCacheConfig config;
-  config.slot_bytes = kSlotBytes;
-  config.capacity = kSlots;
-  config.mirror = true;
-  config.host_pool = host.data;
-  config.host_slots = kSlots;
-  config.path = gpu::TransferPath::copies;
-  gpu::DevicePageCache cache;
-  ASSERT_OK(cache.init(config));
-  std::vector<gpu::PageMove> moves;
-  for (uint32_t s : {5u, 6u, 7u, 40u, 9u, 10u, 63u, 0u, 1u, 8u})
-    moves.push_back(gpu::PageMove{s, s});
-  const gpu::Result refused = cache.move(nullptr, moves.data(), moves.size());
-  EXPECT_FALSE(refused.ok);
-  EXPECT_NE(refused.message.find("needs a stream"), std::string::npos) << refused.message;
-  std::mt19937 rng(30);
-  for (int round = 0; round < 2; ++round) {
-    ASSERT_OK(cache.move(stream_, moves.data(), moves.size()));
-    EXPECT_EQ(cache.last_step().copies_steps, 1u);
-    std::vector<unsigned char> page(kSlotBytes);
-    for (const gpu::PageMove& m : moves) {
-      ASSERT_EQ(cudaMemcpyAsync(page.data(),
-                                static_cast<const unsigned char*>(cache.device_pool()) +
-                                    std::size_t{m.device_slot} * kSlotBytes,
-                                kSlotBytes, cudaMemcpyDeviceToHost, stream_),
-                cudaSuccess);
-      ASSERT_EQ(cudaStreamSynchronize(stream_), cudaSuccess);
-      EXPECT_EQ(std::memcmp(page.data(), host.page(m.host_slot), kSlotBytes), 0)
-          << "round " << round << ", slot " << m.host_slot;
-    }
-    for (const gpu::PageMove& m : moves) host.rewrite(m.host_slot, rng);
-  }
-}
 
 TEST_F(GpuTransferTest, staged_path_reads_a_pageable_pool_and_mapped_refuses_it) {
   HostPool host(4096, 50, false, 3);
