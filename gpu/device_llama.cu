@@ -314,7 +314,7 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 // n-token prompt. For the Llama-3.1-8B shape at n = 128K that is 2.8e14 per layer, 16 times that
 // at 512K. Measured on the H200 (kvsift-bench-decode --fill prompt, the whole 32-layer prefill of a
 // prompt into the host cache, LOCKS summaries included): 32K tokens 11.8 s, 64K 36.7 s, 94K 70.6 s,
-// which a + b n^2 fits within 2%; its quadratic part is this kernel at about 86 TFLOP/s of mma work
+// which a n + b n^2 fits within 2%; its quadratic part is this kernel at about 86 TFLOP/s of mma work
 // (a tenth of the device's bf16 peak), and it puts 512K at about half an hour.
 // Limits: a tile's load is not overlapped with the previous tile's products (no cp.async
 // pipeline); one expf per score runs on the special function units; 8 warps of about 250
