@@ -18,8 +18,8 @@ NOTE = (
     "The weights are seeded random numbers (tools/synthetic_model/make_model.py), so the text "
     "the model writes is meaningless; the timings and the memory are real: every step runs the "
     "whole model (every weight product, the K/V appends, selection and attention). The context "
-    "is not prefilled (a prefill of 128K tokens through 8B takes hours on a CPU, and the "
-    "device's prefill attention is not yet a tiled kernel that reaches 512K): its K/V are "
+    "is not prefilled (a prefill of 128K tokens through 8B takes hours on a CPU, and of 512K "
+    "about half an hour on an H200: docs/results/gpu-scale/raw/prefill.txt): its K/V are "
     "put into the cache through `kvsift_model_sequence_append_kv`, keys of bench/key_maker.hpp (a "
     "mixture of topic directions per page, outlier channels, RoPE at theta 500000) and random "
     "values, and the first decode step follows them.")
