@@ -14,7 +14,8 @@
 // the spread is the fastest and slowest step. The split (select, transfer, attend, and weights:
 // the rest of the step, every product, norm and append), the bytes sent host to device and the
 // device cache's hit rate are the medians of the timed steps' telemetry; h2d_MB_total and
-// hit_rate_all are over all timed steps. Memory is read after the last step, before the row's
+// hit_rate_all are over all timed steps; plan_us (JSON only) is the host's planning of the page
+// moves, which the transfer waits for. Memory is read after the last step, before the row's
 // sequences are freed: the process's resident and peak resident sizes, the KV pages held and the
 // selector's bytes (page summaries and what it holds beside them). One JSON object per row on
 // stdout, a table on stderr.
@@ -277,7 +278,8 @@ int main(int argc, char** argv) {
         for (uint32_t b = 1; b < batch; ++b)
           check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
         std::vector<int32_t> next(batch);
-        std::vector<double> step_s, select_us, transfer_us, attend_us, weights_ms, h2d, hit;
+        std::vector<double> step_s, select_us, transfer_us, plan_us, attend_us, weights_ms, h2d,
+            hit;
         uint64_t h2d_total = 0, hits_total = 0, lookups_total = 0;
         for (uint32_t i = 0; i < warmup + steps; ++i) {
           for (uint32_t b = 0; b < batch; ++b) {
@@ -301,6 +303,7 @@ int main(int argc, char** argv) {
           step_s.push_back(s);
           select_us.push_back(stats.last_step_select_us);
           transfer_us.push_back(stats.last_step_transfer_us);
+          plan_us.push_back(stats.last_step_plan_us);
           attend_us.push_back(stats.last_step_attend_us);
           weights_ms.push_back(1e3 * s -
                                1e-3 * (stats.last_step_select_us + stats.last_step_transfer_us +
@@ -341,6 +344,7 @@ int main(int argc, char** argv) {
             {"weights_ms", median(weights_ms)},
             {"select_us", median(select_us)},
             {"transfer_us", median(transfer_us)},
+            {"plan_us", median(plan_us)},
             {"attend_us", median(attend_us)},
             {"fill_s", fill_s},
             {"vm_rss_bytes", rss},

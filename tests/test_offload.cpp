@@ -110,9 +110,7 @@ class Model {
 
 class OffloadCase : public ::testing::TestWithParam<Case> {
  protected:
-  void SetUp() override {
-    KVSIFT_SKIP_WITHOUT_DEVICE();
-  }
+  void SetUp() override { KVSIFT_SKIP_WITHOUT_DEVICE(); }
 };
 
 TEST_P(OffloadCase, attends_the_cpu_selection_and_matches_the_cpu_kernel) {
@@ -307,8 +305,8 @@ TEST_F(OffloadTest, dense_calls_attend_every_page) {
   const uint64_t pages = 2 * 2 * g.pages_for(1000);
   const auto run_mirror = [&] {
     std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
-    ASSERT_EQ(mirror->run(model.cache(), AttendCall{0, 2, model.seq_ids().data(),
-                                                    model.q().data(), out_gpu.data()}),
+    ASSERT_EQ(mirror->run(model.cache(), AttendCall{0, 2, model.seq_ids().data(), model.q().data(),
+                                                    out_gpu.data()}),
               Status::ok)
         << mirror->last_error();
     EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3);
@@ -546,6 +544,7 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
           const model::StepStats& s = m.stats().last_step;
           EXPECT_GT(s.cache_hits + s.cache_misses, 0u);
           EXPECT_GT(s.h2d_bytes, 0u);
+          EXPECT_GT(s.plan_us, 0.0);  // every offload step plans its moves
         }
       }
     }

@@ -672,6 +672,10 @@ typedef struct kvsift_model_stats {
   uint64_t last_step_h2d_bytes;
   uint64_t last_step_cache_hits;
   uint64_t last_step_cache_misses;
+  /* Offload mode: the host's planning of the last step's page moves (residency lookups,
+   * evictions, the refresh scan), summed over layers. The moves wait for it, so where the device
+   * is idle by then it is part of last_step_transfer_us. */
+  double last_step_plan_us;
 } kvsift_model_stats;
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,

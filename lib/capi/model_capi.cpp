@@ -63,7 +63,8 @@ kvsift_status kvsift_model_load(const char* path, const kvsift_model_params* par
                               ? kvsift::MatType::f32
                               : kvsift::MatType::bf16;
     options.keep_quantized = weights == KVSIFT_WEIGHTS_QUANTIZED;
-    options.kv_dtype = kvsift::capi::to_dtype(kvsift::capi::enum_bits(params->kv_dtype), "params->kv_dtype");
+    options.kv_dtype =
+        kvsift::capi::to_dtype(kvsift::capi::enum_bits(params->kv_dtype), "params->kv_dtype");
     options.page_tokens = params->page_tokens;
     options.n_threads = params->n_threads;
     options.isa =
@@ -240,7 +241,8 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
                                 s.last_step.attend_us,
                                 s.last_step.h2d_bytes,
                                 s.last_step.cache_hits,
-                                s.last_step.cache_misses};
+                                s.last_step.cache_misses,
+                                s.last_step.plan_us};
   });
 }
 

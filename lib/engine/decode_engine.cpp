@@ -95,6 +95,7 @@ void DecodeEngine::record_attention(double cpu_us) noexcept {
   }
   const OffloadStats& o = offload_->last_step();
   last_.transfer_us = o.transfer_us;
+  last_.plan_us = o.plan_us;
   last_.attend_us = o.attend_us;
   last_.h2d_bytes = o.bytes_h2d;
   last_.cache_hits = o.hits;

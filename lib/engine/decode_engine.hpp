@@ -32,7 +32,8 @@ struct EngineOptions {
   // pinned then.
   int device = -1;
   // Offload mode: device page cache slots per layer (as many again are reserved for token rows);
-  // 0: the device holds a copy of the whole pool, every page resident (OffloadOptions::cache_pages).
+  // 0: the device holds a copy of the whole pool, every page resident
+  // (OffloadOptions::cache_pages).
   uint32_t device_cache_pages = 0;
   // Offload mode: the parts a batch is cut into so that selection overlaps the device (1..4; at
   // most the batch).
@@ -50,6 +51,7 @@ struct LayerStepStats {
   double select_us = 0.0;                     // CPU selection
   double attend_us = 0.0;                     // CPU attention, or the device's kernel
   double transfer_us = 0.0;                   // offload: the device's page and list transfers
+  double plan_us = 0.0;                       // offload: the host's planning of the moves
   double overlap_us = 0.0;                    // offload: device attention hidden behind selection
   uint64_t h2d_bytes = 0;                     // offload: bytes host to device
   uint64_t cache_hits = 0, cache_misses = 0;  // offload: device page cache, (page, KV head) units

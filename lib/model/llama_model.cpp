@@ -294,6 +294,7 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     step.select_us += s.select_us;
     step.overlap_us += s.overlap_us;
     step.transfer_us += s.transfer_us;
+    step.plan_us += s.plan_us;
     step.attend_us += s.attend_us;
     step.h2d_bytes += s.h2d_bytes;
     step.cache_hits += s.cache_hits;

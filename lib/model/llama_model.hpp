@@ -14,10 +14,10 @@
 
 #include "lib/cache/kv_cache.hpp"
 #include "lib/core/kernel_runtime.hpp"
-#include "lib/model/matmul.hpp"
 #include "lib/engine/decode_engine.hpp"
 #include "lib/model/forward_pass.hpp"
 #include "lib/model/llama_weights.hpp"
+#include "lib/model/matmul.hpp"
 #include "lib/model/tokenizer.hpp"
 #include "lib/select/selector.hpp"
 
@@ -59,8 +59,11 @@ struct StepStats {
   double select_us = 0.0;
   double transfer_us = 0.0;
   double attend_us = 0.0;
-  // Offload mode only: selection time hidden behind device work, bytes host to device (pages,
-  // rows, q, lists), and the device page cache's hits and misses (pages).
+  // Offload mode only: the host's planning of the page moves (CPU; the moves wait for it, so
+  // transfer_us holds it where the device is idle by then); selection time hidden behind device
+  // work, bytes host to device (pages, rows, q, lists), and the device page cache's hits and misses
+  // (pages).
+  double plan_us = 0.0;
   double overlap_us = 0.0;
   uint64_t h2d_bytes = 0;
   uint64_t cache_hits = 0;

@@ -53,6 +53,7 @@ class ModelStats:
     last_step_h2d_bytes: int
     last_step_cache_hits: int
     last_step_cache_misses: int
+    last_step_plan_us: float
 
 
 class Sampler(_core.Sampler):
