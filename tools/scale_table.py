@@ -103,13 +103,14 @@ def main() -> int:
     if offload:
         print("\nOffload rows: selection on the CPU, or on the device where the selector says "
               "(device); transfer ms is the device's interval for the page moves (the CPU's "
-              "planning of them included), MB/step the bytes sent host to device, hit the "
+              "planning of them included), plan ms that planning alone (rows written before it "
+              "was recorded: -), MB/step the bytes sent host to device, hit the "
               "device page cache's hit rate, cache the (page, KV head) slots it holds per layer "
               "(0: a copy of the whole KV cache, every page resident in device memory: the HBM "
               "baseline), vs HBM the step's time over the dense row with cache 0 at the same "
               "context and batch.")
-        transfer_head = " transfer ms | MB/step | hit | cache | vs HBM |"
-        transfer_rule = "---:|---:|---:|---:|---:|"
+        transfer_head = " transfer ms | plan ms | MB/step | hit | cache | vs HBM |"
+        transfer_rule = "---:|---:|---:|---:|---:|---:|"
     hbm = {(r["context"], r["batch"]): r["step_ms"] for r in rows
            if r["selector"] == "dense" and r.get("device_cache_pages", 0) == 0}
     print("\n| context | batch | selector | budget | tok/s | step ms (min, max) | weights ms "
@@ -127,7 +128,8 @@ def main() -> int:
             base = hbm.get((r["context"], r["batch"]))
             ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
             hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
-            transfer = (f" {r['transfer_us'] / 1e3:.1f} | {r['h2d_MB']:.1f} | {hit} "
+            plan = "-" if r.get("plan_us") is None else f"{r['plan_us'] / 1e3:.1f}"
+            transfer = (f" {r['transfer_us'] / 1e3:.1f} | {plan} | {r['h2d_MB']:.1f} | {hit} "
                         f"| {r.get('device_cache_pages', 0)} | {ratio} |")
         print(f"| {r['context']} | {r['batch']} | {selector} | {budget} | {r['tok_s']:.2f} "
               f"| {r['step_ms']:.1f} ({r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}) "
