@@ -111,6 +111,11 @@ struct AttendTuning {
   // exponentials per byte, for twice the registers of q and the accumulators. Blocks of 8 heads
   // (group sizes above 4) keep 1.
   uint32_t chunks_per_lane = 1;
+  // 0 or 1: 1 computes each tile's products on the tensor cores (mma.sync, q and the
+  // probabilities split into two 16-bit halves, so accuracy stays that of fp32), which takes the
+  // FMAs and the logits' shuffles off the issue-bound inner loop; the copies, splits and merge
+  // are the same. f16 and bf16 only: q8 keeps the FMA loop.
+  uint32_t tensor_cores = 0;
 };
 
 // How the last call was split, and what it read.
