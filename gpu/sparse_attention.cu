@@ -43,19 +43,21 @@
 // to 16 tokens a tile) with mma.sync: S = Q K^T with q as the A operand held in registers for
 // the whole split and K rows as B through ldmatrix; the online softmax on the S fragments in
 // fp32, a head's logits on 4 lanes (2 shuffles for its maximum, no butterfly per logit); O += P V
-// with P as the A operand taken straight from the S registers and V through ldmatrix.trans. For
-// fp32 accuracy q and p are split into 16-bit high and low parts; the block's heads are at most 8,
-// so the high parts take rows 0-7 of the 16-row A operand and the low parts rows 8-15, and the
-// split costs no extra mma. At d = 128, G = 4 (8 tokens a warp a tile, 4 KiB of K/V) a warp's
-// tile is 4 ldmatrix.x4 and 8 m16n8k16 for S, 2 exponentials and about 25 other instructions for
-// the softmax, 4 ldmatrix.x4.trans and 16 m16n8k8 for P V, with addresses perhaps 80
-// instructions, where the FMA loop spends 256 FMAs, 64 shuffles and 64 adds (an estimate from the
-// source, not yet from SASS; the copies' issue is the same in both). The tensor work, about 32K
-// multiply-adds per 4 KiB, comes to about 130 a cycle per multiprocessor at HBM speed, an eighth
-// or so of mma.sync's rate (an estimate). The pieces land in shared memory XOR-swizzled
-// (piece_index) so that ldmatrix meets no bank conflicts. Not yet measured on the device:
-// bench_offload's sweep points 0:2:1:1, 2:2:1:1 and 8:2:1:1 time it beside the FMA kernel at 128K
-// and 1M.
+// computed as O^T += V^T P^T, V through ldmatrix.trans and P^T as the B operand taken straight
+// from the S registers (the FlashAttention-2 register reuse). For fp32 accuracy q and p are split
+// into 16-bit high and low parts at no extra mma: the block's heads are at most 8, so q's halves
+// take rows 0-7 and 8-15 of the 16-row A operand, and p's halves the two k halves of an m16n8k16
+// whose A repeats V's registers. At d = 128, G = 4 (8 tokens a warp a tile, 4 KiB of K/V) a
+// warp's tile is 4 ldmatrix.x4 and 8 m16n8k16 for S, 2 exponentials and about 25 other
+// instructions for the softmax, 4 ldmatrix.x4.trans and 8 m16n8k16 for P V, with addresses
+// perhaps 70 instructions, where the FMA loop spends 256 FMAs, 64 shuffles and 64 adds (an estimate
+// from the source, not yet from SASS; the copies' issue is the same in both). The tensor work,
+// about 32K multiply-adds per 4 KiB, comes to about 130 a cycle per multiprocessor at HBM speed, an
+// eighth or so of mma.sync's rate (an estimate). The pieces land in shared memory XOR-swizzled
+// (piece_index) so that ldmatrix meets no bank conflicts. ptxas (nvcc 13, sm_90), no spills: 120
+// to 126 registers at d = 128, so 4 CTAs a multiprocessor as the FMA kernel's 128 (G = 4); 64 to
+// 80 at d = 64; 168 at d = 256. Not yet measured on the device: bench_offload's sweep points
+// 0:2:1:1, 2:2:1:1 and 8:2:1:1 time it beside the FMA kernel at 128K and 1M.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -497,8 +499,8 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = pack2<D>(x0 - h.x, x1 - h.y);
 }
 
-// D += A B on the tensor cores, fp32 accumulators: m16n8k16 (A 4 registers, B 2) and m16n8k8 (A 2,
-// B 1), A row-major, B column-major, 16-bit elements of the K/V dtype.
+// D += A B on the tensor cores, m16n8k16, fp32 accumulators: A row-major (4 registers), B
+// column-major (2), 16-bit elements of the K/V dtype.
 template <simd::Dtype D>
 __device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
                                       uint32_t b1) {
@@ -512,19 +514,6 @@ __device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uin
         "{%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-template <simd::Dtype D>
-__device__ __forceinline__ void mma8(float (&d)[4], uint32_t a0, uint32_t a1, uint32_t b0) {
-  if constexpr (D == simd::Dtype::f16)
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(b0));
-  else
-    asm("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5}, {%6}, "
-        "{%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(b0));
 }
 // Four 8x8 matrices of 16-bit elements from shared memory, lanes 8i .. 8i + 7 giving the rows of
 // matrix i; .trans delivers each transposed. volatile: it must stay after the cp.async wait.
@@ -549,10 +538,14 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
 //   held in registers for the whole split; B = 8 K rows through ldmatrix. A thread's C fragment
 //   holds head groupID's hi and lo sums for tokens 2 threadID_in_group and + 1, so its logits are
 //   c0 + c2 and c1 + c3, and the softmax of a head needs only its 4 lanes.
-// - O += P V is one m16n8k16 (16 tokens) or m16n8k8 (8 tokens) per 8 channels, A = [p_hi; p_lo]
-//   built from the thread's own logits (the accumulator layout of S is the A layout of P), B = V
-//   through ldmatrix.trans. The hi and lo products land in rows groupID and groupID + 8 of the
-//   accumulator, both the thread's, summed once at the end.
+// - O^T += V^T P^T is one m16n8k16 per 16 channels and 8 tokens: A = [V^T | V^T] (8 tokens of 16
+//   channels through ldmatrix.trans, the same registers again for k 8-15), B = [p_hi; p_lo] along
+//   k, so hi and lo are summed inside the mma. B's fragment (k = tokens 2 threadID_in_group and
+//   + 1, n = head groupID) is exactly what the thread holds of S's accumulator, so P never leaves
+//   its registers. With the channels as M the accumulator is all useful (16 channels x 8 heads,
+//   4 registers per 16 channels) where P as the A operand would waste rows 8-15 or double the
+//   accumulators to hold hi and lo apart; a thread's accumulators are heads 2 threadID_in_group
+//   and + 1, whose rescaling factors two shuffles fetch from the heads' lanes.
 // Warps of fewer than 8 tokens pad their 8 columns with copies of their rows at weight zero.
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
 struct MmaTile {
@@ -562,14 +555,14 @@ struct MmaTile {
   static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
   static constexpr uint32_t kNTiles = kCols / 8;
   static constexpr uint32_t kKSteps = kHeadDim / 16;
-  static constexpr uint32_t kDTiles = kHeadDim / 8;
+  static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
   static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
   static constexpr bool kSwizzle = true;
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
 
   uint32_t warp, lane;
   uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
-  float acc[kDTiles][4];    // rows groupID (from p_hi) and groupID + 8 (from p_lo)
+  float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
   float m, l;               // head groupID's reference max and (this lane's part of) the sum
 
   // The tile row (of the T::kTokens) of the warp's token `token`.
@@ -604,7 +597,7 @@ struct MmaTile {
         split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
       }
 #pragma unroll
-    for (uint32_t n = 0; n < kDTiles; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+    for (uint32_t i = 0; i < kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     m = kNegInf;
     l = 0.0f;
   }
@@ -650,44 +643,40 @@ struct MmaTile {
     tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
     const bool grows = tile_max > m + kLazyRescale;
     if (__any_sync(0xffffffffu, grows)) {
+      float alpha = 1.0f;
       if (grows) {
-        const float alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
+        alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
         m = tile_max;
         l *= alpha;
+      }
+      // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
 #pragma unroll
-        for (uint32_t n = 0; n < kDTiles; ++n)
-#pragma unroll
-          for (uint32_t i = 0; i < 4; ++i) acc[n][i] *= alpha;
+      for (uint32_t i = 0; i < kMTiles; ++i) {
+        acc[i][0] *= alpha0, acc[i][1] *= alpha1;
+        acc[i][2] *= alpha0, acc[i][3] *= alpha1;
       }
     }
     const float m_safe = m == kNegInf ? 0.0f : m;
-    uint32_t pa[kNTiles][2];  // per 8 tokens: p_hi (row g), p_lo (row g + 8)
+    uint32_t pb[kNTiles][2];  // per 8 tokens, B of P^T: p_hi (k 0-7), p_lo (k 8-15)
 #pragma unroll
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
       const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
       l += p0 + p1;
-      split2<D>(p0, p1, pa[nt][0], pa[nt][1]);
+      split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
     }
-    // O += P V. k16: matrices 0, 1 are tokens 0..7 and 8..15 of channel tile 2n, 2, 3 of 2n + 1.
-    // k8: matrix i is tokens 0..7 of channel tile 4n + i.
-    if constexpr (kCols == 16) {
-      const uint32_t a[4] = {pa[0][0], pa[0][1], pa[1][0], pa[1][1]};
-      const uint32_t token = (mat % 2) * 8 + mrow;
+    // O^T += V^T P^T. Matrices 0, 1: channels 16 i + 0..7 and 8..15 of the 8 tokens (A's rows
+    // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
 #pragma unroll
-      for (uint32_t n = 0; n < kDTiles; n += 2) {
-        uint32_t b[4];
-        ldmatrix4<true>(b, address(stages, stage, token, (n + mat / 2) * 8, 1));
-        mma16<D>(acc[n], a, b[0], b[1]);
-        mma16<D>(acc[n + 1], a, b[2], b[3]);
-      }
-    } else {
-      const uint32_t token = mrow % kWarpRows;
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      const uint32_t token = (nt * 8 + mrow) % kWarpRows;
 #pragma unroll
-      for (uint32_t n = 0; n < kDTiles; n += 4) {
-        uint32_t b[4];
-        ldmatrix4<true>(b, address(stages, stage, token, (n + mat) * 8, 1));
-#pragma unroll
-        for (uint32_t i = 0; i < 4; ++i) mma8<D>(acc[n + i], pa[0][0], pa[0][1], b[i]);
+      for (uint32_t i = 0; i < kMTiles; i += 2) {
+        uint32_t v[4];
+        ldmatrix4<true>(v, address(stages, stage, token, i * 16 + mat * 8, 1));
+        mma16<D>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0], pb[nt][1]);
+        mma16<D>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0], pb[nt][1]);
       }
     }
   }
@@ -697,13 +686,14 @@ struct MmaTile {
     const uint32_t g = lane / 4, t = lane % 4;
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (g >= kBlockHeads) return;
 #pragma unroll
-    for (uint32_t n = 0; n < kDTiles; ++n) {
-      s_acc[warp][g][n * 8 + 2 * t] = acc[n][0] + acc[n][2];
-      s_acc[warp][g][n * 8 + 2 * t + 1] = acc[n][1] + acc[n][3];
-    }
-    if (t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+    for (uint32_t i = 0; i < kMTiles; ++i)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) {
+        const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
+        if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
+      }
+    if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
   }
 };
 
