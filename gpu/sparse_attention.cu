@@ -49,14 +49,16 @@
 // take rows 0-7 and 8-15 of the 16-row A operand, and p's halves the two k halves of an m16n8k16
 // whose A repeats V's registers. At d = 128, G = 4 (8 tokens a warp a tile, 4 KiB of K/V) a
 // warp's tile is 4 ldmatrix.x4 and 8 m16n8k16 for S, 2 exponentials and about 25 other
-// instructions for the softmax, 4 ldmatrix.x4.trans and 8 m16n8k16 for P V, with addresses
-// perhaps 70 instructions, where the FMA loop spends 256 FMAs, 64 shuffles and 64 adds (an estimate
-// from the source, not yet from SASS; the copies' issue is the same in both). The tensor work,
-// about 32K multiply-adds per 4 KiB, comes to about 130 a cycle per multiprocessor at HBM speed, an
-// eighth or so of mma.sync's rate (an estimate). The pieces land in shared memory XOR-swizzled
-// (piece_index) so that ldmatrix meets no bank conflicts. ptxas (nvcc 13, sm_90), no spills: 120
+// instructions for the softmax, 4 ldmatrix.x4.trans and 8 m16n8k16 for P V; the ldmatrix
+// addresses are a register and a constant (MmaTile::address). In PTX (nvcc 13) that token loop,
+// copies and rare paths included, is 310 instructions against the FMA loop's 997, whose 256 FMAs,
+// 64 shuffles and 64 adds go (the 720 above are the FMA loop's SASS on its common path; the new
+// loop's SASS is not yet read: no disassembler on the build machine). The tensor work, about 32K
+// multiply-adds per 4 KiB, comes to about 130 a cycle per multiprocessor at HBM speed, an eighth
+// or so of mma.sync's rate (an estimate). The pieces land in shared memory XOR-swizzled
+// (piece_index) so that ldmatrix meets no bank conflicts. ptxas (nvcc 13, sm_90), no spills: 96
 // to 126 registers at d = 128, so 4 CTAs a multiprocessor as the FMA kernel's 128 (G = 4); 64 to
-// 80 at d = 64; 168 at d = 256. Not yet measured on the device: bench_offload's sweep points
+// 72 at d = 64; 168 at d = 256. Not yet measured on the device: bench_offload's sweep points
 // 0:2:1:1, 2:2:1:1 and 8:2:1:1 time it beside the FMA kernel at 128K and 1M.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -561,6 +563,9 @@ struct MmaTile {
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
 
   uint32_t warp, lane;
+  // Byte offsets in a stage of the row this lane gives ldmatrix for its columns 8 (lane / 8) ..
+  // + 7 of a 32-column group (the group's piece index has bit 2 clear [0] or set [1]), K, j = 0.
+  uint32_t lane_bytes[kNTiles][2];
   uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
   float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
   float m, l;               // head groupID's reference max and (this lane's part of) the sum
@@ -570,20 +575,35 @@ struct MmaTile {
     return token / T::kRowsPerWarp * T::kRowsPerStep + warp * T::kRowsPerWarp +
            token % T::kRowsPerWarp;
   }
-  // Shared address of the 8 elements from `column` of the warp's token `token`, K (kv 0) or V.
-  __device__ uint32_t address(const uint4* stages, uint32_t stage, uint32_t token, uint32_t column,
-                              uint32_t kv) const {
-    const uint32_t r = token / T::kRowsPerWarp;
-    const uint32_t row = warp * T::kRowsPerWarp + token % T::kRowsPerWarp;
-    const uint32_t j = column / kRowElems;
-    const uint32_t at = row * T::kLanesPerRow + column % kRowElems / 8;
-    return static_cast<uint32_t>(
-        __cvta_generic_to_shared(stages + piece_index<T, kSwizzle>(stage, r, j, kv, at)));
+  // Shared address for ldmatrix: this lane's row of the 8 x 8 matrix lane / 8, which is columns
+  // column0 + 8 (lane / 8) .. + 7 of the warp's tokens nt * 8 .. + 7 (column0 a multiple of 32),
+  // K (kv 0) or V, as piece_index places them; stage_address is the stage's. The swizzle XORs a
+  // piece index below 8 into the row's piece, and column0's pieces are a multiple of 4, so the
+  // XOR splits into the lane's constant low part and a +4 or -4 on bit 2 that column0 decides at
+  // compile time: no arithmetic per ldmatrix beyond one add.
+  template <uint32_t kKv>
+  __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
+    const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
+    return stage_address + lane_bytes[nt][piece / 4 % 2] +
+           ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
   }
 
   __device__ MmaTile(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t g = lane / 4, t = lane % 4;
+    constexpr uint32_t L = T::kLanesPerRow;
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
+      const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
+      const uint32_t r = token / T::kRowsPerWarp;
+      const uint32_t row = warp * T::kRowsPerWarp + token % T::kRowsPerWarp;
+      // piece_index's swizzle of this row.
+      const uint32_t flip = (token % 8) / (L >= 8 ? 1 : 8 / L);
+      const uint32_t low = r * T::kPieces * 2 * kThreads + row * L + ((lane / 8) ^ (flip % 4));
+      lane_bytes[nt][0] = (low + (flip & 4)) * uint32_t{sizeof(uint4)};
+      lane_bytes[nt][1] = (low - (flip & 4)) * uint32_t{sizeof(uint4)};
+    }
 #pragma unroll
     for (uint32_t kk = 0; kk < kKSteps; ++kk)
 #pragma unroll
@@ -604,20 +624,18 @@ struct MmaTile {
 
   __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
     const uint32_t t = lane % 4;
-    // ldmatrix rows: lane supplies row lane % 8 of matrix lane / 8. Columns past kWarpRows repeat
-    // the warp's rows (weight zero below).
-    const uint32_t mat = lane / 8, mrow = lane % 8;
+    const uint32_t stage_address =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stages)) + stage * T::kStageBytes;
 
     float s[kNTiles][4];
 #pragma unroll
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
       s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-      const uint32_t token = (nt * 8 + mrow) % kWarpRows;
 #pragma unroll
       for (uint32_t kk = 0; kk < kKSteps; kk += 2) {
         // Matrices 0, 1: channels 16 kk + 0..7 and 8..15 (b0, b1 of k-step kk); 2, 3: kk + 1.
         uint32_t b[4];
-        ldmatrix4<false>(b, address(stages, stage, token, kk * 16 + mat * 8, 0));
+        ldmatrix4<false>(b, address<0>(stage_address, nt, kk * 16));
         mma16<D>(s[nt], qa[kk], b[0], b[1]);
         mma16<D>(s[nt], qa[kk + 1], b[2], b[3]);
       }
@@ -670,11 +688,10 @@ struct MmaTile {
     // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
 #pragma unroll
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-      const uint32_t token = (nt * 8 + mrow) % kWarpRows;
 #pragma unroll
       for (uint32_t i = 0; i < kMTiles; i += 2) {
         uint32_t v[4];
-        ldmatrix4<true>(v, address(stages, stage, token, i * 16 + mat * 8, 1));
+        ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
         mma16<D>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0], pb[nt][1]);
         mma16<D>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0], pb[nt][1]);
       }
