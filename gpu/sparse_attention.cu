@@ -36,6 +36,31 @@
 // one piece) 158.9 / 1133 / 1114 / 9247; 2 CTAs a multiprocessor 150.5 / 1096 / 1124 / 9637; two
 // pieces a lane 153.9 / 1138 / 1115 / 9532; torch SDPA 130.5 / 951 / 948 / 7484. No setting wins
 // everywhere, none comes within 1.05x of torch, so the defaults stay.
+//
+// The tensor-core variant (AttendTuning::tensor_cores = 1; f16 and bf16, q8 keeps the FMA loop)
+// attacks that issue limit: the copies, the pipeline, the splits and the merge are the same, only
+// a tile's computation differs (MmaTile). Each warp computes on the rows its own lanes copied (2
+// to 16 tokens a tile) with mma.sync: S = Q K^T with q as the A operand held in registers for
+// the whole split and K rows as B through ldmatrix; the online softmax on the S fragments in
+// fp32, a head's logits on 4 lanes (2 shuffles for its maximum, no butterfly per logit); O += P V
+// computed as O^T += V^T P^T, V through ldmatrix.trans and P^T as the B operand taken straight
+// from the S registers (the FlashAttention-2 register reuse). For fp32 accuracy q and p are split
+// into 16-bit high and low parts at no extra mma: the block's heads are at most 8, so q's halves
+// take rows 0-7 and 8-15 of the 16-row A operand, and p's halves the two k halves of an m16n8k16
+// whose A repeats V's registers. At d = 128, G = 4 (8 tokens a warp a tile, 4 KiB of K/V) a
+// warp's tile is 4 ldmatrix.x4 and 8 m16n8k16 for S, 2 exponentials and about 25 other
+// instructions for the softmax, 4 ldmatrix.x4.trans and 8 m16n8k16 for P V; the ldmatrix
+// addresses are a register and a constant (MmaTile::address). In PTX (nvcc 13) that token loop,
+// copies and rare paths included, is 310 instructions against the FMA loop's 997, whose 256 FMAs,
+// 64 shuffles and 64 adds go (the 720 above are the FMA loop's SASS on its common path; the new
+// loop's SASS is not yet read: no disassembler on the build machine). The tensor work, about 32K
+// multiply-adds per 4 KiB, comes to about 130 a cycle per multiprocessor at HBM speed, an eighth
+// or so of mma.sync's rate (an estimate). The pieces land in shared memory XOR-swizzled
+// (piece_index) so that ldmatrix meets no bank conflicts. ptxas (nvcc 13, sm_90), no spills: 96
+// to 126 registers at d = 128, so 4 CTAs a multiprocessor as the FMA kernel's 128 (G = 4); 64 to
+// 72 at d = 64; 168 at d = 256. Not yet measured on the device: bench_offload's sweep points
+// 0:2:1:1, 2:2:1:1 and 8:2:1:1 time it beside the FMA kernel at 128K and 1M.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -43,6 +68,7 @@
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <type_traits>
 #include <utility>
 
 #include "gpu/cuda_backend.cuh"
@@ -77,6 +103,7 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 template <uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
 struct Tile {
   static_assert(kChunks == 1 || (kChunks == 2 && kBlockHeads <= 4), "registers: q and acc");
+  static constexpr uint32_t kPieces = kChunks;                        // of a row, per lane
   static constexpr uint32_t kLanesPerRow = kHeadDim / (8 * kChunks);  // 8 elements a piece
   static constexpr uint32_t kRowsPerWarp = 32 / kLanesPerRow;
   static constexpr uint32_t kRowsPerStep = kWarps * kRowsPerWarp;
@@ -249,128 +276,88 @@ __device__ void merge_splits(const AttendParams& p, std::size_t first_partial, u
   }
 }
 
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, class Form>
-__global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
-  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  constexpr uint32_t R = T::kRowsPerThread;
-  constexpr uint32_t C = kChunks;
-  constexpr uint32_t kValues = 8 * C;  // a lane's elements of a row
-  const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
-  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const uint32_t chunk = lane % T::kLanesPerRow;
-  const uint32_t row_group = warp * T::kRowsPerWarp + lane / T::kLanesPerRow;
-  const uint32_t head0 = block * kBlockHeads;
-  const uint32_t heads = min(kBlockHeads, p.group_size - head0);
+// Where piece (r, j, kv) of thread `thread` lives in stage `stage` ([kStages][R][C][K, V][kThreads]
+// pieces of 16 bytes). The block of one (stage, r, j, kv) is a row-major [kRowsPerStep][d / C]
+// matrix: thread t copies row t / kLanesPerRow, piece t % kLanesPerRow. The FMA loop reads back
+// only its own pieces, so their order is free; the tensor-core loop reads 8 rows of the warp at
+// one piece column per ldmatrix phase, and rows kLanesPerRow * 16 bytes apart fall in the same
+// banks, so its pieces are XOR-swizzled within a row by the row's place among the warp's tokens
+// (MmaTile): the 8 tokens of an ldmatrix phase then cover all 32 banks.
+template <class T, bool kSwizzle>
+__device__ __forceinline__ uint32_t piece_index(uint32_t stage, uint32_t r, uint32_t j, uint32_t kv,
+                                                uint32_t thread) {
+  constexpr uint32_t L = T::kLanesPerRow;
+  uint32_t at = thread;
+  if constexpr (kSwizzle) {
+    const uint32_t row = thread / L;
+    // The warp's token index of this row (MmaTile::tile_row inverts it).
+    const uint32_t token = r * T::kRowsPerWarp + row % T::kRowsPerWarp;
+    // Rows of 4 pieces (L = 4) share a 128-byte bank line in twos: swizzle by pairs of tokens.
+    const uint32_t flip = (token % 8) / (L >= 8 ? 1 : 8 / L);
+    at = row * L + ((thread % L) ^ flip);
+  }
+  return (((stage * T::kRowsPerThread + r) * T::kPieces + j) * 2 + kv) * kThreads + at;
+}
 
-  // A lane's piece j of a row holds elements (j * kLanesPerRow + chunk) * 8 .. + 8: the lanes of a
-  // row group read 16-byte pieces side by side, so each load instruction stays coalesced.
-  auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
+// The FMA loop: every row group of head_dim / (8 * kChunks) lanes keeps its own online softmax
+// (m, l, acc for the block's heads) over the rows it copied itself.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
+struct FmaTile {
+  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
+  static constexpr uint32_t R = T::kRowsPerThread;
+  static constexpr uint32_t C = kChunks;
+  static constexpr uint32_t kValues = 8 * C;  // a lane's elements of a row
+  static constexpr bool kSwizzle = false;
+
+  uint32_t warp, lane, chunk, row_group;
+  float q[kBlockHeads][kValues];
+  float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][kValues];
+
+  // A lane's piece j of a row holds elements (j * kLanesPerRow + chunk) * 8 .. + 8: the lanes of
+  // a row group read 16-byte pieces side by side, so each load instruction stays coalesced.
+  __device__ uint32_t channel(uint32_t j) const { return (j * T::kLanesPerRow + chunk) * 8; }
 
   // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
-  float q[kBlockHeads][kValues];
-  const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
+  __device__ FmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+    warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    chunk = lane % T::kLanesPerRow;
+    row_group = warp * T::kRowsPerWarp + lane / T::kLanesPerRow;
 #pragma unroll
-  for (uint32_t g = 0; g < kBlockHeads; ++g)
-#pragma unroll
-    for (uint32_t j = 0; j < C; ++j) {
-      float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
-      if (g < heads) {
-        lo = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j)));
-        hi = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j) + 4));
-      }
-      float* qj = q[g] + 8 * j;
-      qj[0] = lo.x * p.q_scale, qj[1] = lo.y * p.q_scale, qj[2] = lo.z * p.q_scale;
-      qj[3] = lo.w * p.q_scale, qj[4] = hi.x * p.q_scale, qj[5] = hi.y * p.q_scale;
-      qj[6] = hi.z * p.q_scale, qj[7] = hi.w * p.q_scale;
-    }
-
-  const uint32_t list_begin = form.begin(pair);
-  const uint32_t n_tokens = form.count(pair, list_begin);
-  const uint32_t first = split * p.tokens_per_split;
-  const uint32_t last = min(n_tokens, first + p.tokens_per_split);
-  const simd::PageLayout layout{p.page_tokens, kHeadDim, D};
-  const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
-
-  float m[kBlockHeads], l[kBlockHeads], acc[kBlockHeads][kValues];
-#pragma unroll
-  for (uint32_t g = 0; g < kBlockHeads; ++g) {
-    m[g] = kNegInf;
-    l[g] = 0.0f;
-#pragma unroll
-    for (uint32_t c = 0; c < kValues; ++c) acc[g][c] = 0.0f;
-  }
-
-  // Software pipeline through shared memory: cp.async copies (no registers held while in flight)
-  // of tiles t + 1 .. t + kStages - 1 are outstanding while tile t is computed, and the addresses
-  // (slot ids, token entries) that the next copies depend on are loaded one tile earlier still.
-  // Every thread reads back only the 16-byte pieces it copied itself, so waiting on its own copy
-  // groups is enough: the loop needs no barrier.
-  extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads]
-  auto piece = [&](uint32_t stage, uint32_t r, uint32_t j, uint32_t kv) {
-    return stages + (((stage * R + r) * C + j) * 2 + kv) * kThreads + threadIdx.x;
-  };
-  TokenAddress address[R];
-  bool listed[R];
-  auto fetch_addresses = [&](uint32_t base) {
-#pragma unroll
-    for (uint32_t r = 0; r < R; ++r) {
-      const uint32_t i = base + r * T::kRowsPerStep + row_group;
-      listed[r] = i < last;
-      address[r] = listed[r] ? form.address(list_begin, i) : TokenAddress{0, 0};
-    }
-  };
-  auto issue_copies = [&](uint32_t stage) {
-#pragma unroll
-    for (uint32_t r = 0; r < R; ++r) {
-      const std::byte* slot = layout.slot(pool, address[r].slot);
-      const uint32_t row = address[r].row;
+    for (uint32_t g = 0; g < kBlockHeads; ++g)
 #pragma unroll
       for (uint32_t j = 0; j < C; ++j) {
-        // Rows past the list: zeros, nothing read.
-        uint4* k = piece(stage, r, j, 0);
-        uint4* v = piece(stage, r, j, 1);
-        if constexpr (D == simd::Dtype::q8) {
-          // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
-          // are read by every lane of the group, from L1 after the first.
-          copy_small<8>(&k->x, layout.key_codes(slot, row) + channel(j), listed[r]);
-          copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
-          copy_small<8>(&v->x, layout.value_codes(slot, row) + channel(j), listed[r]);
-          copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
-        } else {
-          copy16(k, layout.key(slot, row) + channel(j), listed[r]);
-          copy16(v, layout.value(slot, row) + channel(j), listed[r]);
+        float4 lo = make_float4(0.f, 0.f, 0.f, 0.f), hi = lo;
+        if (g < heads) {
+          lo = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j)));
+          hi = __ldg(reinterpret_cast<const float4*>(q_pair + g * kHeadDim + channel(j) + 4));
         }
+        float* qj = q[g] + 8 * j;
+        qj[0] = lo.x * q_scale, qj[1] = lo.y * q_scale, qj[2] = lo.z * q_scale;
+        qj[3] = lo.w * q_scale, qj[4] = hi.x * q_scale, qj[5] = hi.y * q_scale;
+        qj[6] = hi.z * q_scale, qj[7] = hi.w * q_scale;
       }
-    }
-    commit_copies();
-  };
-  uint32_t issue_base = first;
 #pragma unroll
-  for (uint32_t stage = 0; stage + 1 < kStages; ++stage, issue_base += T::kTokens) {
-    fetch_addresses(issue_base);
-    issue_copies(stage);
+    for (uint32_t g = 0; g < kBlockHeads; ++g) {
+      m[g] = kNegInf;
+      l[g] = 0.0f;
+#pragma unroll
+      for (uint32_t c = 0; c < kValues; ++c) acc[g][c] = 0.0f;
+    }
   }
-  fetch_addresses(issue_base);
 
-  // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
-  uint32_t stage = 0;
-  for (uint32_t base = first; base < last; base += T::kTokens) {
-    issue_copies((stage + kStages - 1) % kStages);  // the stage computed last iteration
-    issue_base += T::kTokens;
-    fetch_addresses(issue_base);
-    wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
+  // One tile: the rows of `stage` from token `base` of the split, which ends at `last`.
+  __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
     uint4 k_raw[R][C], v_raw[R][C];
     bool valid[R];
 #pragma unroll
     for (uint32_t r = 0; r < R; ++r) {
 #pragma unroll
       for (uint32_t j = 0; j < C; ++j) {
-        k_raw[r][j] = *piece(stage, r, j, 0);
-        v_raw[r][j] = *piece(stage, r, j, 1);
+        k_raw[r][j] = stages[piece_index<T, kSwizzle>(stage, r, j, 0, threadIdx.x)];
+        v_raw[r][j] = stages[piece_index<T, kSwizzle>(stage, r, j, 1, threadIdx.x)];
       }
       valid[r] = base + r * T::kRowsPerStep + row_group < last;
     }
-    stage = (stage + 1) % kStages;
 
     float s[R][kBlockHeads];
 #pragma unroll
@@ -447,38 +434,386 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         for (uint32_t c = 0; c < kValues; ++c) acc[g][c] = fmaf(s[r][g], v[c], acc[g][c]);
     }
   }
-  wait_copies<0>();  // the zero-fill groups issued past the end
 
-  // Combine the row groups of the warp (lanes of one chunk in other row groups)...
+  // The warp's state as one (m, l, acc) per head: row groups combined through shuffles, then
+  // stored for the CTA's combine. Called by every thread, after the stages are free.
+  __device__ void store(float (*s_acc)[kBlockHeads][kHeadDim], float (*s_m)[kBlockHeads],
+                        float (*s_l)[kBlockHeads]) {
 #pragma unroll
-  for (uint32_t offset = T::kLanesPerRow; offset < 32; offset *= 2) {
+    for (uint32_t offset = T::kLanesPerRow; offset < 32; offset *= 2) {
 #pragma unroll
-    for (uint32_t g = 0; g < kBlockHeads; ++g) {
-      const float m_other = __shfl_xor_sync(0xffffffffu, m[g], offset);
-      const float l_other = __shfl_xor_sync(0xffffffffu, l[g], offset);
-      const float m_new = fmaxf(m[g], m_other);
-      const float a = rescale(m[g], m_new), b = rescale(m_other, m_new);
-      l[g] = l[g] * a + l_other * b;
+      for (uint32_t g = 0; g < kBlockHeads; ++g) {
+        const float m_other = __shfl_xor_sync(0xffffffffu, m[g], offset);
+        const float l_other = __shfl_xor_sync(0xffffffffu, l[g], offset);
+        const float m_new = fmaxf(m[g], m_other);
+        const float a = rescale(m[g], m_new), b = rescale(m_other, m_new);
+        l[g] = l[g] * a + l_other * b;
 #pragma unroll
-      for (uint32_t c = 0; c < kValues; ++c)
-        acc[g][c] = acc[g][c] * a + __shfl_xor_sync(0xffffffffu, acc[g][c], offset) * b;
-      m[g] = m_new;
+        for (uint32_t c = 0; c < kValues; ++c)
+          acc[g][c] = acc[g][c] * a + __shfl_xor_sync(0xffffffffu, acc[g][c], offset) * b;
+        m[g] = m_new;
+      }
+    }
+    if (lane < T::kLanesPerRow) {
+#pragma unroll
+      for (uint32_t g = 0; g < kBlockHeads; ++g) {
+#pragma unroll
+        for (uint32_t j = 0; j < C; ++j)
+#pragma unroll
+          for (uint32_t c = 0; c < 8; ++c) s_acc[warp][g][channel(j) + c] = acc[g][8 * j + c];
+        if (chunk == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
+      }
     }
   }
-  // ... then the warps, through shared memory.
+};
+
+// Two 16-bit values (f16 or bf16, as the K/V rows) in one register, `low` in the low half: the
+// order of the element pairs in mma.sync fragments.
+template <simd::Dtype D>
+__device__ __forceinline__ uint32_t pack2(float low, float high) {
+  uint32_t bits;
+  if constexpr (D == simd::Dtype::f16) {
+    const __half2 h = __floats2half2_rn(low, high);
+    memcpy(&bits, &h, sizeof(bits));
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(low, high);
+    memcpy(&bits, &h, sizeof(bits));
+  }
+  return bits;
+}
+template <simd::Dtype D>
+__device__ __forceinline__ float2 unpack2(uint32_t bits) {
+  if constexpr (D == simd::Dtype::f16) {
+    __half2 h;
+    memcpy(&h, &bits, sizeof(h));
+    return __half22float2(h);
+  } else {
+    return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
+  }
+}
+// x = hi + lo to about 2^-16 (bf16) or 2^-22 (f16) relative: the two 16-bit halves of an fp32
+// operand, each an exact product on the tensor cores, so the logits and P V keep fp32's accuracy
+// (one 16-bit rounding alone would cost 2^-9 relative for bf16).
+template <simd::Dtype D>
+__device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_t& lo) {
+  hi = pack2<D>(x0, x1);
+  const float2 h = unpack2<D>(hi);
+  lo = pack2<D>(x0 - h.x, x1 - h.y);
+}
+
+// D += A B on the tensor cores, m16n8k16, fp32 accumulators: A row-major (4 registers), B
+// column-major (2), 16-bit elements of the K/V dtype.
+template <simd::Dtype D>
+__device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                      uint32_t b1) {
+  if constexpr (D == simd::Dtype::f16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// Four 8x8 matrices of 16-bit elements from shared memory, lanes 8i .. 8i + 7 giving the rows of
+// matrix i; .trans delivers each transposed. volatile: it must stay after the cp.async wait.
+template <bool kTrans>
+__device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
+  if constexpr (kTrans)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+}
+
+// The tensor-core loop (AttendTuning::tensor_cores; f16 and bf16). Each warp computes on the
+// rows its own lanes copied, kWarpRows tokens a tile (2 to 16: R blocks of kRowsPerWarp rows),
+// and keeps one online softmax per head for them. With groupID = lane / 4 and
+// threadID_in_group = lane % 4 as in the PTX ISA's fragment layouts:
+// - S = Q K^T is one m16n8k16 per 16 channels and 8 tokens, A = [q_hi; q_lo] (rows 0-7 the 16-bit
+//   high parts of the block's 8 head rows, rows 8-15 the low parts; heads past the group are 0),
+//   held in registers for the whole split; B = 8 K rows through ldmatrix. A thread's C fragment
+//   holds head groupID's hi and lo sums for tokens 2 threadID_in_group and + 1, so its logits are
+//   c0 + c2 and c1 + c3, and the softmax of a head needs only its 4 lanes.
+// - O^T += V^T P^T is one m16n8k16 per 16 channels and 8 tokens: A = [V^T | V^T] (8 tokens of 16
+//   channels through ldmatrix.trans, the same registers again for k 8-15), B = [p_hi; p_lo] along
+//   k, so hi and lo are summed inside the mma. B's fragment (k = tokens 2 threadID_in_group and
+//   + 1, n = head groupID) is exactly what the thread holds of S's accumulator, so P never leaves
+//   its registers. With the channels as M the accumulator is all useful (16 channels x 8 heads,
+//   4 registers per 16 channels) where P as the A operand would waste rows 8-15 or double the
+//   accumulators to hold hi and lo apart; a thread's accumulators are heads 2 threadID_in_group
+//   and + 1, whose rescaling factors two shuffles fetch from the heads' lanes.
+// Warps of fewer than 8 tokens pad their 8 columns with copies of their rows at weight zero.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
+struct MmaTile {
+  static_assert(D == simd::Dtype::f16 || D == simd::Dtype::bf16, "16-bit K/V only");
+  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
+  static constexpr uint32_t kWarpRows = T::kTokens / kWarps;
+  static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
+  static constexpr uint32_t kNTiles = kCols / 8;
+  static constexpr uint32_t kKSteps = kHeadDim / 16;
+  static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
+  static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
+  static constexpr bool kSwizzle = true;
+  static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
+
+  uint32_t warp, lane;
+  // Byte offsets in a stage of the row this lane gives ldmatrix for its columns 8 (lane / 8) ..
+  // + 7 of a 32-column group (the group's piece index has bit 2 clear [0] or set [1]), K, j = 0.
+  uint32_t lane_bytes[kNTiles][2];
+  uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
+  float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
+  float m, l;               // head groupID's reference max and (this lane's part of) the sum
+
+  // The tile row (of the T::kTokens) of the warp's token `token`.
+  __device__ uint32_t tile_row(uint32_t token) const {
+    return token / T::kRowsPerWarp * T::kRowsPerStep + warp * T::kRowsPerWarp +
+           token % T::kRowsPerWarp;
+  }
+  // Shared address for ldmatrix: this lane's row of the 8 x 8 matrix lane / 8, which is columns
+  // column0 + 8 (lane / 8) .. + 7 of the warp's tokens nt * 8 .. + 7 (column0 a multiple of 32),
+  // K (kv 0) or V, as piece_index places them; stage_address is the stage's. The swizzle XORs a
+  // piece index below 8 into the row's piece, and column0's pieces are a multiple of 4, so the
+  // XOR splits into the lane's constant low part and a +4 or -4 on bit 2 that column0 decides at
+  // compile time: no arithmetic per ldmatrix beyond one add.
+  template <uint32_t kKv>
+  __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
+    const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
+    return stage_address + lane_bytes[nt][piece / 4 % 2] +
+           ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
+  }
+
+  __device__ MmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+    warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t g = lane / 4, t = lane % 4;
+    constexpr uint32_t L = T::kLanesPerRow;
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
+      const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
+      const uint32_t r = token / T::kRowsPerWarp;
+      const uint32_t row = warp * T::kRowsPerWarp + token % T::kRowsPerWarp;
+      // piece_index's swizzle of this row.
+      const uint32_t flip = (token % 8) / (L >= 8 ? 1 : 8 / L);
+      const uint32_t low = r * T::kPieces * 2 * kThreads + row * L + ((lane / 8) ^ (flip % 4));
+      lane_bytes[nt][0] = (low + (flip & 4)) * uint32_t{sizeof(uint4)};
+      lane_bytes[nt][1] = (low - (flip & 4)) * uint32_t{sizeof(uint4)};
+    }
+#pragma unroll
+    for (uint32_t kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+      for (uint32_t half = 0; half < 2; ++half) {
+        // Registers 0 and 2: row g (hi) at columns 2t, 2t + 1 and 8 + 2t, 9 + 2t of the k-step;
+        // registers 1 and 3: row g + 8 (lo) at the same columns.
+        float2 x = make_float2(0.f, 0.f);
+        if (g < heads)
+          x = __ldg(
+              reinterpret_cast<const float2*>(q_pair + g * kHeadDim + kk * 16 + half * 8 + 2 * t));
+        split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
+      }
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    m = kNegInf;
+    l = 0.0f;
+  }
+
+  __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
+    const uint32_t t = lane % 4;
+    const uint32_t stage_address =
+        static_cast<uint32_t>(__cvta_generic_to_shared(stages)) + stage * T::kStageBytes;
+
+    float s[kNTiles][4];
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+      for (uint32_t kk = 0; kk < kKSteps; kk += 2) {
+        // Matrices 0, 1: channels 16 kk + 0..7 and 8..15 (b0, b1 of k-step kk); 2, 3: kk + 1.
+        uint32_t b[4];
+        ldmatrix4<false>(b, address<0>(stage_address, nt, kk * 16));
+        mma16<D>(s[nt], qa[kk], b[0], b[1]);
+        mma16<D>(s[nt], qa[kk + 1], b[2], b[3]);
+      }
+    }
+    // Logits of head g for the warp's tokens nt * 8 + 2t + e.
+    float x[kNTiles][2];
+    const bool last_tile = base + T::kTokens > last;
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (uint32_t e = 0; e < 2; ++e) {
+        const uint32_t token = nt * 8 + 2 * t + e;
+        x[nt][e] = s[nt][e] + s[nt][e + 2];
+        if ((kWarpRows < kCols && token >= kWarpRows) ||
+            (last_tile && base + tile_row(token) >= last))
+          x[nt][e] = kNegInf;  // padding, or rows past the list: weight zero
+      }
+    // Lazy rescaling as in FmaTile::tile; the 4 lanes of a head see the same maximum.
+    float tile_max = x[0][0];
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) tile_max = fmaxf(tile_max, fmaxf(x[nt][0], x[nt][1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const bool grows = tile_max > m + kLazyRescale;
+    if (__any_sync(0xffffffffu, grows)) {
+      float alpha = 1.0f;
+      if (grows) {
+        alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
+        m = tile_max;
+        l *= alpha;
+      }
+      // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (uint32_t i = 0; i < kMTiles; ++i) {
+        acc[i][0] *= alpha0, acc[i][1] *= alpha1;
+        acc[i][2] *= alpha0, acc[i][3] *= alpha1;
+      }
+    }
+    const float m_safe = m == kNegInf ? 0.0f : m;
+    uint32_t pb[kNTiles][2];  // per 8 tokens, B of P^T: p_hi (k 0-7), p_lo (k 8-15)
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
+      l += p0 + p1;
+      split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
+    }
+    // O^T += V^T P^T. Matrices 0, 1: channels 16 i + 0..7 and 8..15 of the 8 tokens (A's rows
+    // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (uint32_t i = 0; i < kMTiles; i += 2) {
+        uint32_t v[4];
+        ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
+        mma16<D>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0], pb[nt][1]);
+        mma16<D>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0], pb[nt][1]);
+      }
+    }
+  }
+
+  __device__ void store(float (*s_acc)[kBlockHeads][kHeadDim], float (*s_m)[kBlockHeads],
+                        float (*s_l)[kBlockHeads]) {
+    const uint32_t g = lane / 4, t = lane % 4;
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; ++i)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) {
+        const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
+        if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
+      }
+    if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+  }
+};
+
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
+          class Form>
+__global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
+  using T = Tile<kHeadDim, kBlockHeads, kChunks>;
+  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks>,
+                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  constexpr uint32_t R = T::kRowsPerThread;
+  constexpr uint32_t C = kChunks;
+  const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t chunk = lane % T::kLanesPerRow;
+  const uint32_t row_group = threadIdx.x / T::kLanesPerRow;
+  const uint32_t head0 = block * kBlockHeads;
+  const uint32_t heads = min(kBlockHeads, p.group_size - head0);
+  // The elements a lane copies of a row: as FmaTile::channel.
+  auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
+
+  const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
+  Compute compute(q_pair, heads, p.q_scale);
+
+  const uint32_t list_begin = form.begin(pair);
+  const uint32_t n_tokens = form.count(pair, list_begin);
+  const uint32_t first = split * p.tokens_per_split;
+  const uint32_t last = min(n_tokens, first + p.tokens_per_split);
+  const simd::PageLayout layout{p.page_tokens, kHeadDim, D};
+  const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
+
+  // Software pipeline through shared memory: cp.async copies (no registers held while in flight)
+  // of tiles t + 1 .. t + kStages - 1 are outstanding while tile t is computed, and the addresses
+  // (slot ids, token entries) that the next copies depend on are loaded one tile earlier still.
+  // The FMA loop reads back only the 16-byte pieces each thread copied itself, so waiting on its
+  // own copy groups is enough and the loop needs no barrier; the tensor-core loop reads the
+  // pieces of its warp's lanes, so a __syncwarp after the wait makes them visible and one before
+  // the copies keeps a stage from being refilled while other lanes still read it.
+  extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads]
+  auto piece = [&](uint32_t stage, uint32_t r, uint32_t j, uint32_t kv) {
+    return stages + piece_index<T, Compute::kSwizzle>(stage, r, j, kv, threadIdx.x);
+  };
+  TokenAddress address[R];
+  bool listed[R];
+  auto fetch_addresses = [&](uint32_t base) {
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      const uint32_t i = base + r * T::kRowsPerStep + row_group;
+      listed[r] = i < last;
+      address[r] = listed[r] ? form.address(list_begin, i) : TokenAddress{0, 0};
+    }
+  };
+  auto issue_copies = [&](uint32_t stage) {
+#pragma unroll
+    for (uint32_t r = 0; r < R; ++r) {
+      const std::byte* slot = layout.slot(pool, address[r].slot);
+      const uint32_t row = address[r].row;
+#pragma unroll
+      for (uint32_t j = 0; j < C; ++j) {
+        // Rows past the list: zeros, nothing read.
+        uint4* k = piece(stage, r, j, 0);
+        uint4* v = piece(stage, r, j, 1);
+        if constexpr (D == simd::Dtype::q8) {
+          // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
+          // are read by every lane of the group, from L1 after the first.
+          copy_small<8>(&k->x, layout.key_codes(slot, row) + channel(j), listed[r]);
+          copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
+          copy_small<8>(&v->x, layout.value_codes(slot, row) + channel(j), listed[r]);
+          copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
+        } else {
+          copy16(k, layout.key(slot, row) + channel(j), listed[r]);
+          copy16(v, layout.value(slot, row) + channel(j), listed[r]);
+        }
+      }
+    }
+    commit_copies();
+  };
+  uint32_t issue_base = first;
+#pragma unroll
+  for (uint32_t stage = 0; stage + 1 < kStages; ++stage, issue_base += T::kTokens) {
+    fetch_addresses(issue_base);
+    issue_copies(stage);
+  }
+  fetch_addresses(issue_base);
+
+  // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
+  uint32_t stage = 0;
+  for (uint32_t base = first; base < last; base += T::kTokens) {
+    if constexpr (kTensor) __syncwarp();
+    issue_copies((stage + kStages - 1) % kStages);  // the stage computed last iteration
+    issue_base += T::kTokens;
+    fetch_addresses(issue_base);
+    wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
+    if constexpr (kTensor) __syncwarp();
+    compute.tile(stages, stage, base, last);
+    stage = (stage + 1) % kStages;
+  }
+  wait_copies<0>();  // the zero-fill groups issued past the end
+
+  // Each warp's state, then the warps combined through shared memory.
   __shared__ float s_m[kWarps][kBlockHeads], s_l[kWarps][kBlockHeads];
   __syncthreads();  // the stages become the warps' accumulators: every thread is done reading
   auto s_acc = reinterpret_cast<float(*)[kBlockHeads][kHeadDim]>(stages);
-  if (lane < T::kLanesPerRow) {
-#pragma unroll
-    for (uint32_t g = 0; g < kBlockHeads; ++g) {
-#pragma unroll
-      for (uint32_t j = 0; j < C; ++j)
-#pragma unroll
-        for (uint32_t c = 0; c < 8; ++c) s_acc[warp][g][channel(j) + c] = acc[g][8 * j + c];
-      if (chunk == 0) s_m[warp][g] = m[g], s_l[warp][g] = l[g];
-    }
-  }
+  compute.store(s_acc, s_m, s_l);
   __syncthreads();
   const uint32_t unit = pair * p.head_blocks + block;
   const std::size_t first_partial = std::size_t{unit} * p.splits;
@@ -531,44 +866,62 @@ struct KernelInfo {
   uint32_t max_splits;  // the merge stages (m, l) of every split in shared_bytes
 };
 
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, class Form>
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
+          class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, Form>, T::kTokens, T::kSharedBytes,
-          T::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
+  return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, Form>, T::kTokens,
+          T::kSharedBytes, T::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
 
 // Blocks of 8 heads have no 2-piece kernel (its q and acc would not fit the registers): they keep
 // one piece a lane whatever the tuning asks.
-template <simd::Dtype D, uint32_t kHeadDim, class Form>
+template <simd::Dtype D, uint32_t kHeadDim, bool kTensor, class Form>
 KernelInfo<Form> kernel_for_heads(uint32_t block_heads, uint32_t chunks) {
   switch (block_heads) {
-    case 1: return chunks == 2 ? info<D, kHeadDim, 1, 2, Form>() : info<D, kHeadDim, 1, 1, Form>();
-    case 2: return chunks == 2 ? info<D, kHeadDim, 2, 2, Form>() : info<D, kHeadDim, 2, 1, Form>();
-    case 4: return chunks == 2 ? info<D, kHeadDim, 4, 2, Form>() : info<D, kHeadDim, 4, 1, Form>();
-    default: return info<D, kHeadDim, kMaxBlockHeads, 1, Form>();
+    case 1:
+      return chunks == 2 ? info<D, kHeadDim, 1, 2, kTensor, Form>()
+                         : info<D, kHeadDim, 1, 1, kTensor, Form>();
+    case 2:
+      return chunks == 2 ? info<D, kHeadDim, 2, 2, kTensor, Form>()
+                         : info<D, kHeadDim, 2, 1, kTensor, Form>();
+    case 4:
+      return chunks == 2 ? info<D, kHeadDim, 4, 2, kTensor, Form>()
+                         : info<D, kHeadDim, 4, 1, kTensor, Form>();
+    default: return info<D, kHeadDim, kMaxBlockHeads, 1, kTensor, Form>();
   }
 }
 
-template <simd::Dtype D, class Form>
+template <simd::Dtype D, bool kTensor, class Form>
 KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_t chunks) {
   switch (head_dim) {
-    case 64: return kernel_for_heads<D, 64, Form>(block_heads, chunks);
-    case 128: return kernel_for_heads<D, 128, Form>(block_heads, chunks);
-    default: return kernel_for_heads<D, 256, Form>(block_heads, chunks);
+    case 64: return kernel_for_heads<D, 64, kTensor, Form>(block_heads, chunks);
+    case 128: return kernel_for_heads<D, 128, kTensor, Form>(block_heads, chunks);
+    default: return kernel_for_heads<D, 256, kTensor, Form>(block_heads, chunks);
   }
 }
 
-// The instantiation for a shape and a tuning that init() accepted.
+// The instantiation for a shape and a tuning that init() accepted. q8 has no tensor-core loop
+// (its codes would need converting to 16 bits before ldmatrix): it keeps the FMA loop whatever
+// the tuning asks.
 template <class Form>
-KernelInfo<Form> kernel_for(const AttentionShape& shape, uint32_t chunks) {
+KernelInfo<Form> kernel_for(const AttentionShape& shape, const AttendTuning& tuning) {
   const uint32_t block_heads = block_heads_for(shape.group_size);
+  const uint32_t chunks = tuning.chunks_per_lane;
+  const bool tensor = tuning.tensor_cores != 0;
   switch (shape.dtype) {
     case simd::Dtype::f16:
-      return kernel_for_dim<simd::Dtype::f16, Form>(shape.head_dim, block_heads, chunks);
+      return tensor
+                 ? kernel_for_dim<simd::Dtype::f16, true, Form>(shape.head_dim, block_heads, chunks)
+                 : kernel_for_dim<simd::Dtype::f16, false, Form>(shape.head_dim, block_heads,
+                                                                 chunks);
     case simd::Dtype::bf16:
-      return kernel_for_dim<simd::Dtype::bf16, Form>(shape.head_dim, block_heads, chunks);
-    default: return kernel_for_dim<simd::Dtype::q8, Form>(shape.head_dim, block_heads, chunks);
+      return tensor ? kernel_for_dim<simd::Dtype::bf16, true, Form>(shape.head_dim, block_heads,
+                                                                    chunks)
+                    : kernel_for_dim<simd::Dtype::bf16, false, Form>(shape.head_dim, block_heads,
+                                                                     chunks);
+    default:
+      return kernel_for_dim<simd::Dtype::q8, false, Form>(shape.head_dim, block_heads, chunks);
   }
 }
 
@@ -639,7 +992,7 @@ SplitPlan plan_splits(const uint32_t* offsets, uint32_t pairs, uint32_t tokens_p
                   simd::PageLayout{shape.page_tokens, shape.head_dim, shape.dtype}.token_bytes() *
                   plan.head_blocks;
   // Tiles are alike in both forms.
-  const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape, tuning.chunks_per_lane);
+  const KernelInfo<PageForm> kernel = kernel_for<PageForm>(shape, tuning);
   const uint64_t tile = kernel.tile_tokens;
   const uint64_t units = uint64_t{pairs} * plan.head_blocks;
   // Rounded down: one CTA past the resident capacity would start a second wave on its own.
@@ -681,7 +1034,7 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   params.q_scale = kLog2e / std::sqrt(static_cast<float>(shape.head_dim));
   const auto stream = static_cast<cudaStream_t>(t.stream);
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
-  const KernelInfo<Form> k = kernel_for<Form>(shape, tuning.chunks_per_lane);
+  const KernelInfo<Form> k = kernel_for<Form>(shape, tuning);
   k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
   return cuda_result(cudaGetLastError(), "sparse attention launch");
 }
@@ -762,6 +1115,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                    kMaxMinTiles);
   if (tuning.chunks_per_lane != 1 && tuning.chunks_per_lane != 2)
     return invalid("tuning.chunks_per_lane=", tuning.chunks_per_lane, " is not 1 or 2");
+  if (tuning.tensor_cores > 1)
+    return invalid("tuning.tensor_cores=", tuning.tensor_cores, " is not 0 or 1");
 
   release();
   int device = 0, multiprocessors = 0, resident = 0;
@@ -772,8 +1127,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
       !r.ok)
     return r;
   // Both forms' kernels may take more than the default 48 KiB of dynamic shared memory.
-  const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape, tuning.chunks_per_lane);
-  const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape, tuning.chunks_per_lane);
+  const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape, tuning);
+  const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape, tuning);
   for (cudaError_t err :
        {cudaFuncSetAttribute(page_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              page_kernel.shared_bytes),

@@ -111,6 +111,13 @@ struct AttendTuning {
   // exponentials per byte, for twice the registers of q and the accumulators. Blocks of 8 heads
   // (group sizes above 4) keep 1.
   uint32_t chunks_per_lane = 1;
+  // 0 or 1: 1 computes each tile's products on the tensor cores (mma.sync, fp32 accumulators, q
+  // and the probabilities split into two 16-bit halves that keep about 16 of their bits with
+  // bf16 and 22 with f16), which takes the FMAs and the logits' shuffles off the issue-bound
+  // inner loop; the copies, splits and merge are the same. f16 and bf16 only: q8 keeps the FMA
+  // loop. With f16 K/V, q is rounded to f16 too, so |q| * log2(e) / sqrt(head_dim) must stay below
+  // 65504.
+  uint32_t tensor_cores = 0;
 };
 
 // How the last call was split, and what it read.

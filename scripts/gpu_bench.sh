@@ -223,8 +223,8 @@ for key in sorted(set(steps) | set(kernels)):
 PY
 fi
 # The kernel tuning sweeps (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per row, one line
-# per CTAS_PER_SM:MIN_TILES:CHUNKS with its median us and spread, for (a) (every page, TB/s) and
-# for (c)'s last call (the selective lists in the device cache).
+# per CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES] with its median us and spread, for (a) (every
+# page, TB/s) and for (c)'s last call (the selective lists in the device cache).
 echo
 echo "kernel tuning sweeps (dense: (a), fastest at 128K and 1M, B 1 and 8; selective: (c) attend):"
 grep -E '^\[.*\] (row context|  \(a\) (ours|sweep)|  \(c\) attend sweep)' "$out/offload.log" |

@@ -1,8 +1,9 @@
 // GPU sparse paged decode attention (gpu/sparse_attention.hpp) against the float64 CPU reference
 // on the same stored fp16/bf16 values: batches, GQA groups, head sizes, page sizes, both list
-// forms, partial and empty lists, split and unsplit plans, and the argument checks. Every output
-// buffer is poisoned with NaN first, and pool memory no list may read (the open page's rows past
-// the sequence, spare slots) holds NaN too, so a missed write or a stray read shows.
+// forms, partial and empty lists, split and unsplit plans, both inner loops (FMA and tensor
+// cores), and the argument checks. Every output buffer is poisoned with NaN first, and pool memory
+// no list may read (the open page's rows past the sequence, spare slots) holds NaN too, so a
+// missed write or a stray read shows.
 //
 // The tests skip where the build has no CUDA or no usable device is present (the dev box and CI);
 // scripts/gpu_check.sh runs them on the H200.
@@ -92,6 +93,7 @@ struct Case {
   double keep = 0.5;                // share of pages (or tokens) a pair lists
   float key_growth = 0.0f;          // K of a pair's page i is scaled by 1 + key_growth * i
   uint32_t chunks = 1;              // gpu::AttendTuning::chunks_per_lane
+  uint32_t tensor_cores = 0;        // gpu::AttendTuning::tensor_cores
 };
 
 std::string case_name(const Case& c) {
@@ -100,7 +102,8 @@ std::string case_name(const Case& c) {
        << (c.dtype == simd::Dtype::f16    ? "_f16"
            : c.dtype == simd::Dtype::bf16 ? "_bf16"
                                           : "_q8")
-       << (c.form == Form::pages ? "_pages" : "_tokens") << (c.chunks == 2 ? "_c2" : "");
+       << (c.form == Form::pages ? "_pages" : "_tokens") << (c.chunks == 2 ? "_c2" : "")
+       << (c.tensor_cores ? "_tc" : "");
   return name.str();
 }
 
@@ -344,6 +347,7 @@ TEST_P(GpuAttentionCase, matches_the_float64_reference) {
   const Problem p = make_random_problem(c, 1000 + c.head_dim + c.page_tokens + c.group_size);
   gpu::AttendTuning tuning;
   tuning.chunks_per_lane = c.chunks;
+  tuning.tensor_cores = c.tensor_cores;
   run_and_check(p, c.form, nullptr, tuning);
 }
 
@@ -371,6 +375,12 @@ std::vector<Case> all_cases() {
     cases.push_back(cases[i]);
     cases.back().chunks = 2;
   }
+  // Every shape of both again on the tensor cores (q8 keeps the FMA loop).
+  const std::size_t fma = cases.size();
+  for (std::size_t i = 0; i < fma; ++i) {
+    cases.push_back(cases[i]);
+    cases.back().tensor_cores = 1;
+  }
   return cases;
 }
 
@@ -390,14 +400,21 @@ TEST_F(GpuTest, a_long_q8_context_splits_and_merges) {
 TEST_F(GpuTest, a_long_context_splits_and_merges) {
   // The benchmark's layer shape: 8 KV heads of 1024 pages (16K tokens) each, half of the pages
   // listed, then all of them: many splits per pair either way.
-  Case c{1, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
-  const std::vector<uint32_t> pages(8, 1024);
-  gpu::SplitPlan plan;
-  run_and_check(make_problem(c, 7, pages, std::vector<uint32_t>(8, 9)), Form::pages, &plan);
-  EXPECT_GT(plan.splits_per_pair, 1u);
-  c.keep = 1.0;
-  run_and_check(make_problem(c, 8, pages, std::vector<uint32_t>(8, 16)), Form::pages, &plan);
-  EXPECT_GT(plan.splits_per_pair, 1u);
+  // Both inner loops.
+  for (uint32_t tensor_cores : {0u, 1u}) {
+    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tensor_cores);
+    const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
+    Case c{1, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
+    const std::vector<uint32_t> pages(8, 1024);
+    gpu::SplitPlan plan;
+    run_and_check(make_problem(c, 7, pages, std::vector<uint32_t>(8, 9)), Form::pages, &plan,
+                  tuning);
+    EXPECT_GT(plan.splits_per_pair, 1u);
+    c.keep = 1.0;
+    run_and_check(make_problem(c, 8, pages, std::vector<uint32_t>(8, 16)), Form::pages, &plan,
+                  tuning);
+    EXPECT_GT(plan.splits_per_pair, 1u);
+  }
 }
 
 TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
@@ -406,15 +423,18 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
   // forms. Each must merge to the same attention.
   const std::vector<uint32_t> pages = {301, 7, 1, 517, 64, 0, 129, 255};
   const std::vector<uint32_t> last = {9, 16, 3, 1, 16, 0, 11, 15};
-  const gpu::AttendTuning tunings[] = {{0, 2, 1},  {1, 1, 1}, {2, 2, 1},  {3, 5, 1},  {8, 2, 1},
-                                       {16, 2, 1}, {0, 8, 1}, {64, 1, 1}, {0, 64, 1}, {0, 2, 2},
-                                       {1, 1, 2},  {8, 2, 2}, {0, 8, 2}};
+  const gpu::AttendTuning tunings[] = {
+      {0, 2, 1},     {1, 1, 1},    {2, 2, 1},    {3, 5, 1},    {8, 2, 1},    {16, 2, 1},
+      {0, 8, 1},     {64, 1, 1},   {0, 64, 1},   {0, 2, 2},    {1, 1, 2},    {8, 2, 2},
+      {0, 8, 2},     {0, 2, 1, 1}, {1, 1, 1, 1}, {2, 2, 1, 1}, {3, 5, 1, 1}, {8, 2, 1, 1},
+      {0, 64, 1, 1}, {0, 2, 2, 1}, {8, 2, 2, 1}};
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning : tunings) {
       SCOPED_TRACE(::testing::Message()
                    << "ctas_per_sm " << tuning.ctas_per_sm << ", min tiles "
-                   << tuning.min_tiles_per_split << ", chunks " << tuning.chunks_per_lane);
+                   << tuning.min_tiles_per_split << ", chunks " << tuning.chunks_per_lane
+                   << ", tensor_cores " << tuning.tensor_cores);
       const Case c{1, 4, 128, 16, simd::Dtype::bf16, form, 8};
       gpu::SplitPlan plan;
       run_and_check(make_problem(c, ++seed, pages, last), form, &plan, tuning);
@@ -431,28 +451,34 @@ TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
   // Keys that grow along the context push the logits' maximum up tile after tile, so the lazy
   // rescaling (a reference max moved only when a logit exceeds it by 2^8) fires again and again.
   for (Form form : {Form::pages, Form::tokens})
-    for (uint32_t chunks : {1u, 2u}) {
-      Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
-      c.key_growth = 0.08f;
-      run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks});
-    }
+    for (uint32_t chunks : {1u, 2u})
+      for (uint32_t tensor_cores : {0u, 1u}) {
+        Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
+        c.key_growth = 0.08f;
+        run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks, tensor_cores});
+      }
 }
 
 TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
   // Two pages of which the last holds one token: below two CTA tiles, so one split per pair.
   const Case c{2, 4, 128, 16, simd::Dtype::f16, Form::pages};
   const Problem p = make_problem(c, 11, {2, 1, 2, 2}, {1, 1, 16, 5});
-  gpu::SplitPlan plan;
-  run_and_check(p, Form::pages, &plan);
-  EXPECT_EQ(plan.splits_per_pair, 1u);
+  for (uint32_t tensor_cores : {0u, 1u}) {
+    gpu::SplitPlan plan;
+    run_and_check(p, Form::pages, &plan, {0, 2, 1, tensor_cores});
+    EXPECT_EQ(plan.splits_per_pair, 1u);
+  }
 }
 
 TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
-  for (Form form : {Form::pages, Form::tokens}) {
-    const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
-    run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form);  // some empty
-    run_and_check(make_problem(c, 22, {0, 0, 0, 0}, {0, 0, 0, 0}), form);    // all empty
-  }
+  for (Form form : {Form::pages, Form::tokens})
+    for (uint32_t tensor_cores : {0u, 1u}) {
+      const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
+      const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
+      // Some empty, then all empty.
+      run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form, nullptr, tuning);
+      run_and_check(make_problem(c, 22, {0, 0, 0, 0}, {0, 0, 0, 0}), form, nullptr, tuning);
+    }
 }
 
 TEST_F(GpuTest, repeated_runs_give_identical_bits) {
@@ -460,18 +486,22 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
   // at zero for the next call, and no merge may depend on the order CTAs finish in.
   const Case c{4, 4, 128, 16, simd::Dtype::bf16, Form::tokens, 8, 200};
   const Problem p = make_random_problem(c, 31);
-  const std::vector<float> checked = run_and_check(p, Form::tokens);
-  DeviceProblem dev(p);
-  gpu::SparseDecodeAttention attention;
-  ASSERT_OK(attention.init(p.shape, p.n_seqs));
-  ASSERT_OK(attention.validate(dev.tokens));
-  for (int call = 0; call < 3; ++call) {
-    ASSERT_OK(attention.run(dev.tokens));
-    EXPECT_GT(attention.last_plan().splits_per_pair, 1u);
-    const std::vector<float> out = DeviceMemory::download(dev.out, p.out_elems());
-    ASSERT_EQ(out.size(), checked.size());
-    EXPECT_EQ(std::memcmp(out.data(), checked.data(), out.size() * sizeof(float)), 0)
-        << "call " << call;
+  for (uint32_t tensor_cores : {0u, 1u}) {
+    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tensor_cores);
+    const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
+    const std::vector<float> checked = run_and_check(p, Form::tokens, nullptr, tuning);
+    DeviceProblem dev(p);
+    gpu::SparseDecodeAttention attention;
+    ASSERT_OK(attention.init(p.shape, p.n_seqs, tuning));
+    ASSERT_OK(attention.validate(dev.tokens));
+    for (int call = 0; call < 3; ++call) {
+      ASSERT_OK(attention.run(dev.tokens));
+      EXPECT_GT(attention.last_plan().splits_per_pair, 1u);
+      const std::vector<float> out = DeviceMemory::download(dev.out, p.out_elems());
+      ASSERT_EQ(out.size(), checked.size());
+      EXPECT_EQ(std::memcmp(out.data(), checked.data(), out.size() * sizeof(float)), 0)
+          << "call " << call;
+    }
   }
 }
 
@@ -501,6 +531,7 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
   expect_invalid(attention.init(good, 1, {0, 0}), "tuning.min_tiles_per_split=0 is not in 1..64");
   expect_invalid(attention.init(good, 1, {0, 65}), "tuning.min_tiles_per_split=65");
   expect_invalid(attention.init(good, 1, {0, 2, 3}), "tuning.chunks_per_lane=3 is not 1 or 2");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 2}), "tuning.tensor_cores=2 is not 0 or 1");
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
