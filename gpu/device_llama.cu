@@ -18,6 +18,7 @@
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
 #include "gpu/device_llama.hpp"
+#include "gpu/mma.cuh"
 
 namespace kvsift::gpu {
 namespace {
@@ -260,26 +261,6 @@ __global__ void __launch_bounds__(kFlatThreads)
   }
 }
 
-// A warp's D (16x8, fp32) += A (16x16) B (16x8), both operands fp16 or bf16 (the scratch's type),
-// in mma.sync's fragment layout: with g = lane / 4 and t = lane % 4, a[0] holds A[g][2t, 2t + 1],
-// a[1] A[g + 8][2t, 2t + 1], a[2] and a[3] the same rows at columns 2t + 8 and 2t + 9; b0 holds
-// B[2t, 2t + 1][g], b1 B[2t + 8, 2t + 9][g] (the lower index in the low half); d[0], d[1] are
-// D[g][2t, 2t + 1] and d[2], d[3] D[g + 8][2t, 2t + 1].
-template <bool kBf16>
-__device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                          uint32_t b1) {
-  if constexpr (kBf16)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-        "{%8, %9}, {%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Two fp32 values as the sums hi + lo of the scratch's type, each pair packed as an mma operand
 // register (x0 in the low half). The residual x - hi is exact in fp32, so what is lost is lo's own
 // rounding: about 2^-22 of x for fp16, 2^-18 for bf16 (fp16's lo goes subnormal below |x| of
@@ -395,8 +376,8 @@ __global__ void __launch_bounds__(kAttentionMaxWarps * 32)
       for (uint32_t step = 0; step < kHeadDim / 16; ++step) {
         const uint32_t b0 = *reinterpret_cast<const uint32_t*>(k + step * 16);
         const uint32_t b1 = *reinterpret_cast<const uint32_t*>(k + step * 16 + 8);
-        mma_16816<kBf16>(s[n], q_hi[step], b0, b1);
-        mma_16816<kBf16>(s[n], q_lo[step], b0, b1);
+        mma_m16n8k16<kBf16>(s[n], q_hi[step], b0, b1);
+        mma_m16n8k16<kBf16>(s[n], q_lo[step], b0, b1);
       }
     }
 
@@ -451,8 +432,8 @@ __global__ void __launch_bounds__(kAttentionMaxWarps * 32)
         const uint16_t* vn = v + n * 8;
         const uint32_t b0 = vn[0] | static_cast<uint32_t>(vn[kStride]) << 16;
         const uint32_t b1 = vn[8 * kStride] | static_cast<uint32_t>(vn[9 * kStride]) << 16;
-        mma_16816<kBf16>(o[n], p_hi, b0, b1);
-        mma_16816<kBf16>(o[n], p_lo, b0, b1);
+        mma_m16n8k16<kBf16>(o[n], p_hi, b0, b1);
+        mma_m16n8k16<kBf16>(o[n], p_lo, b0, b1);
       }
     }
   }

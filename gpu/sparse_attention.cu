@@ -82,6 +82,7 @@
 #include "gpu/cuda_backend.cuh"
 #include "gpu/cuda_handles.cuh"
 #include "gpu/cuda_result.cuh"
+#include "gpu/mma.cuh"
 #include "gpu/sparse_attention.hpp"
 
 namespace kvsift::gpu {
@@ -509,22 +510,6 @@ __device__ __forceinline__ void split2(float x0, float x1, uint32_t& hi, uint32_
   lo = pack2<D>(x0 - h.x, x1 - h.y);
 }
 
-// D += A B on the tensor cores, m16n8k16, fp32 accumulators: A row-major (4 registers), B
-// column-major (2), 16-bit elements of the K/V dtype.
-template <simd::Dtype D>
-__device__ __forceinline__ void mma16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                      uint32_t b1) {
-  if constexpr (D == simd::Dtype::f16)
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  else
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 // Four 8x8 matrices of 16-bit elements from shared memory, lanes 8i .. 8i + 7 giving the rows of
 // matrix i; .trans delivers each transposed. volatile: it must stay after the cp.async wait.
 template <bool kTrans>
@@ -644,8 +629,8 @@ struct MmaTile {
         // Matrices 0, 1: channels 16 kk + 0..7 and 8..15 (b0, b1 of k-step kk); 2, 3: kk + 1.
         uint32_t b[4];
         ldmatrix4<false>(b, address<0>(stage_address, nt, kk * 16));
-        mma16<D>(s[nt], qa[kk], b[0], b[1]);
-        mma16<D>(s[nt], qa[kk + 1], b[2], b[3]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(s[nt], qa[kk], b[0], b[1]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(s[nt], qa[kk + 1], b[2], b[3]);
       }
     }
     // Logits of head g for the warp's tokens nt * 8 + 2t + e.
@@ -700,8 +685,10 @@ struct MmaTile {
       for (uint32_t i = 0; i < kMTiles; i += 2) {
         uint32_t v[4];
         ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
-        mma16<D>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0], pb[nt][1]);
-        mma16<D>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0], pb[nt][1]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
+                                             pb[nt][1]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
+                                             pb[nt][1]);
       }
     }
   }
