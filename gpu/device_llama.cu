@@ -293,10 +293,10 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t& hi, uin
 // Work: per (query row, query head, visible key) head_dim multiply-adds for q.k and as many for
 // p v, doubled by the split: 8 * head_dim flops, so about n^2 / 2 * n_heads * 8 * head_dim for an
 // n-token prompt. For the Llama-3.1-8B shape at n = 128K that is 2.8e14 per layer, 16 times that
-// at 512K. Measured on the H200 (kvsift-bench-decode --fill prompt, the whole 32-layer prefill of a
-// prompt into the host cache, LOCKS summaries included): 32K tokens 11.8 s, 64K 36.7 s, 94K 70.6 s,
-// which a n + b n^2 fits within 2%; its quadratic part is this kernel at about 86 TFLOP/s of mma work
-// (a tenth of the device's bf16 peak), and it puts 512K at about half an hour.
+// at 512K. Measured on the H200 (kvsift-bench-decode --fill prompt, the whole 32-layer prefill of
+// a prompt into the host cache, LOCKS summaries included): 32K tokens 11.8 s, 64K 36.7 s, 94K
+// 70.6 s, which a n + b n^2 fits within 2%; its quadratic part is this kernel at about 86 TFLOP/s
+// of mma work (a tenth of the device's bf16 peak), and it puts 512K at about half an hour.
 // Limits: a tile's load is not overlapped with the previous tile's products (no cp.async
 // pipeline); one expf per score runs on the special function units; 8 warps of about 250
 // registers fill an SM's register file, one block per SM; there is no split over keys, so a
