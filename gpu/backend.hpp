@@ -33,7 +33,7 @@
 
 namespace kvsift::gpu::backend {
 
-inline constexpr uint32_t kInterfaceVersion = 2;
+inline constexpr uint32_t kInterfaceVersion = 3;
 
 // gpu/sparse_attention.hpp states the contract of every call.
 class SparseDecodeAttention {
@@ -61,9 +61,12 @@ class PagePool {
   // Whether the host pool is mapped pinned memory, which the mapped path needs.
   virtual bool host_pool_mapped() const noexcept = 0;
   // Copies host page moves[i].host_slot into device slot moves[i].device_slot for i < n, by one
-  // path, enqueued on `stream` (a cudaStream_t).
+  // path, enqueued on `stream` (a cudaStream_t). list_offset: where the moves go in the mapped
+  // path's list (capacity entries); 0 starts a step's list, after the kernels that read the last
+  // one; above 0 appends to the step's list behind the entries its earlier kernels read.
   virtual Result move_staged(const PageMove* moves, std::size_t n, void* stream) noexcept = 0;
-  virtual Result move_mapped(const PageMove* moves, std::size_t n, void* stream) noexcept = 0;
+  virtual Result move_mapped(const PageMove* moves, std::size_t n, std::size_t list_offset,
+                             void* stream) noexcept = 0;
 };
 
 // gpu/offload_runtime.hpp states the contract of every call.

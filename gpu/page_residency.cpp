@@ -151,6 +151,7 @@ Result PageResidency::init(uint32_t capacity, uint64_t host_slots, EvictionPolic
   moves_.reserve(capacity);
   policy_ = make_replacement_policy(policy, capacity);
   step_ = 0;
+  step_pages_ = 0;
   counts_ = {};
   return Result{};
 }
@@ -213,16 +214,18 @@ Result PageResidency::refuse_step(const uint32_t* host_slots, std::size_t n, std
     std::vector<uint32_t> ids(host_slots, host_slots + n);
     std::sort(ids.begin(), ids.end());
     const auto distinct = std::unique(ids.begin(), ids.end()) - ids.begin();
-    return invalid("page cache: the step needs " + std::to_string(distinct) +
-                   " distinct pages, more than the cache's " + std::to_string(capacity_) +
-                   " slots");
+    return invalid("page cache: the step needs " + std::to_string(distinct) + " distinct pages" +
+                   (step_pages_ > 0
+                        ? " besides the " + std::to_string(step_pages_) + " of its earlier pieces"
+                        : std::string()) +
+                   ", more than the cache's " + std::to_string(capacity_) + " slots");
   } catch (...) {
     return invalid("page cache: the step needs more distinct pages than its slots");
   }
 }
 
-Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
-                           uint32_t* device_slots) noexcept {
+Result PageResidency::plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
+                           StepMode mode) noexcept {
   if (!policy_) return invalid("page cache: plan() before init()");
   if (n > 0 && (host_slots == nullptr || device_slots == nullptr))
     return invalid("page cache: null id arrays");
@@ -232,7 +235,12 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
                      std::to_string(i) + " is outside the pool's " + std::to_string(host_slots_) +
                      " slots");
   // A fresh step number pins this step's slots; a refused step leaves only stale stamps behind.
-  ++step_;
+  // A piece of a step keeps the number, so the earlier pieces' slots stay pinned.
+  if (mode == StepMode::next || step_ == 0) {
+    ++step_;
+    step_pages_ = 0;
+  }
+  const uint64_t held = step_pages_;
   counts_ = {};
   counts_.requested = n;
   moves_.clear();
@@ -261,14 +269,14 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
     } else if (s != kNone) {  // a pending miss requested again
       device_slots[i] = s;
     } else {
-      if (hits + misses >= capacity_) return refuse_step(host_slots, n, misses);
+      if (held + hits + misses >= capacity_) return refuse_step(host_slots, n, misses);
       device_slots[i] = kMissed | static_cast<uint32_t>(misses);
       pending_[misses] = map_insert(host_slots[i], kMissed | static_cast<uint32_t>(misses));
       missed[misses++] = host_slots[i];
     }
   }
   // The check above saw the hits before each miss; the step's later hits count too.
-  if (hits + misses > capacity_) return refuse_step(host_slots, n, misses);
+  if (held + hits + misses > capacity_) return refuse_step(host_slots, n, misses);
   // Hits first, so that no victim is chosen before every resident page of the step is used.
   policy_->on_use(used, hits);
   for (std::size_t j = 0; j < misses; ++j) {
@@ -287,6 +295,7 @@ Result PageResidency::plan(const uint32_t* host_slots, std::size_t n,
         device_slots[i] = moves_[device_slots[i] & ~kMissed].device_slot;
   counts_.hits = hits;
   counts_.misses = misses;
+  step_pages_ = held + hits + misses;
   return Result{};
 }
 
@@ -308,6 +317,7 @@ void PageResidency::clear() noexcept {
   free_.resize(capacity_);  // init() sized it to capacity_: no allocation
   for (uint32_t s = 0; s < capacity_; ++s) free_[s] = capacity_ - 1 - s;
   moves_.clear();
+  step_pages_ = 0;  // the step's pages are gone with the rest
 }
 
 }  // namespace kvsift::gpu

@@ -45,6 +45,11 @@ class ReplacementPolicy {
 std::unique_ptr<ReplacementPolicy> make_replacement_policy(EvictionPolicy policy,
                                                            uint32_t capacity);
 
+// Whether a plan() starts a step or adds pages to the step the last plan() started, so that a
+// caller can plan a step in pieces and send each piece's misses while it plans the next (the
+// offload step, lib/offload/offload_attention.cpp).
+enum class StepMode : uint8_t { next, same };
+
 // One miss: the host page to copy into the device slot.
 struct PageMove {
   uint32_t host_slot;
@@ -73,13 +78,20 @@ class PageResidency {
   Result init(uint32_t capacity, uint64_t host_slots, EvictionPolicy policy);
 
   // Maps host_slots[0..n) to device slots in device_slots[0..n) (duplicates get the same slot) and
-  // lists this step's misses, in first-request order, in moves(). Refuses, changing nothing: an
+  // lists this plan's misses, in first-request order, in moves(). Refuses, changing nothing: an
   // id >= host_slots (message names its index), or more distinct ids than the capacity. Allocates
   // nothing.
-  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots) noexcept;
+  // StepMode::same adds the pages to the step of the last plan() (a new step when there was none):
+  // the pages planned earlier in the step stay pinned and count against the capacity, and a page
+  // planned earlier in the step is neither a hit nor a miss again (each distinct page of a step is
+  // counted once, by the plan that first names it). A refused plan changes nothing but pins its
+  // hits for the rest of its step.
+  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
+              StepMode mode = StepMode::next) noexcept;
 
   // The misses of the last successful plan(); valid until the next call.
   const std::vector<PageMove>& moves() const noexcept { return moves_; }
+  // The last successful plan()'s counts (of a step planned in pieces, the last piece's).
   const StepCounts& last_counts() const noexcept { return counts_; }
 
   // Forgets the last plan's misses (their transfer failed): their slots become free and the
@@ -122,8 +134,8 @@ class PageResidency {
   void map_erase(uint32_t key) noexcept;
   // A free slot, or the policy's victim with its page unmapped.
   uint32_t take_slot() noexcept;
-  // Refuses a step that needs more distinct pages than the capacity, erasing its n_missed pending
-  // misses from the map (a cold path).
+  // Refuses a plan whose step would need more distinct pages than the capacity, erasing its
+  // n_missed pending misses from the map (a cold path).
   Result refuse_step(const uint32_t* host_slots, std::size_t n, std::size_t n_missed);
 
   uint32_t capacity_ = 0;
@@ -141,6 +153,7 @@ class PageResidency {
   std::vector<PageMove> moves_;
   std::unique_ptr<ReplacementPolicy> policy_;
   uint64_t step_ = 0;
+  uint64_t step_pages_ = 0;  // distinct pages pinned by the step's accepted plans
   StepCounts counts_{};
 };
 

@@ -104,7 +104,8 @@ class PagePool final : public backend::PagePool {
   const void* device_pool() const noexcept override { return pool_.get(); }
   bool host_pool_mapped() const noexcept override { return host_pool_device_ != nullptr; }
   Result move_staged(const PageMove* moves, std::size_t n, void* stream) noexcept override;
-  Result move_mapped(const PageMove* moves, std::size_t n, void* stream) noexcept override;
+  Result move_mapped(const PageMove* moves, std::size_t n, std::size_t list_offset,
+                     void* stream) noexcept override;
 
  private:
   // The events come first so that they go last: freeing pinned or device memory waits for the
@@ -217,12 +218,17 @@ Result PagePool::move_staged(const PageMove* moves, std::size_t n, void* stream_
   return Result{};
 }
 
-Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_ptr) noexcept {
+Result PagePool::move_mapped(const PageMove* moves, std::size_t n, std::size_t list_offset,
+                             void* stream_ptr) noexcept {
   auto stream = static_cast<cudaStream_t>(stream_ptr);
-  // The list is read by the kernel over PCIe: the previous step's kernel must be done with it.
-  if (Result r = from_cuda(cudaEventSynchronize(moves_free_.get()), "move list wait"); !r.ok)
-    return r;
-  std::memcpy(moves_host_.get(), moves, n * sizeof(PageMove));
+  // The list is read by the kernel over PCIe: the previous step's kernels must be done with it
+  // before its start is rewritten. A later piece of the same step writes behind the entries the
+  // step's running kernels read, so it waits for nothing (the host plans it while they gather).
+  if (list_offset == 0)
+    if (Result r = from_cuda(cudaEventSynchronize(moves_free_.get()), "move list wait"); !r.ok)
+      return r;
+  PageMove* list = moves_host_.get() + list_offset;
+  std::memcpy(list, moves, n * sizeof(PageMove));
   const auto n_pages = static_cast<uint32_t>(n);
   const uint64_t total = uint64_t{n_pages} * slot_vecs_;
   const uint64_t slot_vecs = slot_vecs_;
@@ -235,7 +241,7 @@ Result PagePool::move_mapped(const PageMove* moves, std::size_t n, void* stream_
   const uint64_t grid = (total + per_cta - 1) / per_cta;
   gather_mapped_kernel<<<static_cast<uint32_t>(grid), kThreads, 0, stream>>>(
       static_cast<const uint4*>(host_pool_device_), static_cast<uint4*>(pool_.get()),
-      static_cast<const uint2*>(moves_device_), n_pages, slot_vecs_, per_cta);
+      static_cast<const uint2*>(moves_device_) + list_offset, n_pages, slot_vecs_, per_cta);
   if (Result r = from_cuda.launched("mapped gather launch"); !r.ok) return r;
   return from_cuda(cudaEventRecord(moves_free_.get(), stream), "event");
 }

@@ -134,14 +134,19 @@ class DevicePageCache {
   // ensure() in its two halves, so that a caller can send moves of its own with the step's misses
   // in the same operation (the offload step's refreshes: resident pages whose host copy changed;
   // one gather instead of two launches and two PCIe round trips).
-  // plan(): the bookkeeping alone, refused as ensure() is; no device work.
-  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots) noexcept;
+  // plan(): the bookkeeping alone, refused as ensure() is; no device work. StepMode::same plans
+  // another piece of the step the last plan() started (PageResidency::plan): a caller plans a step
+  // in pieces and move()s each piece before it plans the next, so that the device gathers one
+  // piece while the host plans the next; the pieces' moves share the step's move list.
+  Result plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
+              StepMode mode = StepMode::next) noexcept;
   // move(): enqueues the last successful plan()'s misses, then extra[0..n_extra) (host memory,
   // read before the call returns), by one path, and records the step's statistics (bytes_moved
   // counts the misses only). Refused with nothing enqueued: a move() without a plan() of its own
   // (a second one for one plan()), an extra move outside the pools, more moves than the capacity,
   // the mapped path on an unmapped pool. A refused or failed move() ends its plan and forgets the
-  // plan's misses (misses again at the next plan()).
+  // plan's misses (misses again at the next plan()). The statistics are the piece's when a step
+  // comes in pieces.
   Result move(void* stream, const PageMove* extra = nullptr, std::size_t n_extra = 0,
               TransferPath path = TransferPath::automatic) noexcept;
 
@@ -163,10 +168,13 @@ class DevicePageCache {
 
  private:
   PageCacheConfig config_{};
-  PageResidency residency_;  // empty in a mirror
+  PageResidency residency_;                    // empty in a mirror
   std::unique_ptr<backend::PagePool> device_;  // set by a successful init()
   std::vector<PageMove> moves_;  // [capacity] a move()'s misses and extra moves, sent as one list
   bool planned_ = false;         // a plan() waits for its move()
+  // Moves the step's earlier pieces sent: the next piece's list follows them in the mapped path's
+  // list, which kernels of the step may still be reading.
+  std::size_t step_moves_ = 0;
   TransferStats last_{}, totals_{};
 };
 

@@ -41,8 +41,8 @@ Result validate(const PageCacheConfig& c) {
   if (c.host_slots == 0 || c.host_slots > PageResidency::kNone)
     return invalid("host_slots " + std::to_string(c.host_slots) + " is outside 1..2^32 - 1");
   if (c.mirror && c.capacity != c.host_slots)
-    return invalid("a mirror's capacity " + std::to_string(c.capacity) +
-                   " is not host_slots " + std::to_string(c.host_slots));
+    return invalid("a mirror's capacity " + std::to_string(c.capacity) + " is not host_slots " +
+                   std::to_string(c.host_slots));
   if (c.host_pool == nullptr) return invalid("host_pool is null");
   if (reinterpret_cast<std::uintptr_t>(c.host_pool) % 16 != 0)
     return invalid("host_pool is not 16-byte aligned");
@@ -94,12 +94,13 @@ Result DevicePageCache::ensure(const uint32_t* host_slots, std::size_t n, uint32
   return move(stream, nullptr, 0, path);
 }
 
-Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n,
-                             uint32_t* device_slots) noexcept {
+Result DevicePageCache::plan(const uint32_t* host_slots, std::size_t n, uint32_t* device_slots,
+                             StepMode mode) noexcept {
   if (!device_) return Result::invalid("page cache: plan() before a successful init()");
   if (config_.mirror) return Result::invalid("page cache: a mirror has no residency to plan");
   planned_ = false;
-  if (Result r = residency_.plan(host_slots, n, device_slots); !r.ok) return r;
+  if (mode == StepMode::next) step_moves_ = 0;
+  if (Result r = residency_.plan(host_slots, n, device_slots, mode); !r.ok) return r;
   planned_ = true;
   return Result{};
 }
@@ -121,11 +122,13 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
     return refuse("path mapped needs host_pool in mapped pinned memory (pinned_alloc)");
   const std::vector<PageMove>& misses = residency_.moves();
   if (n_extra > 0 && extra == nullptr) return refuse("extra moves are NULL");
-  // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu).
-  if (misses.size() + n_extra > capacity())
+  // The mapped path's pinned move list holds capacity() moves (gpu/page_transfer.cu), the step's
+  // earlier pieces' first. A mirror plans nothing: each move() is a list of its own.
+  const std::size_t list_offset = config_.mirror ? 0 : step_moves_;
+  if (list_offset + misses.size() + n_extra > capacity())
     return refuse(std::to_string(misses.size()) + " misses and " + std::to_string(n_extra) +
-                  " extra moves are more than the cache's " + std::to_string(capacity()) +
-                  " slots");
+                  " extra moves after the step's " + std::to_string(list_offset) +
+                  " are more than the cache's " + std::to_string(capacity()) + " slots");
   for (std::size_t i = 0; i < n_extra; ++i)
     if (extra[i].host_slot >= config_.host_slots || extra[i].device_slot >= capacity() ||
         (config_.mirror && extra[i].device_slot != extra[i].host_slot))
@@ -146,13 +149,14 @@ Result DevicePageCache::move(void* stream, const PageMove* extra, std::size_t n_
   moves_.insert(moves_.end(), extra, extra + n_extra);
   if (!moves_.empty()) {
     Result r = path == TransferPath::mapped
-                   ? device_->move_mapped(moves_.data(), moves_.size(), stream)
+                   ? device_->move_mapped(moves_.data(), moves_.size(), list_offset, stream)
                    : device_->move_staged(moves_.data(), moves_.size(), stream);
     if (!r.ok) {
       residency_.forget_moves();
       return r;
     }
   }
+  step_moves_ = list_offset + moves_.size();
   last_ = TransferStats{};
   last_.steps = 1;
   last_.requested = counts.requested;

@@ -309,6 +309,114 @@ TEST_P(Residency, agrees_with_a_model_over_a_long_walk_of_large_steps) {
   }
 }
 
+std::vector<uint32_t> plan_piece(gpu::PageResidency& residency, const std::vector<uint32_t>& ids) {
+  std::vector<uint32_t> slots(ids.size(), 0xdeadbeef);
+  const gpu::Result r = residency.plan(ids.data(), ids.size(), slots.data(), gpu::StepMode::same);
+  EXPECT_TRUE(r.ok) << r.message;
+  return slots;
+}
+
+TEST_P(Residency, a_step_planned_in_pieces_keeps_its_earlier_pieces_pinned) {
+  gpu::PageResidency residency;
+  ASSERT_OK(residency.init(6, 1000, GetParam()));
+  plan(residency, {1, 2, 3});
+  // The next step in three pieces: the second piece's misses must evict the last step's pages,
+  // never the first piece's, whatever the policy thinks of them.
+  const std::vector<uint32_t> a = plan(residency, {4, 5, 6});
+  EXPECT_EQ(residency.last_counts().evictions, 0u);
+  const std::vector<uint32_t> b = plan_piece(residency, {7, 8, 9});
+  EXPECT_EQ(residency.last_counts().misses, 3u);
+  EXPECT_EQ(residency.last_counts().evictions, 3u);
+  for (uint32_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(residency.find(4 + i), a[i]);
+    EXPECT_EQ(residency.find(7 + i), b[i]);
+    EXPECT_EQ(residency.find(1 + i), kNone);
+  }
+  // A page an earlier piece named is neither a hit nor a miss again.
+  const std::vector<uint32_t> again = plan_piece(residency, {5, 9});
+  EXPECT_EQ(again[0], a[1]);
+  EXPECT_EQ(again[1], b[2]);
+  EXPECT_EQ(residency.last_counts().requested, 2u);
+  EXPECT_EQ(residency.last_counts().hits + residency.last_counts().misses, 0u);
+  EXPECT_TRUE(residency.moves().empty());
+  // The step holds all six slots: a seventh page is refused, and the step's pages stay.
+  const uint32_t extra = 10;
+  uint32_t slot = 0;
+  const gpu::Result r = residency.plan(&extra, 1, &slot, gpu::StepMode::same);
+  EXPECT_FALSE(r.ok);
+  EXPECT_NE(r.message.find("besides the 6 of its earlier pieces, more than the cache's 6 slots"),
+            std::string::npos)
+      << r.message;
+  EXPECT_EQ(residency.find(10), kNone);
+  EXPECT_EQ(residency.resident(), 6u);
+  for (uint32_t i = 0; i < 3; ++i) EXPECT_EQ(residency.find(4 + i), a[i]);
+  // A new step may evict them.
+  plan(residency, {10, 7});
+  EXPECT_EQ(residency.last_counts().hits, 1u);
+  EXPECT_EQ(residency.last_counts().evictions, 1u);
+  EXPECT_EQ(residency.find(7), b[0]);
+}
+
+TEST_P(Residency, pieces_of_a_step_agree_with_a_model_over_a_random_walk) {
+  // Each step is planned in one to four pieces: every piece moves exactly its pages that are not
+  // resident (an earlier piece's misses are resident), evicts no page of its step's pieces so far,
+  // and the step's pieces count each distinct page once.
+  gpu::PageResidency residency;
+  constexpr uint32_t kCapacity = 96;
+  ASSERT_OK(residency.init(kCapacity, 20000, GetParam()));
+  std::mt19937 rng(31);
+  std::map<uint32_t, uint32_t> model;
+  std::vector<uint32_t> previous;
+  for (int step = 0; step < 300; ++step) {
+    std::vector<uint32_t> request;
+    for (uint32_t id : previous)
+      if (rng() % 5 != 0) request.push_back(id);
+    const uint32_t fresh = 1 + rng() % 40;
+    for (uint32_t i = 0; i < fresh; ++i) request.push_back(rng() % 600);
+    std::set<uint32_t> distinct(request.begin(), request.end());
+    if (distinct.size() > kCapacity)
+      request.assign(distinct.begin(), std::next(distinct.begin(), kCapacity));
+    for (std::size_t i = 0, d = request.size() / 6; i < d; ++i)
+      request.push_back(request[rng() % request.size()]);
+    std::shuffle(request.begin(), request.end(), rng);
+    const std::set<uint32_t> step_pages(request.begin(), request.end());
+
+    const uint32_t pieces = 1 + rng() % 4;
+    std::vector<std::size_t> cuts = {0, request.size()};
+    for (uint32_t k = 1; k < pieces; ++k) cuts.push_back(rng() % (request.size() + 1));
+    std::sort(cuts.begin(), cuts.end());
+    uint64_t counted = 0;
+    std::vector<uint32_t> so_far;
+    for (std::size_t k = 0; k + 1 < cuts.size(); ++k) {
+      const std::vector<uint32_t> piece(request.begin() + cuts[k], request.begin() + cuts[k + 1]);
+      so_far.insert(so_far.end(), piece.begin(), piece.end());
+      const std::map<uint32_t, uint32_t> before = model;
+      std::vector<uint32_t> slots(piece.size());
+      ASSERT_OK(residency.plan(piece.data(), piece.size(), slots.data(),
+                               k == 0 ? gpu::StepMode::next : gpu::StepMode::same));
+      std::set<uint32_t> expected_moves, moved;
+      for (uint32_t id : piece)
+        if (!before.count(id)) expected_moves.insert(id);
+      for (const gpu::PageMove& m : residency.moves())
+        ASSERT_TRUE(moved.insert(m.host_slot).second) << "page " << m.host_slot << " moved twice";
+      ASSERT_EQ(moved, expected_moves) << "step " << step << " piece " << k;
+      ASSERT_NO_FATAL_FAILURE(apply_moves(residency, so_far, model, step));
+      for (std::size_t i = 0; i < piece.size(); ++i) {
+        ASSERT_EQ(slots[i], model.at(piece[i])) << "step " << step << " piece " << k;
+        if (before.count(piece[i])) {
+          ASSERT_EQ(slots[i], before.at(piece[i])) << "hit moved";
+        }
+      }
+      counted += residency.last_counts().hits + residency.last_counts().misses;
+    }
+    ASSERT_EQ(counted, step_pages.size()) << "step " << step;
+    for (uint32_t id : step_pages) ASSERT_NE(residency.find(id), kNone) << "step " << step;
+    for (const auto& [host, device] : model) ASSERT_EQ(residency.find(host), device);
+    ASSERT_EQ(residency.resident(), model.size());
+    previous = request;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Policies, Residency,
                          ::testing::Values(gpu::EvictionPolicy::lru, gpu::EvictionPolicy::clock),
                          [](const auto& info) {

@@ -163,6 +163,7 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
 
   host_slots_.resize(max_listed_);
   refresh_.resize(max_listed_);
+  piece_ends_.reserve(std::size_t{max_pairs_} + 1);
   if (mirror()) {
     // Each slot is flagged once, so the list never outgrows the pool and sealing never allocates.
     // Pages stored before this mirror existed go at the first call: every slot handed out so far.
@@ -262,6 +263,23 @@ void OffloadAttention::drain() noexcept {
   if (stream_.mark(kDone).ok) stream_.wait(kDone);
 }
 
+void OffloadAttention::plan_pieces(const uint32_t* offsets, uint32_t pairs) noexcept {
+  piece_ends_.clear();  // within the capacity reserved: no allocation
+  piece_ends_.push_back(0);
+  const uint64_t least = options_.min_piece_pages;
+  if (least > 0 && offsets[pairs] >= 2 * least) {
+    uint64_t target = std::max<uint64_t>(least, offsets[pairs] / 8);
+    uint32_t first_page = 0;
+    for (uint32_t pair = 0; pair + 1 < pairs; ++pair)
+      if (offsets[pair + 1] - first_page >= target) {
+        piece_ends_.push_back(pair + 1);
+        first_page = offsets[pair + 1];
+        target *= 2;
+      }
+  }
+  piece_ends_.push_back(pairs);
+}
+
 gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCall& call,
                                            uint32_t part_index, uint32_t row0,
                                            PartCounts& counts) noexcept {
@@ -327,40 +345,55 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
     for (const gpu::PageMove& move : pending_) pending_flag_[move.host_slot] = 0;
     pending_.clear();
   } else {
-    r = layer_cache.plan(host_slots_.data(), n, device_slots);
-    if (!r.ok) return r;
-
-    // Pages cached earlier whose host copy has since changed go again, with the misses.
+    // The listed pages made resident in pieces of whole pairs, each piece's misses and refreshes
+    // sent (one gather) before the next piece is planned, so that the host plans piece k + 1 while
+    // the device gathers piece k and only the first piece's planning waits in front of the
+    // transfer (on the H200 host a page's plan took about 80 ns in the 8B model's step against
+    // about 200 ns to gather its 8 KiB at 40 GB/s, so each piece may be twice the last:
+    // plan_pieces).
     uint32_t* tokens = copied_tokens_.data() + std::size_t{call.layer} * options_.cache_pages;
-    for (const gpu::PageMove& move : layer_cache.residency().moves())
-      tokens[move.device_slot] = kFresh;
-    // tokens is indexed by device slot, so the listed pages land on scattered lines of a layer's
-    // cache_pages words (L3 by the time a layer comes round again): prefetch a few pages ahead,
-    // as plan() does its map (bench/bench_residency.cpp: 20 -> 15 ns a page with the plan at
-    // batch 1 over 32 layers).
-    constexpr uint32_t kAhead = 16;
-    for (uint32_t pair = 0; pair < pairs; ++pair)
-      for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
-        if (i + kAhead < n) __builtin_prefetch(&tokens[device_slots[i + kAhead]], 1);
-        const uint32_t slot = device_slots[i];
-        const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
-        if (tokens[slot] != kFresh && tokens[slot] < held)
-          refresh_[n_refresh++] = gpu::PageMove{host_slots_[i], slot};
-        tokens[slot] = held;
+    plan_pieces(offsets, pairs);
+    for (std::size_t k = 0; k + 1 < piece_ends_.size(); ++k) {
+      const uint32_t first_pair = piece_ends_[k], end_pair = piece_ends_[k + 1];
+      const uint32_t i0 = offsets[first_pair], i1 = offsets[end_pair];
+      const Clock::time_point t_piece = Clock::now();
+      r = layer_cache.plan(host_slots_.data() + i0, i1 - i0, device_slots + i0,
+                           k == 0 ? gpu::StepMode::next : gpu::StepMode::same);
+      if (!r.ok) return r;
+
+      // Pages cached earlier whose host copy has since changed go again, with the misses.
+      for (const gpu::PageMove& move : layer_cache.residency().moves())
+        tokens[move.device_slot] = kFresh;
+      // tokens is indexed by device slot, so the listed pages land on scattered lines of a
+      // layer's cache_pages words (L3 by the time a layer comes round again): prefetch a few
+      // pages ahead, as plan() does its map (bench/bench_residency.cpp: 20 -> 15 ns a page with
+      // the plan at batch 1 over 32 layers).
+      constexpr uint32_t kAhead = 16;
+      uint32_t piece_refresh = 0;
+      for (uint32_t pair = first_pair; pair < end_pair; ++pair)
+        for (uint32_t i = offsets[pair]; i < offsets[pair + 1]; ++i) {
+          if (i + kAhead < i1) __builtin_prefetch(&tokens[device_slots[i + kAhead]], 1);
+          const uint32_t slot = device_slots[i];
+          const uint32_t held = i + 1 == offsets[pair + 1] ? last_tokens[pair] : B;
+          if (tokens[slot] != kFresh && tokens[slot] < held)
+            refresh_[piece_refresh++] = gpu::PageMove{host_slots_[i], slot};
+          tokens[slot] = held;
+        }
+      counts.plan_us += micros(t_piece, Clock::now());
+      r = layer_cache.move(stream_.handle(), refresh_.data(), piece_refresh);
+      if (!r.ok) {
+        // Nothing of this piece was sent: its pages were marked as copied above, so forget them
+        // (sent again when next listed). The earlier pieces' moves are on the stream.
+        for (uint32_t i = i0; i < i1; ++i) tokens[device_slots[i]] = 0;
+        return r;
       }
-    counts.plan_us += micros(t_plan, Clock::now());
-    r = layer_cache.move(stream_.handle(), refresh_.data(), n_refresh);
-    if (!r.ok) {
-      // Nothing was sent: the step's pages were marked as copied above, so forget them all (sent
-      // again when next listed).
-      for (uint32_t i = 0; i < n; ++i) tokens[device_slots[i]] = 0;
-      return r;
+      const gpu::TransferStats& moved = layer_cache.last_step();
+      hits += moved.hits;
+      misses += moved.misses;
+      evictions += moved.evictions;
+      page_bytes += moved.bytes_moved + uint64_t{piece_refresh} * slot_bytes;
+      n_refresh += piece_refresh;
     }
-    const gpu::TransferStats& moved = layer_cache.last_step();
-    hits = moved.hits;
-    misses = moved.misses;
-    evictions = moved.evictions;
-    page_bytes = moved.bytes_moved + uint64_t{n_refresh} * slot_bytes;
   }
   auto* pool = static_cast<std::byte*>(const_cast<void*>(layer_cache.device_pool()));
 

@@ -84,6 +84,11 @@ struct OffloadOptions {
   // copies are in flight. The decode engine splits a batch into this many parts (at most the
   // batch) so that selection overlaps the device.
   uint32_t step_parts = 2;
+  // A part's page moves are planned in pieces of whole (sequence, KV head) pairs, each sent
+  // before the next is planned, so that the host's planning overlaps the device's gather: the
+  // first piece lists at least this many pages (and an eighth of the part's), each later one about
+  // twice the last. A part listing fewer than twice this many pages is one piece; 0: always one.
+  uint32_t min_piece_pages = 128;
 };
 
 // One call (last_step()) or the sum over calls (totals()). Times in microseconds; the GPU times
@@ -216,6 +221,10 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   gpu::DevicePageCache& cache_for(uint32_t layer) noexcept { return caches_[mirror() ? 0 : layer]; }
   // Mirror: lists a host slot to send at the next call, unless it is listed already.
   bool mark_pending(uint32_t host_slot) noexcept;
+  // Cuts a part's pairs (offsets [pairs + 1], its page lists' offsets) into the pieces its moves
+  // are planned in (OffloadOptions::min_piece_pages): piece k is pairs [piece_ends_[k],
+  // piece_ends_[k + 1]).
+  void plan_pieces(const uint32_t* offsets, uint32_t pairs) noexcept;
   // Enqueues one part: the listed pages made resident and refreshed (one gather), the rows staged,
   // q with the lists, the attention into the device output at row0; records events 3 * part ..
   // 3 * part + 2. Waits for nothing on the device.
@@ -258,8 +267,9 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   float* out_host_ = nullptr;  // pinned [max_batch, n_query_heads, head_dim]
   float* out_device_ = nullptr;
   std::vector<uint32_t> host_slots_;  // [max_listed_] the listed pages' host slots
-  // [max_listed_] a part's refreshes, sent with its misses (DevicePageCache::move copies them)
+  // [max_listed_] a piece's refreshes, sent with its misses (DevicePageCache::move copies them)
   std::vector<gpu::PageMove> refresh_;
+  std::vector<uint32_t> piece_ends_;  // plan_pieces(), capacity max_pairs_ + 1
 
   // Marks the device copies of host slots table[first, end) of a layer stale (their slots go back
   // to the pool).
