@@ -44,8 +44,10 @@ constexpr CudaErrors from_cuda{"S4R row reconstruction"};
 
 // Rows per CTA: 2 * kTileRows accumulators a thread; each basis element read from L2 once per tile.
 constexpr uint32_t kTileRows = 32;
-// Coefficients staged per pass: [kTileK][kTileRows] fp32, 4 KiB of shared memory.
+// Coefficients staged per pass: [kTileK][kTileRows + kPad] fp32, 4.5 KiB of shared memory. The pad
+// spreads the transposing stores over 8 banks instead of one, and keeps each row 16-byte aligned.
 constexpr uint32_t kTileK = 32;
+constexpr uint32_t kPad = 4;
 
 __device__ __forceinline__ float from_coeff(uint16_t h, bool bf16) {
   return bf16 ? __uint_as_float(static_cast<uint32_t>(h) << 16) : __half2float(__ushort_as_half(h));
@@ -72,7 +74,7 @@ __global__ void reconstruct_kernel(const ReconstructUnit* __restrict__ units,
                                    const uint16_t* __restrict__ value_coeffs,
                                    const double* __restrict__ inv_freq, std::byte* chunks,
                                    simd::PageLayout layout) {
-  __shared__ __align__(16) float tile[kTileK][kTileRows];
+  __shared__ __align__(16) float tile[kTileK][kTileRows + kPad];
   const ReconstructUnit unit = units[blockIdx.x];
   const uint32_t row0 = blockIdx.y * kTileRows, head = blockIdx.z;
   if (row0 >= unit.n_rows || head >= unit.heads) return;  // the whole CTA leaves together
@@ -115,9 +117,11 @@ __global__ void reconstruct_kernel(const ReconstructUnit* __restrict__ units,
         }
       }
     }
+    // Predicated rather than cut short, so that the unrolled loop indexes acc statically (a break
+    // would leave it in local memory).
 #pragma unroll
     for (uint32_t r = 0; r < kTileRows; ++r) {
-      if (r >= rows) break;
+      if (r >= rows) continue;
       const uint32_t row = row0 + r;
       float a = acc[r][0], b = acc[r][1];
       if (keys) {
