@@ -538,10 +538,10 @@ gpu::Result OffloadAttention::reconstruct_part(const AttendCall& call, uint32_t 
     }
     if (bases->basis_id == unit.basis_id) continue;
     const std::size_t matrix = std::size_t{unit.rank} * dim * sizeof(float);
+    bases->basis_id = 0;  // until the copies below are enqueued
     if (bases->bytes < 2 * matrix) {
       bases->memory.reset();
       bases->bytes = 0;
-      bases->basis_id = 0;
       void* memory = nullptr;
       if (gpu::Result r = gpu::device_alloc(2 * matrix, &memory); !r.ok) return r;
       bases->memory.reset(memory);
