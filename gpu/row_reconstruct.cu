@@ -13,9 +13,10 @@
 //   lib/select/s4r_core.hpp's memory model): 1.6 MFLOP a row, 27 ns at the FMA peak; HBM 1.4 ns;
 //   PCIe saved (4096 - 1604 bytes) 50 ns. The kernel at its floor costs half the link time it
 //   saves, so the link alone is not where the win is: the host's reconstruction (the same 2 r D'
-//   multiply-adds, on a few CPU cores: about a millisecond per thousand rows at ~50 GFLOP/s a
-//   core) leaves the decode step's critical path.
-// - per-head bases (D' = 128, r ~ 50): 26 KFLOP a row-head, 0.4 ns; PCIe saved 316 bytes, 6.3 ns.
+//   multiply-adds, 1.6 GFLOP per thousand rows: milliseconds even on 16 cores at ~50 GFLOP/s
+//   each, where the device's floor is 27 us) leaves the decode step's critical path.
+// - per-head bases (D' = 128, r ~ 50): 26 KFLOP a row-head, 0.4 ns; PCIe saved 512 - 204 bytes,
+//   6.2 ns: the link dominates, and the kernel costs a fifteenth of what it saves.
 // The kernel is plain fp32 FMA (compute-bound past a few hundred rows); TF32 tensor cores would
 // lift the per-layer floor ~8x at a precision cost that breaks the 1-ulp agreement with the host.
 //
