@@ -166,8 +166,8 @@ Result CudaRowReconstructor::init(const ReconstructShape& shape) {
         "the host)");
   if (!(shape.rope_theta > 0.0f) || !std::isfinite(shape.rope_theta))
     return from_cuda.invalid("rope_theta is not a positive number");
-  if (shape.max_heads == 0 || shape.max_heads > 256)
-    return from_cuda.invalid("max_heads=" + num(shape.max_heads) + " is not in 1..256");
+  if (shape.max_heads == 0 || shape.max_heads > 1024)
+    return from_cuda.invalid("max_heads=" + num(shape.max_heads) + " is not in 1..1024");
   // lib/cache/rope.cpp's expression, so that the angles are the host's to the last bit.
   const uint32_t half = shape.head_dim / 2;
   std::vector<double> inv_freq(half);

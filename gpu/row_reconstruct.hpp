@@ -49,7 +49,7 @@ struct ReconstructShape {
   uint32_t page_tokens = 16;             // 16, 32 or 64
   simd::Dtype dtype = simd::Dtype::f16;  // f16 or bf16: the coefficients' and the rows' dtype
   float rope_theta = 10000.0f;           // the cache's Rope::theta()
-  uint32_t max_heads = 1;                // most KV heads one basis spans, 1..256
+  uint32_t max_heads = 1;                // most KV heads one basis spans, 1..1024
 };
 
 // One unit's rows, in a device array the caller fills (it is read by the kernel, not the host).
