@@ -15,10 +15,12 @@
 // the rest of the step, every product, norm and append), the bytes sent host to device and the
 // device cache's hit rate are the medians of the timed steps' telemetry; h2d_MB_total and
 // hit_rate_all are over all timed steps; plan_us (JSON only) is the host's planning of the page
-// moves, which the transfer waits for. Memory is read after the last step, before the row's
-// sequences are freed: the process's resident and peak resident sizes, the KV pages held and the
-// selector's bytes (page summaries and what it holds beside them). One JSON object per row on
-// stdout, a table on stderr.
+// moves, which the transfer waits for; row_h2d_MB and rows_equivalent_MB (JSON only, medians) are
+// the token rows' share of h2d_MB and what those rows would have cost sent as values: for S4R in
+// offload mode, where the device reconstructs the rows, coefficients against rows. Memory is read
+// after the last step, before the row's sequences are freed: the process's resident and peak
+// resident sizes, the KV pages held and the selector's bytes (page summaries and what it holds
+// beside them). One JSON object per row on stdout, a table on stderr.
 //
 // --busy N: a busy host. A separate process (forked before the model loads) keeps N threads
 // spinning for the whole run, as another program sharing the machine would; N = one per CPU of the
@@ -279,7 +281,7 @@ int main(int argc, char** argv) {
           check(kvsift_model_sequence_fork(model, seqs[0], &seqs[b]), "fork");
         std::vector<int32_t> next(batch);
         std::vector<double> step_s, select_us, transfer_us, plan_us, attend_us, weights_ms, h2d,
-            hit;
+            row_h2d, rows_equivalent, hit;
         uint64_t h2d_total = 0, hits_total = 0, lookups_total = 0;
         for (uint32_t i = 0; i < warmup + steps; ++i) {
           for (uint32_t b = 0; b < batch; ++b) {
@@ -309,6 +311,8 @@ int main(int argc, char** argv) {
                                1e-3 * (stats.last_step_select_us + stats.last_step_transfer_us +
                                        stats.last_step_attend_us));
           h2d.push_back(static_cast<double>(stats.last_step_h2d_bytes));
+          row_h2d.push_back(static_cast<double>(stats.last_step_row_h2d_bytes));
+          rows_equivalent.push_back(static_cast<double>(stats.last_step_rows_equivalent_bytes));
           const uint64_t lookups = stats.last_step_cache_hits + stats.last_step_cache_misses;
           h2d_total += stats.last_step_h2d_bytes;
           hits_total += stats.last_step_cache_hits;
@@ -352,6 +356,8 @@ int main(int argc, char** argv) {
             {"kv_bytes_held", held.kv_bytes_held},
             {"selector_bytes", selector_bytes},
             {"h2d_MB", median(h2d) / 1e6},
+            {"row_h2d_MB", median(row_h2d) / 1e6},
+            {"rows_equivalent_MB", median(rows_equivalent) / 1e6},
             {"hit_rate", median(hit)},
             {"h2d_MB_total", h2d_total / 1e6},
             {"hit_rate_all",

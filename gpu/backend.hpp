@@ -29,6 +29,7 @@
 #include "gpu/offload_runtime.hpp"
 #include "gpu/page_transfer.hpp"
 #include "gpu/result.hpp"
+#include "gpu/row_reconstruct.hpp"
 #include "gpu/sparse_attention.hpp"
 
 namespace kvsift::gpu::backend {
@@ -119,6 +120,15 @@ class LocksScorer {
   virtual float last_run_ms() const noexcept = 0;
 };
 
+// gpu/row_reconstruct.hpp states the contract of every call.
+class RowReconstructor {
+ public:
+  virtual ~RowReconstructor() = default;
+  virtual Result init(const ReconstructShape& shape) = 0;
+  virtual Result run(const ReconstructCall& call) noexcept = 0;
+  virtual const ReconstructShape& shape() const noexcept = 0;
+};
+
 // gpu/device_llama.hpp states the contract of every call.
 class DeviceLlama {
  public:
@@ -166,6 +176,7 @@ class Backend {
   virtual std::unique_ptr<LouverFilter> make_louver_filter() = 0;
   virtual std::unique_ptr<LocksScorer> make_locks_scorer() = 0;
   virtual std::unique_ptr<DeviceLlama> make_device_llama() = 0;
+  virtual std::unique_ptr<RowReconstructor> make_row_reconstructor() = 0;
 
  protected:
   ~Backend() = default;

@@ -27,5 +27,6 @@ std::unique_ptr<backend::StepStream> make_step_stream();
 std::unique_ptr<backend::LouverFilter> make_louver_filter();
 std::unique_ptr<backend::LocksScorer> make_locks_scorer();
 std::unique_ptr<backend::DeviceLlama> make_device_llama();
+std::unique_ptr<backend::RowReconstructor> make_row_reconstructor();
 
 }  // namespace kvsift::gpu::cuda

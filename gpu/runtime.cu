@@ -67,6 +67,9 @@ class CudaBackend final : public backend::Backend {
   std::unique_ptr<backend::DeviceLlama> make_device_llama() override {
     return cuda::make_device_llama();
   }
+  std::unique_ptr<backend::RowReconstructor> make_row_reconstructor() override {
+    return cuda::make_row_reconstructor();
+  }
 };
 
 }  // namespace

@@ -22,7 +22,9 @@
 #include "lib/engine/decode_engine.hpp"
 #include "lib/model/llama_model.hpp"
 #include "lib/offload/offload_attention.hpp"
+#include "lib/select/s4r_selector.hpp"
 #include "lib/select/selector.hpp"
+#include "simd/half.hpp"
 #include "tests/gpu_skip.hpp"
 #include "tests/model_handle.hpp"
 #include "tests/test_util.hpp"
@@ -395,19 +397,27 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
       model.drift();
       for (uint32_t layer = 0; layer < c.n_layers; ++layer) {
         for (int32_t id : model.seq_ids()) model.append(id, layer, 1);
-        const select::SelectCall select_call{layer, c.batch, model.seq_ids().data(),
-                                             model.q().data()};
+        // S4R's rows as coefficients, reconstructed by the device (what the decode engine asks
+        // for in offload mode); the CPU attends the host's reconstruction of the same choice.
+        select::SelectCall select_call{layer, c.batch, model.seq_ids().data(), model.q().data()};
+        select_call.latent_rows = kind == Kind::s4r;
         selector->prepare(select_call, selection);
         selector->select(select_call, selection);
+        ASSERT_EQ(selection.latent, kind == Kind::s4r);
+        if (selection.latent)
+          dynamic_cast<select::S4rSelector&>(*selector).reconstruct_rows(select_call, selection);
         const PageLists lists = selection.lists();
         const RowChunks rows = selection.rows();
+        const LatentRows latent = selection.latent_rows();
         ASSERT_TRUE(selection.has_rows);
-        rows_attended += selection.chunk_offsets[selection.n_pairs];
+        const uint64_t chunks = selection.chunk_offsets[selection.n_pairs];
+        rows_attended += chunks;
         AttendCall call{layer,  c.batch, model.seq_ids().data(), model.q().data(), out_cpu.data(),
                         &lists, &rows};
         cpu.validate(model.cache(), call);
         cpu.run(model.cache(), call);
         call.out = out_gpu.data();
+        call.latent = selection.latent ? &latent : nullptr;
         std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
         offload->validate(model.cache(), call);
         ASSERT_EQ(offload->run(model.cache(), call), Status::ok) << offload->last_error();
@@ -416,12 +426,191 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
         EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems), 1e-3)
             << "step " << step << " layer " << layer;
         EXPECT_EQ(offload->last_stats().tokens_read, cpu.last_stats().tokens_read);
+        const OffloadStats& sent = offload->last_step();
+        EXPECT_EQ(sent.rows_equivalent_bytes, chunks * g.slot_bytes());
+        if (kind == Kind::louver || chunks == 0) {
+          EXPECT_EQ(sent.row_bytes_h2d, sent.rows_equivalent_bytes);
+        } else {
+          EXPECT_LT(sent.row_bytes_h2d, sent.rows_equivalent_bytes);
+        }
       }
     }
     EXPECT_GT(rows_attended, 0u) << "the selector returned no rows";
     if (kind == Kind::s4r) {
+      EXPECT_TRUE(offload->reconstructs_rows());
+      EXPECT_GT(offload->totals().basis_bytes_h2d, 0u);
+    }
+    if (kind == Kind::s4r) {
       EXPECT_TRUE(model.cache().has_released_pages());
     }
+  }
+}
+
+// The device's S4R rows against the host's (S4rSelector::reconstruct_rows, the CPU path's
+// reconstruction of the same choice), read back from the reserved slots: per-layer and per-head
+// bases, f16 and bf16, full rank and the ranks of compression 2.5 and 5, positions up to 5,000.
+// Both sum in fp32 in different orders and round once to the dtype, so each value must be within
+// 1 ulp of the dtype at its magnitude; where the value is far below its row's largest (the sum
+// cancelled), the fp32 difference is relative to the row's norm, not to the value (about
+// sqrt(r) 2^-24 |x|), so the ulp is taken at 1/16 of the row's largest magnitude there. Nearly
+// every value must be equal outright.
+TEST_F(OffloadTest, device_reconstructed_s4r_rows_equal_the_host_rows_to_an_ulp) {
+  for (const simd::Dtype dtype : {simd::Dtype::f16, simd::Dtype::bf16})
+    for (const bool per_head : {false, true})
+      for (const double compression : {1.0, 2.5, 5.0}) {
+        const uint64_t context = compression == 2.5 ? 5000 : 1500;
+        SCOPED_TRACE(testing::Message()
+                     << (dtype == simd::Dtype::f16 ? "f16" : "bf16")
+                     << (per_head ? " per-head" : " per-layer") << " compression " << compression);
+        const Case c{"ulp", Kind::s4r, dtype, 1, 2, 2, context, 2, 1, 0, 0};
+        Model model(c, 301, KeyForm::pre_rope);
+        const CacheGeometry& g = model.geometry();
+        select::Policy policy;
+        policy.kind = Kind::s4r;
+        policy.budget = 0.2;
+        policy.s4r.compression = compression;
+        policy.s4r.per_head_bases = per_head;
+        auto selector = Selector::create(policy, model.cache(), c.batch, model.max_pages() + 64,
+                                         test::pool(2), test::kernels());
+        auto& s4r = dynamic_cast<select::S4rSelector&>(*selector);
+        Selection selection;
+        selector->reserve_selection(selection);
+        OffloadOptions options;
+        options.max_batch = c.batch;
+        options.max_pages_per_pair = model.max_pages();
+        options.max_row_chunks = c.batch * g.n_kv_heads * model.max_pages();
+        options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * model.max_pages());
+        auto offload = OffloadAttention::create(model.cache(), options);
+        ASSERT_TRUE(offload->reconstructs_rows());
+        for (int32_t id : model.seq_ids()) model.append(id, 0, 1);
+        select::SelectCall select_call{0, c.batch, model.seq_ids().data(), model.q().data()};
+        select_call.latent_rows = true;
+        selector->prepare(select_call, selection);
+        selector->select(select_call, selection);
+        ASSERT_TRUE(selection.latent);
+        const uint32_t rank = s4r.compressed(model.seq_ids()[0], 0).rank;
+        ASSERT_GT(rank, 0u) << "not compressed";
+        if (compression == 1.0) {
+          EXPECT_EQ(rank, (per_head ? 1 : g.n_kv_heads) * g.head_dim);
+        }
+        const PageLists lists = selection.lists();
+        const RowChunks rows = selection.rows();
+        const LatentRows latent = selection.latent_rows();
+        std::vector<float> out(std::size_t{c.batch} * g.n_query_heads() * g.head_dim);
+        const AttendCall call{
+            0,     c.batch, model.seq_ids().data(), model.q().data(), out.data(), &lists,
+            &rows, &latent};
+        offload->validate(model.cache(), call);
+        ASSERT_EQ(offload->run(model.cache(), call), Status::ok) << offload->last_error();
+        s4r.reconstruct_rows(select_call, selection);
+
+        const simd::PageLayout layout = g.layout();
+        const bool bf16 = dtype == simd::Dtype::bf16;
+        const auto decode = [&](uint16_t h) {
+          return bf16 ? simd::bf16_to_f32(h) : simd::f16_to_f32(h);
+        };
+        const auto ulp = [&](float x) {
+          int e = 0;
+          std::frexp(x, &e);  // x = m 2^e, 0.5 <= |m| < 1
+          return std::ldexp(1.0f, std::max(e - 1, bf16 ? -126 : -14) - (bf16 ? 7 : 10));
+        };
+        std::vector<std::byte> slot(g.slot_bytes());
+        uint64_t values = 0, equal = 0;
+        const uint32_t base = offload->device_cache(0).capacity();
+        for (uint32_t pair = 0; pair < selection.n_pairs; ++pair)
+          for (uint32_t ch = selection.chunk_offsets[pair]; ch < selection.chunk_offsets[pair + 1];
+               ++ch) {
+            offload->read_device_slot(0, base + ch, slot.data());
+            const std::byte* host = layout.slot(selection.row_chunks.data(), ch);
+            const uint32_t first_row = (ch - selection.chunk_offsets[pair]) * g.page_tokens;
+            const uint32_t n = std::min(g.page_tokens, selection.row_counts[pair] - first_row);
+            for (uint32_t t = 0; t < n; ++t)
+              for (const bool keys : {true, false}) {
+                const uint16_t* dev =
+                    keys ? layout.key(slot.data(), t) : layout.value(slot.data(), t);
+                const uint16_t* ref = keys ? layout.key(host, t) : layout.value(host, t);
+                float row_max = 0.0f;
+                for (uint32_t i = 0; i < g.head_dim; ++i)
+                  row_max = std::max(row_max, std::fabs(decode(ref[i])));
+                for (uint32_t i = 0; i < g.head_dim; ++i) {
+                  const float a = decode(dev[i]), b = decode(ref[i]);
+                  const float scale = std::max({std::fabs(a), std::fabs(b), row_max / 16.0f});
+                  ASSERT_LE(std::fabs(a - b), ulp(scale))
+                      << "pair " << pair << " row " << first_row + t << (keys ? " K" : " V") << "["
+                      << i << "]: device " << a << ", host " << b;
+                  ++values;
+                  equal += dev[i] == ref[i];
+                }
+              }
+          }
+        ASSERT_GT(values, 0u);
+        EXPECT_GE(static_cast<double>(equal), 0.98 * static_cast<double>(values));
+        std::printf("%s %s compression %.1f rank %u: %lu of %lu values equal\n",
+                    bf16 ? "bf16" : "f16", per_head ? "per-head" : "per-layer", compression, rank,
+                    static_cast<unsigned long>(equal), static_cast<unsigned long>(values));
+      }
+}
+
+// The engine's S4R in offload mode, its rows reconstructed on the device, against the engine's
+// S4R on the CPU, over two identical caches (one selector each: S4R releases the pages it
+// compresses, so two cannot share a cache): steps in two parts, the outputs within the offload
+// tests' bound, coefficients sent in place of rows. A q8 cache reconstructs on the host, as on
+// the CPU, and sends rows.
+TEST_F(OffloadTest, an_s4r_decode_in_offload_mode_matches_the_cpu_s4r_path) {
+  for (const simd::Dtype dtype : {simd::Dtype::bf16, simd::Dtype::q8}) {
+    const bool q8 = dtype == simd::Dtype::q8;
+    SCOPED_TRACE(q8 ? "q8" : "bf16");
+    const Case c{"s4r", Kind::s4r, dtype, 2, 2, 4, 2000, 2, 6, 0, 0};
+    Model cpu_model(c, 404, KeyForm::pre_rope), gpu_model(c, 404, KeyForm::pre_rope);
+    const CacheGeometry& g = cpu_model.geometry();
+    select::Policy policy;
+    policy.kind = Kind::s4r;
+    policy.budget = 0.1;
+    EngineOptions options;
+    options.max_batch = c.batch;
+    options.n_threads = 2;
+    options.max_pages_per_pair = cpu_model.max_pages() + 64;
+    DecodeEngine cpu(cpu_model.cache(), test::kernels(), options);
+    options.device = 0;
+    options.device_step_parts = 2;
+    DecodeEngine gpu(gpu_model.cache(), test::kernels(), options);
+    cpu.set_selector(policy);
+    gpu.set_selector(policy);
+    ASSERT_EQ(gpu.offload()->reconstructs_rows(), !q8);
+    const std::size_t elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
+    std::vector<float> out_cpu(elems), out_gpu(elems);
+    uint64_t sent = 0, as_values = 0;
+    for (uint32_t step = 1; step <= c.steps; ++step) {
+      cpu_model.drift();
+      gpu_model.drift();
+      for (uint32_t layer = 0; layer < c.n_layers; ++layer) {
+        for (int32_t id : cpu_model.seq_ids()) cpu_model.append(id, layer, 1);
+        for (int32_t id : gpu_model.seq_ids()) gpu_model.append(id, layer, 1);
+        ASSERT_EQ(cpu_model.q(), gpu_model.q());
+        cpu.attend_selected(AttendCall{layer, c.batch, cpu_model.seq_ids().data(),
+                                       cpu_model.q().data(), out_cpu.data()});
+        std::fill(out_gpu.begin(), out_gpu.end(), std::numeric_limits<float>::quiet_NaN());
+        gpu.attend_selected(AttendCall{layer, c.batch, gpu_model.seq_ids().data(),
+                                       gpu_model.q().data(), out_gpu.data()});
+        for (std::size_t i = 0; i < elems; ++i)
+          ASSERT_TRUE(std::isfinite(out_gpu[i])) << "out[" << i << "] not written";
+        EXPECT_LE(test::relative_error(out_gpu.data(), out_cpu.data(), elems),
+                  std::max(1e-3, test::attend_tolerance(test::kernels().level, dtype)))
+            << "step " << step << " layer " << layer;
+        EXPECT_EQ(gpu.last_step().attended.tokens_read, cpu.last_step().attended.tokens_read);
+        EXPECT_EQ(gpu.selection().latent, !q8);
+        sent += gpu.last_step().row_h2d_bytes;
+        as_values += gpu.last_step().rows_equivalent_bytes;
+      }
+    }
+    EXPECT_GT(as_values, 0u) << "no rows were attended";
+    if (q8) {
+      EXPECT_EQ(sent, as_values);
+    } else {
+      EXPECT_LT(sent, as_values);
+    }
+    std::printf("s4r %s: row bytes sent %lu, as values %lu\n", q8 ? "q8" : "bf16",
+                static_cast<unsigned long>(sent), static_cast<unsigned long>(as_values));
   }
 }
 
@@ -519,7 +708,10 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
   select::Policy louver;
   louver.kind = Kind::louver;
   louver.budget = 0.25;
-  for (const select::Policy& policy : {select::Policy{}, locks, louver}) {
+  select::Policy s4r;
+  s4r.kind = Kind::s4r;
+  s4r.budget = 0.25;
+  for (const select::Policy& policy : {select::Policy{}, locks, louver, s4r}) {
     SCOPED_TRACE(select::kind_name(policy.kind));
     std::vector<int32_t> tokens[2];
     int32_t seqs[2][2];
@@ -545,6 +737,11 @@ TEST_F(OffloadTest, the_model_decodes_the_same_tokens_in_offload_mode) {
           EXPECT_GT(s.cache_hits + s.cache_misses, 0u);
           EXPECT_GT(s.h2d_bytes, 0u);
           EXPECT_GT(s.plan_us, 0.0);  // every offload step plans its moves
+          // S4R's rows go as coefficients once the prompt is compressed (the first step).
+          if (policy.kind == Kind::s4r && gpu->cache().geometry().dtype != simd::Dtype::q8) {
+            EXPECT_GT(s.rows_equivalent_bytes, 0u);
+            EXPECT_LT(s.row_h2d_bytes, s.rows_equivalent_bytes);
+          }
         }
       }
     }

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -188,6 +189,84 @@ TEST(S4r, the_bytes_held_follow_the_memory_model) {
                             2.0 * dim * c.rank * 2 + 32.0 * b.g.group_size * c.rank * 2;
     EXPECT_NEAR(measured, expected / static_cast<double>(dense_bytes), 1e-4);
     EXPECT_LE(measured, 1.0 / compression + 0.02);
+  }
+}
+
+// Latent rows (SelectCall::latent_rows, what the decode engine asks for when its backend
+// reconstructs on a device): the same choice as a selection of values over an identical cache, the
+// rows' chunks left unwritten, units that name the bases, coefficients and positions, and a host
+// reconstruction of them (the device's reference) equal to the values byte for byte. The CPU's
+// attention refuses latent rows.
+TEST(S4r, latent_rows_name_the_same_choice_and_reconstruct_to_the_same_rows) {
+  for (const bool per_head : {false, true}) {
+    SCOPED_TRACE(per_head ? "per-head bases" : "per-layer bases");
+    Policy policy = s4r_policy(0.2, 2.5);
+    policy.s4r.per_head_bases = per_head;
+    Bench values(1000, policy, 120), latent(1000, policy, 120);
+    const auto q =
+        test::random_floats(std::size_t{values.g.n_query_heads()} * values.g.head_dim, 121);
+    values.step(q, 122);
+    const auto kv =
+        test::random_floats(2 * std::size_t{latent.g.n_kv_heads} * latent.g.head_dim, 122);
+    latent.cache.append(latent.seq, 0, 1, kv.data(), kv.data() + latent.g.n_kv_heads * 64);
+    select::SelectCall call{0, 1, &latent.seq, q.data()};
+    call.latent_rows = true;
+    Selection& sel = latent.selection;
+    std::fill(sel.row_chunks.begin(), sel.row_chunks.end(), std::byte{0x5a});
+    latent.selector->prepare(call, sel);
+    std::fill(sel.row_chunks.begin(), sel.row_chunks.end(), std::byte{0x5a});
+    latent.selector->select(call, sel);
+    ASSERT_TRUE(sel.latent);
+    EXPECT_FALSE(values.selection.latent);
+    const uint32_t pairs = latent.g.n_kv_heads, hpu = per_head ? 1 : pairs;
+    EXPECT_EQ(sel.heads_per_unit, hpu);
+    const uint32_t chunks = sel.chunk_offsets[pairs];
+    ASSERT_EQ(chunks, values.selection.chunk_offsets[pairs]);
+    ASSERT_GT(chunks, 0u);
+    for (uint32_t pair = 0; pair < pairs; ++pair)
+      ASSERT_EQ(sel.row_counts[pair], values.selection.row_counts[pair]);
+    const std::size_t rows = std::size_t{chunks} * latent.g.page_tokens;
+    EXPECT_TRUE(std::equal(sel.row_tokens.begin(), sel.row_tokens.begin() + rows,
+                           values.selection.row_tokens.begin()));
+    auto* s4r = dynamic_cast<S4rSelector*>(latent.selector.get());
+    ASSERT_NE(s4r, nullptr);
+    const S4rSelector::Compressed c = s4r->compressed(latent.seq, 0);
+    for (uint32_t u = 0; u < pairs / hpu; ++u) {
+      const LatentUnit& unit = sel.latent_units[u];
+      EXPECT_NE(unit.basis_id, 0u);
+      EXPECT_EQ(unit.rank, c.rank);
+      EXPECT_EQ(unit.first, c.first);
+      EXPECT_EQ(unit.n_tokens, c.end - c.first);
+      EXPECT_EQ(unit.positions, sel.row_tokens.data() +
+                                    std::size_t{sel.chunk_offsets[u * hpu]} * latent.g.page_tokens);
+      ASSERT_NE(unit.key_coeffs, nullptr);
+      ASSERT_NE(unit.value_basis, nullptr);
+      if (u > 0) EXPECT_NE(unit.basis_id, sel.latent_units[u - 1].basis_id);
+    }
+    EXPECT_EQ(sel.row_chunks[0], std::byte{0x5a}) << "latent rows were reconstructed anyway";
+
+    std::vector<float> out(q.size());
+    const PageLists lists = sel.lists();
+    const RowChunks chunk_rows = sel.rows();
+    const LatentRows latent_rows = sel.latent_rows();
+    AttendCall attend{0, 1, &latent.seq, q.data(), out.data(), &lists, &chunk_rows, &latent_rows};
+    test::expect_error([&] { latent.attention.validate(latent.cache, attend); },
+                       Status::unsupported, "latent rows");
+
+    s4r->reconstruct_rows(call, sel);
+    const simd::PageLayout layout = latent.g.layout();
+    for (uint32_t pair = 0; pair < pairs; ++pair)
+      for (uint32_t r = 0; r < sel.row_counts[pair]; ++r) {
+        const std::size_t chunk = sel.chunk_offsets[pair] + r / latent.g.page_tokens;
+        const uint32_t t = r % latent.g.page_tokens;
+        const std::byte* ours = layout.slot(sel.row_chunks.data(), chunk);
+        const std::byte* theirs = layout.slot(values.selection.row_chunks.data(), chunk);
+        ASSERT_EQ(std::memcmp(layout.key(ours, t), layout.key(theirs, t), layout.row_bytes()), 0)
+            << "pair " << pair << " row " << r;
+        ASSERT_EQ(std::memcmp(layout.value(ours, t), layout.value(theirs, t), layout.row_bytes()),
+                  0)
+            << "pair " << pair << " row " << r;
+      }
   }
 }
 

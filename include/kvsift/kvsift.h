@@ -676,6 +676,11 @@ typedef struct kvsift_model_stats {
    * evictions, the refresh scan), summed over layers. The moves wait for it, so where the device
    * is idle by then it is part of last_step_transfer_us. */
   double last_step_plan_us;
+  /* Offload mode: of last_step_h2d_bytes, the token rows' (Louver's gathered rows; S4R's rows, or
+   * where the device reconstructs them, their coefficients and positions), and what the same rows
+   * would have cost sent as values. Zero on the CPU and for page-level selectors. */
+  uint64_t last_step_row_h2d_bytes;
+  uint64_t last_step_rows_equivalent_bytes;
 } kvsift_model_stats;
 
 KVSIFT_API kvsift_status kvsift_model_get_stats(const kvsift_model* model,

@@ -64,6 +64,14 @@ void DecodeAttention::validate_sequences(const KvCache& cache, const AttendCall&
 }
 
 void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) const {
+  if (call.latent != nullptr)
+    fail(Status::unsupported,
+         "latent rows (S4R coefficients) are reconstructed by the offload backend; on the CPU the "
+         "selector hands rows as values");
+  validate_lists(cache, call);
+}
+
+void DecodeAttention::validate_lists(const KvCache& cache, const AttendCall& call) const {
   validate_sequences(cache, call);
   const CacheGeometry& g = cache.geometry();
   const uint32_t pairs = call.n_seqs * g.n_kv_heads;
@@ -80,7 +88,8 @@ void DecodeAttention::validate(const KvCache& cache, const AttendCall& call) con
     require(rows.row_counts != nullptr, "rows->row_counts is NULL");
     require(rows.chunk_offsets[0] == 0, "rows->chunk_offsets[0]=", rows.chunk_offsets[0],
             " is not 0");
-    require(rows.chunks != nullptr || rows.chunk_offsets[pairs] == 0, "rows->chunks is NULL");
+    require(rows.chunks != nullptr || call.latent != nullptr || rows.chunk_offsets[pairs] == 0,
+            "rows->chunks is NULL");
     for (uint32_t pair = 0; pair < pairs; ++pair) {
       const uint32_t begin = rows.chunk_offsets[pair], end = rows.chunk_offsets[pair + 1];
       require(begin <= end && end - begin == geometry_.pages_for(rows.row_counts[pair]),

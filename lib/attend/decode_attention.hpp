@@ -33,6 +33,39 @@ struct RowChunks {
   const uint32_t* row_counts = nullptr;     // [pairs]; a pair's last chunk may be partial
 };
 
+// Token rows given by their S4R coefficients (docs/methods.md, S4R: decode;
+// lib/select/s4r_selector.hpp) rather than their values, for a backend that reconstructs them
+// itself next to the attention: OffloadAttention, which keeps the bases on the device so that per
+// step only coefficients and positions cross PCIe (lib/offload/offload_attention.hpp).
+// DecodeAttention refuses them: on the CPU the selector reconstructs, as before. The rows sit
+// where the call's RowChunks places them (its chunk_offsets and row_counts; its chunks are not
+// read); a unit says what its rows are.
+//
+// A unit is one basis pair over heads_per_unit consecutive KV heads of one sequence (all of the
+// layer's, or one: S4rPolicy::per_head_bases). Units are sequence-major, n_seqs * n_kv_heads /
+// heads_per_unit of them; unit u of sequence i spans pairs i * n_kv_heads + u * heads_per_unit
+// onwards, which all hold the unit's rows. A unit without rows (its pairs have none) is not read.
+struct LatentUnit {
+  // Names the bases for as long as they stay as they are, nonzero: a backend that keeps a copy
+  // sends them again when the id of its (sequence, layer, unit) changes.
+  uint64_t basis_id = 0;
+  uint32_t rank = 0;                   // 1..heads_per_unit * head_dim
+  const float* key_basis = nullptr;    // [rank, heads_per_unit * head_dim] float32: B_K^T
+  const float* value_basis = nullptr;  // B_V^T, the same shape
+  // [n_tokens, rank] in the cache's row_dtype(): coefficient row j is token position first + j.
+  const uint16_t* key_coeffs = nullptr;
+  const uint16_t* value_coeffs = nullptr;
+  uint64_t first = 0, n_tokens = 0;
+  // [the unit's rows] each row's token position, in first .. first + n_tokens - 1, in the rows'
+  // order: the K row is reconstructed, then rotated by RoPE at this position.
+  const uint32_t* positions = nullptr;
+};
+
+struct LatentRows {
+  uint32_t heads_per_unit = 0;
+  const LatentUnit* units = nullptr;  // [n_seqs * n_kv_heads / heads_per_unit]
+};
+
 struct AttendCall {
   uint32_t layer = 0;
   uint32_t n_seqs = 0;
@@ -41,6 +74,9 @@ struct AttendCall {
   float* out = nullptr;              // [n_seqs, n_query_heads, head_dim]
   const PageLists* pages = nullptr;  // nullptr: every stored page
   const RowChunks* rows = nullptr;   // nullptr: no rows besides the pages
+  // With rows: their values as coefficients (the rows' chunks are not read); nullptr: rows->chunks
+  // holds them. Only a backend that reconstructs accepts it.
+  const LatentRows* latent = nullptr;
 };
 
 struct AttendStats {
@@ -80,8 +116,12 @@ class DecodeAttention final : public AttentionBackend {
   DecodeAttention(const CacheGeometry& geometry, uint32_t max_batch, int n_threads,
                   const simd::Kernels& kernels);
 
-  // Throws Error naming the first bad argument; writes nothing.
+  // Throws Error naming the first bad argument; writes nothing. Refuses latent rows
+  // (unsupported): the CPU attends rows as values.
   void validate(const KvCache& cache, const AttendCall& call) const override;
+  // validate() less its refusal of latent rows: the checks of the sequences, the page lists and
+  // the rows' placement that every backend shares (rows->chunks may then be NULL).
+  void validate_lists(const KvCache& cache, const AttendCall& call) const;
   // The part of validate() a selector needs before it chooses the lists: layer, sizes, pointers
   // and sequence ids.
   void validate_sequences(const KvCache& cache, const AttendCall& call) const;

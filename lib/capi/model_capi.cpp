@@ -242,7 +242,9 @@ kvsift_status kvsift_model_get_stats(const kvsift_model* model, kvsift_model_sta
                                 s.last_step.h2d_bytes,
                                 s.last_step.cache_hits,
                                 s.last_step.cache_misses,
-                                s.last_step.plan_us};
+                                s.last_step.plan_us,
+                                s.last_step.row_h2d_bytes,
+                                s.last_step.rows_equivalent_bytes};
   });
 }
 

@@ -61,6 +61,14 @@ AttentionBackend& DecodeEngine::mutable_backend() noexcept {
   return offload_ ? static_cast<AttentionBackend&>(*offload_) : cpu_;
 }
 
+// The one place that decides where S4R's rows are reconstructed: on the device when the backend
+// can (OffloadAttention::reconstructs_rows), so that coefficients cross PCIe instead of rows and
+// the host does no reconstruction; on the host otherwise. select() keeps values: its caller reads
+// the rows (the C API's selection, an engine with its own kernel).
+bool DecodeEngine::latent_rows() const noexcept {
+  return offload_ && offload_->reconstructs_rows();
+}
+
 const AttentionBackend& DecodeEngine::backend() const noexcept {
   return offload_ ? static_cast<const AttentionBackend&>(*offload_) : cpu_;
 }
@@ -98,6 +106,8 @@ void DecodeEngine::record_attention(double cpu_us) noexcept {
   last_.plan_us = o.plan_us;
   last_.attend_us = o.attend_us;
   last_.h2d_bytes = o.bytes_h2d;
+  last_.row_h2d_bytes = o.row_bytes_h2d;
+  last_.rows_equivalent_bytes = o.rows_equivalent_bytes;
   last_.cache_hits = o.hits;
   last_.cache_misses = o.misses;
 }
@@ -138,12 +148,14 @@ void DecodeEngine::attend_selected(const AttendCall& call, bool whole_batch) {
     return;
   }
   last_ = LayerStepStats{};
-  select_part(select::SelectCall{call.layer, call.n_seqs, call.seq_ids, call.q});
+  select_part(select::SelectCall{call.layer, call.n_seqs, call.seq_ids, call.q, latent_rows()});
   const PageLists lists = selection_.lists();
   const RowChunks rows = selection_.rows();
+  const LatentRows latent = selection_.latent_rows();
   AttendCall selected = call;
   selected.pages = &lists;
   selected.rows = selection_.has_rows ? &rows : nullptr;
+  selected.latent = selection_.latent ? &latent : nullptr;
   run_attention(selected);
 }
 
@@ -169,12 +181,14 @@ void DecodeEngine::attend_in_parts(const AttendCall& call) {
     part.q = call.q + row0 * q_row;
     const double select_before = last_.select_us;
     try {
-      select_part(select::SelectCall{call.layer, rows, part.seq_ids, part.q});
+      select_part(select::SelectCall{call.layer, rows, part.seq_ids, part.q, latent_rows()});
       part_select_us[p] = last_.select_us - select_before;
       const PageLists lists = selection_.lists();
       const RowChunks chunk_rows = selection_.rows();
+      const LatentRows latent = selection_.latent_rows();
       part.pages = &lists;
       part.rows = selection_.has_rows ? &chunk_rows : nullptr;
+      part.latent = selection_.latent ? &latent : nullptr;
       device.validate(cache_, part);
       device.enqueue(cache_, part, row0);
     } catch (...) {

@@ -6,8 +6,10 @@
 // Where attention runs is the engine's backend: DecodeAttention on the CPU, or, with a device,
 // OffloadAttention (lib/offload/offload_attention.hpp), which keeps the KV cache in host memory and
 // moves only the listed pages. Neither backend knows about selectors: the engine plans (selects),
-// the backend runs. On a device the engine cuts a batch into parts and selects part i + 1 while the
-// device moves and attends part i (the backend's begin/enqueue/finish).
+// the backend runs; the engine alone tells a selector that its backend reconstructs S4R's rows
+// from coefficients on the device (SelectCall::latent_rows). On a device the engine cuts a batch
+// into parts and selects part i + 1 while the device moves and attends part i (the backend's
+// begin/enqueue/finish).
 #pragma once
 
 #include <cstdint>
@@ -54,6 +56,8 @@ struct LayerStepStats {
   double plan_us = 0.0;                       // offload: the host's planning of the moves
   double overlap_us = 0.0;                    // offload: device attention hidden behind selection
   uint64_t h2d_bytes = 0;                     // offload: bytes host to device
+  uint64_t row_h2d_bytes = 0;                 // offload: of them the token rows' (or coefficients)
+  uint64_t rows_equivalent_bytes = 0;         // offload: those rows' bytes as values
   uint64_t cache_hits = 0, cache_misses = 0;  // offload: device page cache, (page, KV head) units
 };
 
@@ -111,6 +115,8 @@ class DecodeEngine {
 
  private:
   AttentionBackend& mutable_backend() noexcept;
+  // Whether attend_selected() asks for token rows as coefficients (SelectCall::latent_rows).
+  bool latent_rows() const noexcept;
   // Selection of one part of a batch, its telemetry added to last_.
   void select_part(const select::SelectCall& call);
   // Validates and attends, then records the attention's half of last_.

@@ -297,6 +297,8 @@ void LlamaModel::decode(std::span<const int32_t> seq_ids, std::span<const int32_
     step.plan_us += s.plan_us;
     step.attend_us += s.attend_us;
     step.h2d_bytes += s.h2d_bytes;
+    step.row_h2d_bytes += s.row_h2d_bytes;
+    step.rows_equivalent_bytes += s.rows_equivalent_bytes;
     step.cache_hits += s.cache_hits;
     step.cache_misses += s.cache_misses;
     attention_seconds += seconds_since(a0);

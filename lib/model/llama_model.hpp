@@ -68,6 +68,9 @@ struct StepStats {
   uint64_t h2d_bytes = 0;
   uint64_t cache_hits = 0;
   uint64_t cache_misses = 0;
+  // Of h2d_bytes, the token rows', and what they would have cost as values (LayerStepStats).
+  uint64_t row_h2d_bytes = 0;
+  uint64_t rows_equivalent_bytes = 0;
 };
 
 struct ModelStats {

@@ -15,6 +15,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <iterator>
+#include <new>
 
 namespace kvsift {
 
@@ -40,6 +42,16 @@ void check(const gpu::Result& r, const char* what) {
 constexpr uint32_t kDone = gpu::StepStream::kEvents - 1;
 constexpr uint32_t part_event(uint32_t part, uint32_t which) {
   return 3 * part + which;
+}
+
+// The key of a (sequence, layer, unit)'s device bases.
+uint64_t bases_key(int32_t seq_id, uint32_t layer, uint32_t unit) {
+  return uint64_t{static_cast<uint32_t>(seq_id)} << 32 | uint64_t{layer} << 16 | unit;
+}
+
+// Latent staging: the unit table, positions, key and value coefficients, each 16-byte aligned.
+std::size_t align16(std::size_t n) {
+  return round_up(n, 16);
 }
 
 }  // namespace
@@ -107,6 +119,17 @@ OffloadAttention::OffloadAttention(KvCache& cache, const OffloadOptions& options
   const gpu::AttentionShape shape{geometry_.n_kv_heads, geometry_.group_size, geometry_.head_dim,
                                   geometry_.page_tokens, geometry_.dtype};
   check(attention_.init(shape, options.max_batch), "attention workspace");
+  if (options.max_row_chunks != 0 && geometry_.dtype != simd::Dtype::q8 &&
+      cache.key_form() == KeyForm::pre_rope) {
+    gpu::ReconstructShape rows;
+    rows.head_dim = geometry_.head_dim;
+    rows.page_tokens = geometry_.page_tokens;
+    rows.dtype = geometry_.dtype;
+    rows.rope_theta = cache.rope().theta();
+    rows.max_heads = geometry_.n_kv_heads;
+    check(reconstructor_.init(rows), "S4R row reconstruction");
+    reconstructor_ready_ = true;
+  }
   caches_.resize(mirror() ? 1 : geometry_.n_layers);
   for (gpu::DevicePageCache& layer_cache : caches_) {
     gpu::PageCacheConfig config;
@@ -207,6 +230,10 @@ void OffloadAttention::on_page_sealed(const SealedPage& page) noexcept {
 // Called before the slots go back to the pool, so the page tables still name them. A mirror has
 // nothing to forget: a slot's next contents are sent when they seal or, open, when listed.
 void OffloadAttention::on_sequence_freed(int32_t seq_id) noexcept {
+  // The sequence's S4R bases (bases_key: the sequence in the high word). Between calls, so no
+  // kernel reads them.
+  for (auto it = bases_.begin(); it != bases_.end();)
+    it = it->first >> 32 == static_cast<uint32_t>(seq_id) ? bases_.erase(it) : std::next(it);
   if (mirror()) return;
   for (uint32_t layer = 0; layer < geometry_.n_layers; ++layer) {
     const uint64_t pages = geometry_.pages_for(cache_.length_unchecked(seq_id, layer));
@@ -228,9 +255,42 @@ void OffloadAttention::on_pages_released(int32_t seq_id, uint32_t layer, uint64_
 
 void OffloadAttention::validate(const KvCache& cache, const AttendCall& call) const {
   require(&cache == &cache_, "OffloadAttention: cache is not the one it was created with");
-  checker_.validate(cache, call);
+  checker_.validate_lists(cache, call);
   const uint32_t pairs = call.n_seqs * geometry_.n_kv_heads;
   const uint64_t chunks = call.rows != nullptr ? call.rows->chunk_offsets[pairs] : 0;
+  if (call.latent != nullptr) {
+    if (!reconstructs_rows())
+      fail(Status::unsupported,
+           "OffloadAttention: latent rows need a cache of f16 or bf16 with pre-RoPE keys and "
+           "OffloadOptions.max_row_chunks > 0");
+    const LatentRows& latent = *call.latent;
+    const uint32_t H = geometry_.n_kv_heads, hpu = latent.heads_per_unit;
+    require(call.rows != nullptr, "latent: rows is NULL (the latent rows' placement)");
+    require(hpu == 1 || hpu == H, "latent->heads_per_unit=", hpu,
+            " is neither 1 nor n_kv_heads=", H);
+    require(latent.units != nullptr, "latent->units is NULL");
+    const uint64_t dim = uint64_t{hpu} * geometry_.head_dim;
+    for (uint32_t u = 0; u < pairs / hpu; ++u) {
+      const uint32_t pair = u * hpu, rows = call.rows->row_counts[pair];
+      for (uint32_t h = 1; h < hpu; ++h)
+        require(call.rows->row_counts[pair + h] == rows, "latent: the pairs of unit ", u,
+                " hold different row counts");
+      if (rows == 0) continue;
+      const LatentUnit& unit = latent.units[u];
+      require(unit.basis_id != 0, "latent->units[", u, "].basis_id is 0");
+      require(unit.rank >= 1 && unit.rank <= dim, "latent->units[", u, "].rank=", unit.rank,
+              " is not in 1..", dim);
+      require(unit.key_basis != nullptr && unit.value_basis != nullptr &&
+                  unit.key_coeffs != nullptr && unit.value_coeffs != nullptr &&
+                  unit.positions != nullptr,
+              "latent->units[", u, "] has a NULL pointer");
+      for (uint32_t r = 0; r < rows; ++r)
+        require(unit.positions[r] >= unit.first && unit.positions[r] - unit.first < unit.n_tokens,
+                "latent->units[", u, "].positions[", r, "]=", unit.positions[r],
+                " is not among its coefficients' tokens [", unit.first, ", ",
+                unit.first + unit.n_tokens, ")");
+    }
+  }
   if (chunks > options_.max_row_chunks)
     fail(Status::capacity_exceeded, "OffloadAttention: the call's row chunks (", chunks,
          ") exceed OffloadOptions.max_row_chunks=", options_.max_row_chunks);
@@ -425,10 +485,16 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
         addresses[t++] = {row_base + first + row / B, row % B};
     }
     token_offsets[pairs] = t;
-    std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
     r = stream_.copy_to_device(part.q_end_device - q_bytes, q_host, q_bytes);
-    if (r.ok)
+    counts.rows_equivalent_bytes += chunks * slot_bytes;
+    if (r.ok && call.latent != nullptr) {
+      r = reconstruct_part(call, part_index, pool + row_base * slot_bytes, counts);
+    } else if (r.ok) {
+      std::memcpy(part.rows, call.rows->chunks, chunks * slot_bytes);
       r = stream_.copy_to_device(pool + row_base * slot_bytes, part.rows, chunks * slot_bytes);
+      counts.row_bytes_h2d += chunks * slot_bytes;
+      counts.bytes_h2d += chunks * slot_bytes;
+    }
     list_bytes = token_offset_words() * sizeof(uint32_t) + t * sizeof(gpu::TokenAddress);
     if (r.ok) r = stream_.copy_to_device(part.token_lists_device, part.token_lists, list_bytes);
     counts.tokens += t;
@@ -472,8 +538,135 @@ gpu::Result OffloadAttention::enqueue_part(const KvCache& cache, const AttendCal
   counts.evictions += evictions;
   counts.refreshed += n_refresh;
   counts.page_bytes_h2d += page_bytes;
-  counts.bytes_h2d += page_bytes + chunks * slot_bytes + q_bytes + list_bytes;
+  counts.bytes_h2d += page_bytes + q_bytes + list_bytes;
   return r;
+}
+
+gpu::Result OffloadAttention::reconstruct_part(const AttendCall& call, uint32_t part_index,
+                                               std::byte* rows_device,
+                                               PartCounts& counts) noexcept {
+  const LatentRows& latent = *call.latent;
+  const RowChunks& placement = *call.rows;
+  const uint32_t H = geometry_.n_kv_heads, hpu = latent.heads_per_unit;
+  const uint32_t n_units = call.n_seqs * H / hpu;
+  const std::size_t dim = std::size_t{hpu} * geometry_.head_dim;
+
+  // The bases the device lacks, and the staging's size. A basis changes only when its sequence
+  // is compressed anew, so this is the first call of a (sequence, layer) after its prefill.
+  uint32_t active = 0, max_rows = 0;
+  uint64_t rows = 0, coeffs = 0, basis_bytes = 0;
+  for (uint32_t u = 0; u < n_units; ++u) {
+    const uint32_t n = placement.row_counts[u * hpu];
+    if (n == 0) continue;
+    const LatentUnit& unit = latent.units[u];
+    ++active;
+    max_rows = std::max(max_rows, n);
+    rows += n;
+    coeffs += uint64_t{n} * unit.rank;
+    DeviceBases* bases = nullptr;
+    try {
+      bases = &bases_[bases_key(call.seq_ids[u * hpu / H], call.layer, u % (H / hpu))];
+    } catch (const std::bad_alloc&) {
+      return gpu::Result::out_of_memory("OffloadAttention: the S4R bases' index");
+    }
+    if (bases->basis_id == unit.basis_id) continue;
+    const std::size_t matrix = std::size_t{unit.rank} * dim * sizeof(float);
+    bases->basis_id = 0;  // until the copies below are enqueued
+    if (bases->bytes < 2 * matrix) {
+      bases->memory.reset();
+      bases->bytes = 0;
+      void* memory = nullptr;
+      if (gpu::Result r = gpu::device_alloc(2 * matrix, &memory); !r.ok) return r;
+      bases->memory.reset(memory);
+      bases->bytes = 2 * matrix;
+    }
+    auto* device = static_cast<std::byte*>(bases->memory.get());
+    // From the selector's pageable vectors: the runtime stages them, once per compression.
+    gpu::Result r = stream_.copy_to_device(device, unit.key_basis, matrix);
+    if (r.ok) r = stream_.copy_to_device(device + matrix, unit.value_basis, matrix);
+    if (!r.ok) return r;
+    bases->basis_id = unit.basis_id;
+    basis_bytes += 2 * matrix;
+  }
+  counts.basis_bytes_h2d += basis_bytes;
+  counts.bytes_h2d += basis_bytes;
+
+  const std::size_t table_bytes = align16(active * sizeof(gpu::ReconstructUnit));
+  const std::size_t positions_bytes = align16(rows * sizeof(uint32_t));
+  const std::size_t coeff_bytes = align16(coeffs * sizeof(uint16_t));
+  const std::size_t bytes = table_bytes + positions_bytes + 2 * coeff_bytes;
+  LatentStaging& staging = latent_[part_index];
+  if (staging.bytes < bytes) {
+    // Half again, so that a few calls of growing ranks do not each reallocate. The part's previous
+    // use was a call that has finished (finish() and run() wait for the stream).
+    const std::size_t grown = std::max(bytes, staging.bytes + staging.bytes / 2);
+    staging.host.reset();
+    staging.device.reset();
+    staging.bytes = 0;
+    void* host = nullptr;
+    void* device = nullptr;
+    if (gpu::Result r = gpu::pinned_alloc(grown, &host); !r.ok) return r;
+    staging.host.reset(host);
+    if (gpu::Result r = gpu::device_alloc(grown, &device); !r.ok) return r;
+    staging.device.reset(device);
+    staging.bytes = grown;
+  }
+  auto* host = static_cast<std::byte*>(staging.host.get());
+  auto* device = static_cast<std::byte*>(staging.device.get());
+  auto* table = reinterpret_cast<gpu::ReconstructUnit*>(host);
+  auto* positions = reinterpret_cast<uint32_t*>(host + table_bytes);
+  auto* key_coeffs = reinterpret_cast<uint16_t*>(host + table_bytes + positions_bytes);
+  auto* value_coeffs =
+      reinterpret_cast<uint16_t*>(host + table_bytes + positions_bytes + coeff_bytes);
+  uint32_t i = 0, row = 0;
+  uint64_t offset = 0;
+  for (uint32_t u = 0; u < n_units; ++u) {
+    const uint32_t n = placement.row_counts[u * hpu];
+    if (n == 0) continue;
+    const LatentUnit& unit = latent.units[u];
+    const auto* bases = static_cast<const float*>(
+        bases_.find(bases_key(call.seq_ids[u * hpu / H], call.layer, u % (H / hpu)))
+            ->second.memory.get());
+    gpu::ReconstructUnit& entry = table[i++];
+    entry.key_basis = bases;
+    entry.value_basis = bases + std::size_t{unit.rank} * dim;
+    entry.coeff_offset = offset;
+    entry.row_offset = row;
+    entry.n_rows = n;
+    entry.rank = unit.rank;
+    entry.heads = hpu;
+    entry.first_chunk = placement.chunk_offsets[u * hpu];
+    entry.pad = 0;
+    // Gathered here, from the selector's arrays: the one host copy of the coefficients.
+    const std::size_t row_bytes = std::size_t{unit.rank} * sizeof(uint16_t);
+    for (uint32_t r = 0; r < n; ++r) {
+      const uint64_t j = unit.positions[r] - unit.first;
+      positions[row + r] = unit.positions[r];
+      std::memcpy(key_coeffs + offset + std::size_t{r} * unit.rank, unit.key_coeffs + j * unit.rank,
+                  row_bytes);
+      std::memcpy(value_coeffs + offset + std::size_t{r} * unit.rank,
+                  unit.value_coeffs + j * unit.rank, row_bytes);
+    }
+    row += n;
+    offset += uint64_t{n} * unit.rank;
+  }
+  gpu::Result r = stream_.copy_to_device(device, host, bytes);
+  counts.row_bytes_h2d += bytes;
+  counts.bytes_h2d += bytes;
+  if (!r.ok) return r;
+  gpu::ReconstructCall reconstruct;
+  reconstruct.units = reinterpret_cast<const gpu::ReconstructUnit*>(device);
+  reconstruct.n_units = active;
+  reconstruct.max_rows = max_rows;
+  reconstruct.max_heads = hpu;
+  reconstruct.positions = reinterpret_cast<const uint32_t*>(device + table_bytes);
+  reconstruct.key_coeffs =
+      reinterpret_cast<const uint16_t*>(device + table_bytes + positions_bytes);
+  reconstruct.value_coeffs =
+      reinterpret_cast<const uint16_t*>(device + table_bytes + positions_bytes + coeff_bytes);
+  reconstruct.chunks = rows_device;
+  reconstruct.stream = stream_.handle();
+  return reconstructor_.run(reconstruct);
 }
 
 gpu::Result OffloadAttention::copy_out(uint32_t n_seqs, float* out) noexcept {
@@ -498,6 +691,9 @@ void OffloadAttention::record(uint32_t parts, const PartCounts& counts, double h
   last_.refreshed = counts.refreshed;
   last_.page_bytes_h2d = counts.page_bytes_h2d;
   last_.bytes_h2d = counts.bytes_h2d;
+  last_.row_bytes_h2d = counts.row_bytes_h2d;
+  last_.rows_equivalent_bytes = counts.rows_equivalent_bytes;
+  last_.basis_bytes_h2d = counts.basis_bytes_h2d;
   last_.bytes_d2h =
       std::size_t{n_seqs} * geometry_.n_query_heads() * geometry_.head_dim * sizeof(float);
   for (uint32_t p = 0; p < parts; ++p) {
@@ -523,6 +719,9 @@ void OffloadAttention::add_to_totals() noexcept {
   totals_.refreshed += last_.refreshed;
   totals_.page_bytes_h2d += last_.page_bytes_h2d;
   totals_.bytes_h2d += last_.bytes_h2d;
+  totals_.row_bytes_h2d += last_.row_bytes_h2d;
+  totals_.rows_equivalent_bytes += last_.rows_equivalent_bytes;
+  totals_.basis_bytes_h2d += last_.basis_bytes_h2d;
   totals_.bytes_d2h += last_.bytes_d2h;
   totals_.parts += last_.parts;
   totals_.host_us += last_.host_us;

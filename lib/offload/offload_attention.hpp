@@ -22,6 +22,17 @@
 // cache (PageCacheConfig::reserved_slots), and the call runs the kernel's token form over the
 // pages' rows and the chunks' rows. Calls without rows keep the page form.
 //
+// S4R's rows can come as coefficients instead (AttendCall::latent, over a 16-bit cache that takes
+// pre-RoPE keys: reconstructs_rows()). The bases of each (sequence, layer, unit) are copied to the
+// device the first time a call names them, and again only when their basis_id changes; they are
+// freed with the sequence. Per call the chosen rows' key and value coefficients and positions go
+// over in one copy, with a table of the units, and gpu/row_reconstruct.hpp's kernel writes K
+// (rotated at each position) and V into the same reserved slots, in the cache's layout, before the
+// token form attends them: the attention does not know where its rows came from. Why here, and not
+// in the selector: the reserved slots, the stream that orders the rows before their attention,
+// and the device are this backend's; the selector keeps the bases and the ranking on the host and
+// only learns, per call, that its rows may stay latent (SelectCall::latent_rows).
+//
 // The critical path of a call, after the selection: the page lists, the device cache's plan
 // (residency lookups, host only), then one gather of the misses and the refreshed pages together
 // (DevicePageCache::plan and move: one kernel and one PCIe round trip, where the refreshes were a
@@ -48,10 +59,12 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "gpu/offload_runtime.hpp"
 #include "gpu/page_transfer.hpp"
+#include "gpu/row_reconstruct.hpp"
 #include "gpu/sparse_attention.hpp"
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
@@ -102,7 +115,7 @@ struct OffloadStats {
   uint64_t evictions = 0;       // misses that replaced a resident page
   uint64_t refreshed = 0;       // resident pages sent again because their host copy changed
   uint64_t page_bytes_h2d = 0;  // (misses + refreshed) * slot_bytes
-  uint64_t bytes_h2d = 0;       // page bytes + q + the lists
+  uint64_t bytes_h2d = 0;       // pages, rows (or coefficients), S4R bases, q, the lists
   uint64_t bytes_d2h = 0;       // the output
   uint32_t parts = 0;           // parts the call came in
   double host_us = 0.0;         // CPU: list translation, the cache's planning, the launches
@@ -112,6 +125,13 @@ struct OffloadStats {
   double attend_us = 0.0;       // GPU: the sparse attention kernel
   double copy_out_us = 0.0;     // GPU: the output back to host
   double total_us = 0.0;        // wall clock of run(), including its final wait
+  // Token rows: what went (reconstructed rows in whole chunks of page_tokens rows, or, latent, the
+  // coefficients, positions and unit table the device reconstructs them from), and what the same
+  // rows cost as values (chunks * slot_bytes), the PCIe bytes a latent call avoided being their
+  // difference. S4R bases copied to the device (once per compression) are counted apart.
+  uint64_t row_bytes_h2d = 0;
+  uint64_t rows_equivalent_bytes = 0;
+  uint64_t basis_bytes_h2d = 0;
 
   double hit_rate() const noexcept {
     return hits + misses == 0 ? 1.0
@@ -137,7 +157,9 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
 
   // DecodeAttention::validate's checks, then this path's limits: the cache is the one given to
   // create(); at most max_pages_per_pair pages per pair, cache_pages pages and max_row_chunks row
-  // chunks in all (capacity_exceeded). Throws Error naming the argument.
+  // chunks in all (capacity_exceeded); latent rows only where reconstructs_rows() (unsupported),
+  // with their units consistent with the rows (invalid_argument). Throws Error naming the
+  // argument.
   void validate(const KvCache& cache, const AttendCall& call) const override;
 
   // Writes call.out exactly as DecodeAttention::run would (to fp32 rounding) for a call that
@@ -185,6 +207,10 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
     return caches_.at(mirror() ? 0 : layer);
   }
   const OffloadOptions& options() const noexcept { return options_; }
+  // Whether calls may give S4R rows as coefficients (AttendCall::latent): a cache of f16 or bf16
+  // that takes pre-RoPE keys, and slots reserved for rows. A q8 cache's rows are per-row quantized
+  // codes: its selector reconstructs and quantizes them on the host, as on the CPU.
+  bool reconstructs_rows() const noexcept { return reconstructor_ready_; }
 
   void on_page_sealed(const SealedPage& page) noexcept override;
   void on_sequence_freed(int32_t seq_id) noexcept override;
@@ -213,6 +239,7 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   struct PartCounts {
     uint64_t listed = 0, hits = 0, misses = 0, evictions = 0, refreshed = 0;
     uint64_t bytes_h2d = 0, page_bytes_h2d = 0, tokens = 0;
+    uint64_t row_bytes_h2d = 0, rows_equivalent_bytes = 0, basis_bytes_h2d = 0;
     double lists_us = 0.0, plan_us = 0.0;
   };
 
@@ -230,6 +257,11 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   // 3 * part + 2. Waits for nothing on the device.
   gpu::Result enqueue_part(const KvCache& cache, const AttendCall& call, uint32_t part,
                            uint32_t row0, PartCounts& counts) noexcept;
+  // Latent rows: copies the bases the call names that the device lacks, stages the coefficients,
+  // positions and unit table in the part's latent buffers (grown when too small), copies them and
+  // enqueues their reconstruction into the reserved slots from `rows_device` on.
+  gpu::Result reconstruct_part(const AttendCall& call, uint32_t part, std::byte* rows_device,
+                               PartCounts& counts) noexcept;
   // Copies the output rows [0, n_seqs) back, waits, and writes out. Event kDone.
   gpu::Result copy_out(uint32_t n_seqs, float* out) noexcept;
   // The token lists' offsets take [max_pairs_ + 1] words, padded so that the addresses after them
@@ -263,6 +295,25 @@ class OffloadAttention final : public AttentionBackend, public SealListener {
   };
   std::unique_ptr<void, PinnedFree> pinned_;
   std::unique_ptr<void, DeviceFree> device_;
+  // Latent rows (reconstructs_rows()): per part, pinned staging and its device copy of a call's
+  // unit table, positions and coefficients, grown to the largest call so far (their size follows
+  // the ranks the selector chose, unknown at create()).
+  struct LatentStaging {
+    std::unique_ptr<void, PinnedFree> host;
+    std::unique_ptr<void, DeviceFree> device;
+    std::size_t bytes = 0;
+  };
+  LatentStaging latent_[kMaxParts];
+  // The device copies of S4R bases, per (sequence, layer, unit): B_K^T then B_V^T, and the
+  // basis_id they were copied under.
+  struct DeviceBases {
+    uint64_t basis_id = 0;
+    std::unique_ptr<void, DeviceFree> memory;
+    std::size_t bytes = 0;
+  };
+  std::unordered_map<uint64_t, DeviceBases> bases_;
+  gpu::RowReconstructor reconstructor_;
+  bool reconstructor_ready_ = false;
   Part parts_[kMaxParts];
   float* out_host_ = nullptr;  // pinned [max_batch, n_query_heads, head_dim]
   float* out_device_ = nullptr;

@@ -1,6 +1,7 @@
 #include "lib/select/s4r_selector.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -23,6 +24,10 @@ constexpr uint32_t kPoolKernel = 7;
 constexpr uint64_t kMinWindowsToCompress = 4;
 // The share of the sample taken as one block of the most recent tokens (the paper's 7:3).
 constexpr double kRecentShare = 0.7;
+
+// LatentUnit::basis_id: one counter for every selector of the process, so that an id names one
+// fit even across selectors of one cache (DecodeEngine::set_selector replaces them).
+std::atomic<uint64_t> next_basis_id{1};
 
 }  // namespace
 
@@ -156,6 +161,7 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.row_dtype(), kernels_, &pool_);
       }
       unit.queries.assign(std::size_t{W} * G * rank, 0.0f);
+      unit.basis_id = next_basis_id.fetch_add(1, std::memory_order_relaxed);
     }
   } catch (const std::bad_alloc&) {
     fail(Status::out_of_memory, "s4r compression of ", n, " tokens of sequence ", seq_id, " layer ",
@@ -216,8 +222,6 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
   for (uint64_t r = 0; r < m; ++r) taken += relevance_[chosen_[r]];
   kept = total > 0.0 ? static_cast<float>(taken / total) : 1.0f;
 
-  // Reconstruct K (then RoPE at each token's position) and V of the chosen tokens into the row
-  // chunks of each KV head of the unit.
   const auto rows = static_cast<uint32_t>(m);
   for (uint32_t h = 0; h < hpu; ++h) {
     const uint32_t pair = seq_index * H + h0 + h;
@@ -225,6 +229,39 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
     uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[pair]} * B;
     for (uint32_t r = 0; r < rows; ++r) tokens[r] = static_cast<uint32_t>(st.first + chosen_[r]);
   }
+  if (call.latent_rows) {
+    LatentUnit& latent = out.latent_units[std::size_t{seq_index} * (H / hpu) + unit_index];
+    latent.basis_id = unit.basis_id;
+    latent.rank = rank;
+    latent.key_basis = unit.keys.columns.data();
+    latent.value_basis = unit.values.columns.data();
+    latent.key_coeffs = unit.key_coeffs.data();
+    latent.value_coeffs = unit.value_coeffs.data();
+    latent.first = st.first;
+    latent.n_tokens = n;
+    latent.positions =
+        out.row_tokens.data() + std::size_t{out.chunk_offsets[seq_index * H + h0]} * B;
+  } else {
+    write_rows(seq_index, unit_index, st, out);
+  }
+  return (n * rank + 2 * m * rank) * sizeof(uint16_t);
+}
+
+void S4rSelector::write_rows(uint32_t seq_index, uint32_t unit_index, const LayerState& st,
+                             Selection& out) noexcept {
+  const CacheGeometry& g = cache_.geometry();
+  const uint32_t H = g.n_kv_heads, d = g.head_dim, B = g.page_tokens;
+  const uint32_t hpu = heads_per_unit(), dim = hpu * d, h0 = unit_index * hpu;
+  const simd::Kernels& kernels = kernels_;
+  const Unit& unit = st.units[unit_index];
+  // The rows select_unit chose, from the positions it wrote for the unit's first KV head.
+  const uint32_t first_pair = seq_index * H + h0;
+  const uint32_t rows = out.row_counts[first_pair];
+  const uint32_t* tokens = out.row_tokens.data() + std::size_t{out.chunk_offsets[first_pair]} * B;
+  for (uint32_t r = 0; r < rows; ++r) chosen_[r] = static_cast<uint32_t>(tokens[r] - st.first);
+
+  // Reconstruct K (then RoPE at each token's position) and V of the chosen tokens into the row
+  // chunks of each KV head of the unit.
   const simd::PageLayout layout = g.layout();
   for (const bool keys : {true, false}) {
     const s4r::Basis& basis = keys ? unit.keys : unit.values;
@@ -242,7 +279,18 @@ uint64_t S4rSelector::select_unit(const SelectCall& call, uint32_t seq_index, ui
       }
     }
   }
-  return (n * rank + 2 * m * rank) * sizeof(uint16_t);
+}
+
+void S4rSelector::reconstruct_rows(const SelectCall& call, Selection& out) noexcept {
+  if (!out.latent) return;
+  const uint32_t H = cache_.geometry().n_kv_heads, hpu = heads_per_unit();
+  for (uint32_t i = 0; i < call.n_seqs; ++i) {
+    const auto s = static_cast<std::size_t>(call.seq_ids[i]);
+    if (s >= states_.size() || states_[s].empty()) continue;
+    const LayerState& st = states_[s][call.layer];
+    if (st.state != State::compressed) continue;
+    for (uint32_t u = 0; u < H / hpu; ++u) write_rows(i, u, st, out);
+  }
 }
 
 void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
@@ -250,6 +298,8 @@ void S4rSelector::select(const SelectCall& call, Selection& out) noexcept {
   const uint32_t H = g.n_kv_heads, B = g.page_tokens, hpu = heads_per_unit();
   const float nan = std::numeric_limits<float>::quiet_NaN();
   out.begin_pairs(call.n_seqs * H);
+  out.latent = call.latent_rows;
+  out.heads_per_unit = hpu;
   for (uint32_t i = 0; i < call.n_seqs; ++i) {
     const int32_t seq = call.seq_ids[i];
     const uint64_t length = cache_.length_unchecked(seq, call.layer);

@@ -11,7 +11,10 @@
 // Each step then ranks the compressed tokens by latent relevance (the projected queries of the
 // last policy.s4r.window steps against the key coefficients), keeps the last s4r.window of them
 // plus the best of the rest, m in all, reconstructs only those (K then RoPE at each token's
-// position, V), and hands them to attention as row chunks beside the exact pages. Budget: as for
+// position, V), and hands them to attention as row chunks beside the exact pages; or, where the
+// attention reconstructs them itself (SelectCall::latent_rows: the offload backend, which holds the
+// bases on the device), hands it their coefficients and positions instead (Selection::latent) and
+// reconstructs nothing. The ranking stays here either way. Budget: as for
 // the page selectors, tokens attended per (layer, KV head) counting the exact ones, so m = budget
 // - exact tokens, at least min(s4r.window, compressed tokens).
 //
@@ -51,6 +54,11 @@ class S4rSelector final : public Selector {
   Compressed compressed(int32_t seq_id, uint32_t layer) const noexcept;
   // Wall time spent compressing (read-back, bases, projection), summed since creation.
   double compress_seconds() const noexcept { return compress_seconds_; }
+  // The host reconstruction of the rows a select() of `call` returned as coefficients (out.latent):
+  // writes out.row_chunks as a select() without latent_rows would have. The reference the device
+  // reconstruction is tested against; requires the same call and Selection, before another
+  // select().
+  void reconstruct_rows(const SelectCall& call, Selection& out) noexcept;
 
  private:
   // One basis and its coefficients: all KV heads of a layer, or one KV head.
@@ -59,6 +67,7 @@ class S4rSelector final : public Selector {
     std::vector<uint16_t> key_coeffs, value_coeffs;  // [end - first, rank], row_dtype()
     std::vector<float> queries;                      // [s4r.window, G, rank], oldest first
     uint32_t n_queries = 0;
+    uint64_t basis_id = 0;  // LatentUnit::basis_id: unique to this fit in the process
   };
   enum class State : uint8_t { fresh, exact, compressed };
   struct LayerState {
@@ -71,10 +80,12 @@ class S4rSelector final : public Selector {
   // Grows the per-step workspaces to n_tokens compressed tokens and max_rows reconstructed ones.
   void grow_workspaces(uint64_t n_tokens, uint64_t max_rows);
   void compress(int32_t seq_id, uint32_t layer, LayerState& st);
-  // Chooses and reconstructs one unit's rows for one sequence into `out`; returns the index bytes
-  // read and the kept estimate.
+  // Chooses one unit's rows for one sequence, and reconstructs them into `out` or describes them
+  // as coefficients (call.latent_rows); returns the index bytes read and the kept estimate.
   uint64_t select_unit(const SelectCall& call, uint32_t seq_index, uint32_t unit, LayerState& st,
                        Selection& out, uint64_t exact_tokens, float& kept) noexcept;
+  // Reconstructs one unit's chosen rows (the positions select_unit wrote) into out.row_chunks.
+  void write_rows(uint32_t seq_index, uint32_t unit, const LayerState& st, Selection& out) noexcept;
 
   std::vector<std::vector<LayerState>> states_;  // [sequence id][layer]
   double compress_seconds_ = 0.0;

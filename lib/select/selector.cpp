@@ -46,6 +46,8 @@ void Policy::validate() const {
 void Selection::reserve(uint32_t max_pairs, uint64_t max_pages, bool rows) {
   offsets.assign(std::size_t{max_pairs} + 1, 0);
   has_rows = rows;
+  latent = false;
+  latent_units.assign(rows ? max_pairs : 0, LatentUnit{});
   chunk_offsets.assign(std::size_t{max_pairs} + 1, 0);
   row_counts.assign(max_pairs, 0);
   const auto pages = static_cast<std::size_t>(max_pages);
@@ -72,6 +74,7 @@ void Selection::begin_pairs(uint32_t pairs) noexcept {
   index_bytes_read = 0;
   offsets[0] = 0;
   chunk_offsets[0] = 0;
+  latent = false;
 }
 
 void Selection::list_pages_outside(uint32_t pair, uint64_t n_pages, uint64_t gap_first,

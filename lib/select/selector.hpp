@@ -19,6 +19,7 @@
 #include <limits>
 #include <memory>
 #include <string_view>
+#include <vector>
 
 #include "lib/attend/decode_attention.hpp"
 #include "lib/cache/kv_cache.hpp"
@@ -128,6 +129,12 @@ struct Selection {
   AlignedVector<uint32_t> row_counts;     // [pairs]
   // The token position of each row, row r of a pair at chunk_offsets[pair] * page_tokens + r.
   AlignedVector<uint32_t> row_tokens;
+  // Whether the rows came as coefficients (SelectCall::latent_rows, S4R): then row_chunks were not
+  // written, and latent_units (n_pairs / heads_per_unit of them) describe the rows for a backend
+  // that reconstructs them (lib/attend/decode_attention.hpp LatentRows).
+  bool latent = false;
+  uint32_t heads_per_unit = 0;
+  std::vector<LatentUnit> latent_units;  // [max pairs]
 
   // max_pages: the most pages one call chooses over all its pairs; rows: whether the selector
   // also returns token rows (their storage grows with reserve_rows).
@@ -146,6 +153,9 @@ struct Selection {
   RowChunks rows() const noexcept {
     return RowChunks{row_chunks.data(), chunk_offsets.data(), row_counts.data()};
   }
+  LatentRows latent_rows() const noexcept {
+    return LatentRows{heads_per_unit, latent_units.data()};
+  }
   // Telemetry over the pairs: the sum of kept_estimate, and the largest dropped_bound (NaN when
   // some pair proves none).
   double kept_estimate_sum() const noexcept;
@@ -158,6 +168,11 @@ struct SelectCall {
   uint32_t n_seqs = 0;
   const int32_t* seq_ids = nullptr;  // [n_seqs], validated by the caller
   const float* q = nullptr;          // [n_seqs, n_query_heads, head_dim], not yet scaled
+  // The caller's attention reconstructs token rows from their coefficients (AttendCall::latent):
+  // a selector that holds rows in that form (S4R) returns them so (Selection::latent) and skips
+  // its own reconstruction; the others ignore it. The decode engine asks for it when its backend
+  // is the offload one and can reconstruct (lib/engine/decode_engine.cpp).
+  bool latent_rows = false;
 };
 
 class Selector : public SealListener {

@@ -54,6 +54,8 @@ class ModelStats:
     last_step_cache_hits: int
     last_step_cache_misses: int
     last_step_plan_us: float
+    last_step_row_h2d_bytes: int
+    last_step_rows_equivalent_bytes: int
 
 
 class Sampler(_core.Sampler):

@@ -678,6 +678,8 @@ class Model {
     d["last_step_cache_hits"] = s.last_step_cache_hits;
     d["last_step_cache_misses"] = s.last_step_cache_misses;
     d["last_step_plan_us"] = s.last_step_plan_us;
+    d["last_step_row_h2d_bytes"] = s.last_step_row_h2d_bytes;
+    d["last_step_rows_equivalent_bytes"] = s.last_step_rows_equivalent_bytes;
     return d;
   }
 
