@@ -17,6 +17,14 @@
 //
 // Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget): a batch
 // 1 run, 8 pairs, takes 37 us of scoring (55 MB of records) and 24 us of selection.
+// Profiled there with Nsight Compute (clocks held at ~1.45 GHz, so durations run long; one layer,
+// batch 1, bench/bench_offload.cpp --locks-device 0): at 128K score_kernel 41.7 us, select_kernel
+// 29.7 us; at 512K (32,768 pages a pair) 131.1 and 50.4 us. The scoring is L1-bound, not
+// DRAM-bound: L1/TEX throughput 74% at 512K against DRAM 36% (1.72 TB/s), 80 registers with
+// 65,664 local-memory spill requests, occupancy 37.5% (three blocks, register-bound). A quad's
+// four lanes read four V columns 64 bytes apart, so one load of a warp touches 32 sectors of 8
+// records. The selection runs 64 CTAs (8 clusters of 8) at 25% occupancy, half a wave. Left for
+// later: loads a quad reads contiguously, and more CTAs per pair at batch 1.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
