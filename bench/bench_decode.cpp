@@ -328,6 +328,13 @@ int main(int argc, char** argv) {
             uint64_t{batch} * (context / params.page_tokens) * info.n_layers * info.n_kv_heads;
         const uint64_t selector_bytes =
             held.summary_bytes_per_page * sealed + held.selector_bytes_held;
+        // Offload mode: device memory in use with the sequences still held, the driver's count
+        // for the whole device (weights, page caches or the whole-cache copy, selector data,
+        // workspaces, this process's CUDA context; nothing else runs on the benchmark's device).
+        uint64_t device_used = 0, device_total = 0;
+        if (params.device >= 0)
+          check(kvsift_gpu_memory_info(params.device, &device_used, &device_total),
+                "device memory");
         for (int32_t id : seqs) check(kvsift_model_sequence_free(model, id), "free");
         const double step = median(step_s);
         const auto [lo, hi] = std::minmax_element(step_s.begin(), step_s.end());
@@ -355,6 +362,7 @@ int main(int argc, char** argv) {
             {"vm_hwm_bytes", hwm},
             {"kv_bytes_held", held.kv_bytes_held},
             {"selector_bytes", selector_bytes},
+            {"device_used_bytes", device_used},
             {"h2d_MB", median(h2d) / 1e6},
             {"row_h2d_MB", median(row_h2d) / 1e6},
             {"rows_equivalent_MB", median(rows_equivalent) / 1e6},

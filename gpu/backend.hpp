@@ -163,6 +163,7 @@ class DeviceLlama {
 class Backend {
  public:
   virtual Result device_count(int* n_devices) = 0;
+  virtual Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes) = 0;
   virtual Result pinned_alloc(std::size_t bytes, void** out) = 0;
   virtual void pinned_free(void* p) noexcept = 0;
   virtual Result set_device(int device) = 0;

@@ -153,6 +153,13 @@ Result device_count(int* n_devices) {
   return b ? b->device_count(n_devices) : why;
 }
 
+Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes) {
+  *used_bytes = *total_bytes = 0;
+  Result why;
+  backend::Backend* b = loaded_backend(&why);
+  return b ? b->device_memory(device, used_bytes, total_bytes) : why;
+}
+
 Result pinned_alloc(std::size_t bytes, void** out) {
   *out = nullptr;
   Result why;

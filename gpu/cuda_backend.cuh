@@ -14,6 +14,7 @@ namespace kvsift::gpu::cuda {
 // The runtime calls the Backend forwards (gpu/host_memory.hpp and gpu/offload_runtime.hpp state
 // them): gpu/runtime.cu and gpu/offload_runtime.cu.
 Result device_count(int* n_devices);
+Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes);
 Result pinned_alloc(std::size_t bytes, void** out);
 void pinned_free(void* p) noexcept;
 Result set_device(int device);

@@ -22,6 +22,11 @@ Result backend_status();
 // Number of usable CUDA devices.
 Result device_count(int* n_devices);
 
+// Device memory of `device`: *used_bytes in use by every process and context on it (the driver's
+// total minus free, so this process's CUDA context counts too) and *total_bytes. The calling
+// thread's current device is left as it was. Invalid argument for a device outside the count.
+Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes);
+
 // Page-locked, mapped host memory (cudaHostAlloc) and its release.
 Result pinned_alloc(std::size_t bytes, void** out);
 void pinned_free(void* p) noexcept;

@@ -2,6 +2,7 @@
 // that hands out the device objects, and the module's one exported symbol.
 #include <cuda_runtime.h>
 
+#include <string>
 #include <type_traits>
 
 #include "gpu/cuda_backend.cuh"
@@ -17,6 +18,27 @@ Result device_count(int* n_devices) {
     return r;
   }
   if (*n_devices == 0) return Result::absent("no CUDA device is present");
+  return r;
+}
+
+Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes) {
+  *used_bytes = *total_bytes = 0;
+  int n_devices = 0;
+  if (Result r = device_count(&n_devices); !r.ok) return r;
+  if (device < 0 || device >= n_devices)
+    return Result::invalid("device " + std::to_string(device) + " is not in 0.." +
+                           std::to_string(n_devices - 1));
+  int current = 0;
+  if (Result r = cuda_result(cudaGetDevice(&current), "cudaGetDevice"); !r.ok) return r;
+  if (Result r = cuda_result(cudaSetDevice(device), "cudaSetDevice"); !r.ok) return r;
+  std::size_t free = 0, total = 0;
+  Result r = cuda_result(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+  if (Result back = cuda_result(cudaSetDevice(current), "cudaSetDevice"); r.ok && !back.ok)
+    r = back;
+  if (r.ok) {
+    *used_bytes = total - free;
+    *total_bytes = total;
+  }
   return r;
 }
 
@@ -38,6 +60,9 @@ namespace {
 class CudaBackend final : public backend::Backend {
  public:
   Result device_count(int* n_devices) override { return cuda::device_count(n_devices); }
+  Result device_memory(int device, uint64_t* used_bytes, uint64_t* total_bytes) override {
+    return cuda::device_memory(device, used_bytes, total_bytes);
+  }
   Result pinned_alloc(std::size_t bytes, void** out) override {
     return cuda::pinned_alloc(bytes, out);
   }

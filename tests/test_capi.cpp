@@ -1149,6 +1149,29 @@ TEST(CApi, gpu_device_count_reports_unsupported_without_a_gpu) {
   EXPECT_NE(message.find("cuda"), std::string::npos) << kvsift_last_error();
 }
 
+TEST(CApi, gpu_memory_info_rejects_null_and_devices_outside_the_count) {
+  uint64_t used = 7, total = 7;
+  EXPECT_FAILS(kvsift_gpu_memory_info(0, nullptr, &total), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "used_bytes");
+  EXPECT_FAILS(kvsift_gpu_memory_info(0, &used, nullptr), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "total_bytes");
+  int n = 0;
+  if (kvsift_gpu_device_count(&n) != KVSIFT_STATUS_OK) {
+    EXPECT_EQ(kvsift_gpu_memory_info(0, &used, &total), KVSIFT_STATUS_UNSUPPORTED);
+    EXPECT_EQ(used, 0u);
+    EXPECT_EQ(total, 0u);
+    return;
+  }
+  EXPECT_FAILS(kvsift_gpu_memory_info(-1, &used, &total), KVSIFT_STATUS_INVALID_ARGUMENT,
+               "device -1");
+  EXPECT_FAILS(kvsift_gpu_memory_info(n, &used, &total), KVSIFT_STATUS_INVALID_ARGUMENT,
+               ("device " + std::to_string(n)).c_str());
+  ASSERT_EQ(kvsift_gpu_memory_info(n - 1, &used, &total), KVSIFT_STATUS_OK) << kvsift_last_error();
+  // This process holds a CUDA context on the device by now, so something is in use.
+  EXPECT_GT(used, 0u);
+  EXPECT_LE(used, total);
+}
+
 TEST(CApi, pinned_cache_is_unsupported_without_a_gpu) {
   int n = 0;
   const bool have_gpu = kvsift_gpu_device_count(&n) == KVSIFT_STATUS_OK;

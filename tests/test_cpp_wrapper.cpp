@@ -133,11 +133,18 @@ TEST(CppWrapper, names_and_settings_mirror_the_c_api) {
                       [] { kvsift::set_max_isa(static_cast<kvsift_isa>(77)); });
   int n_devices = -1;
   const kvsift_status gpu = kvsift_gpu_device_count(&n_devices);
-  if (gpu == KVSIFT_STATUS_OK)
+  uint64_t used = 0, total = 0;
+  if (gpu == KVSIFT_STATUS_OK) {
     EXPECT_EQ(kvsift::gpu_device_count(), n_devices);
-  else
+    const kvsift::GpuMemory memory = kvsift::gpu_memory_info(0);
+    EXPECT_GT(memory.used_bytes, 0u);
+    EXPECT_LE(memory.used_bytes, memory.total_bytes);
+  } else {
     expect_same_failure([&] { return kvsift_gpu_device_count(&n_devices); },
                         [] { kvsift::gpu_device_count(); });
+    expect_same_failure([&] { return kvsift_gpu_memory_info(0, &used, &total); },
+                        [] { kvsift::gpu_memory_info(0); });
+  }
 }
 
 // ---- The cache against the C API and the float64 reference

@@ -241,7 +241,9 @@ TEST(S4r, latent_rows_name_the_same_choice_and_reconstruct_to_the_same_rows) {
                                     std::size_t{sel.chunk_offsets[u * hpu]} * latent.g.page_tokens);
       ASSERT_NE(unit.key_coeffs, nullptr);
       ASSERT_NE(unit.value_basis, nullptr);
-      if (u > 0) EXPECT_NE(unit.basis_id, sel.latent_units[u - 1].basis_id);
+      if (u > 0) {
+        EXPECT_NE(unit.basis_id, sel.latent_units[u - 1].basis_id);
+      }
     }
     EXPECT_EQ(sel.row_chunks[0], std::byte{0x5a}) << "latent rows were reconstructed anyway";
 

@@ -109,9 +109,11 @@ def main() -> int:
               "device page cache's hit rate, cache the (page, KV head) slots it holds per layer "
               "(0: a copy of the whole KV cache, every page resident in device memory: the HBM "
               "baseline), vs HBM the step's time over the dense row with cache 0 at the same "
-              "context and batch.")
-        transfer_head = " transfer ms | plan ms | MB/step | hit | cache | vs HBM |"
-        transfer_rule = "---:|---:|---:|---:|---:|---:|"
+              "context and batch, device GB the device memory in use after the last step (the "
+              "driver's count for the whole device: weights, caches, selector data, workspaces, "
+              "the CUDA context; rows written before it was recorded: -).")
+        transfer_head = " transfer ms | plan ms | MB/step | hit | cache | vs HBM | device GB |"
+        transfer_rule = "---:|---:|---:|---:|---:|---:|---:|"
     hbm = {(r["context"], r["batch"]): r["step_ms"] for r in rows
            if r["selector"] == "dense" and r.get("device_cache_pages", 0) == 0}
     print("\n| context | batch | selector | budget | tok/s | step ms (min, max) | weights ms "
@@ -130,8 +132,10 @@ def main() -> int:
             ratio = f"{r['step_ms'] / base:.2f}" if base else "-"
             hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.3f}"
             plan = "-" if r.get("plan_us") is None else f"{r['plan_us'] / 1e3:.1f}"
+            used = r.get("device_used_bytes")
+            device_gb = "-" if not used else f"{used / 1e9:.1f}"
             transfer = (f" {r['transfer_us'] / 1e3:.1f} | {plan} | {r['h2d_MB']:.1f} | {hit} "
-                        f"| {r.get('device_cache_pages', 0)} | {ratio} |")
+                        f"| {r.get('device_cache_pages', 0)} | {ratio} | {device_gb} |")
         print(f"| {r['context']} | {r['batch']} | {selector} | {budget} | {r['tok_s']:.2f} "
               f"| {r['step_ms']:.1f} ({r['step_ms_min']:.1f}, {r['step_ms_max']:.1f}) "
               f"| {r['weights_ms']:.1f} | {r['attend_us'] / 1e3:.1f} | {r['select_us'] / 1e3:.1f} "

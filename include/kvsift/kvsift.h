@@ -722,6 +722,13 @@ KVSIFT_API kvsift_status kvsift_sampler_sample(kvsift_sampler* sampler, const fl
  * present (the message says which). */
 KVSIFT_API kvsift_status kvsift_gpu_device_count(int* n_devices);
 
+/* Device memory of CUDA device `device`: *used_bytes in use by every process on it (the driver's
+ * total minus free, this process's CUDA context included) and *total_bytes. Errors:
+ * INVALID_ARGUMENT for a NULL pointer or a device outside 0..count - 1; UNSUPPORTED as
+ * kvsift_gpu_device_count. */
+KVSIFT_API kvsift_status kvsift_gpu_memory_info(int device, uint64_t* used_bytes,
+                                                uint64_t* total_bytes);
+
 #ifdef __cplusplus
 }
 #endif

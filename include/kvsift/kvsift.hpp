@@ -189,6 +189,17 @@ inline int gpu_device_count() {
   return n;
 }
 
+// kvsift_gpu_memory_info: bytes in use on the device (every process) and its total.
+struct GpuMemory {
+  uint64_t used_bytes = 0;
+  uint64_t total_bytes = 0;
+};
+inline GpuMemory gpu_memory_info(int device) {
+  GpuMemory m;
+  detail::check(kvsift_gpu_memory_info(device, &m.used_bytes, &m.total_bytes));
+  return m;
+}
+
 // ---- Selector policies -------------------------------------------------------------------------
 
 // kvsift_selector_policy_init's defaults: change fields from here.

@@ -362,4 +362,12 @@ kvsift_status kvsift_gpu_device_count(int* n_devices) {
   });
 }
 
+kvsift_status kvsift_gpu_memory_info(int device, uint64_t* used_bytes, uint64_t* total_bytes) {
+  return guard(__func__, [&] {
+    require_pointer(used_bytes, "used_bytes");
+    require_pointer(total_bytes, "total_bytes");
+    kvsift::gpu::check(kvsift::gpu::device_memory(device, used_bytes, total_bytes));
+  });
+}
+
 }  // extern "C"

@@ -56,6 +56,13 @@ def gpu_device_count() -> int:
     return _core.gpu_device_count()
 
 
+def gpu_memory_info(device: int = 0) -> tuple[int, int]:
+    """``(used_bytes, total_bytes)`` of a CUDA device; used counts every process on it. Raises
+    :class:`UnsupportedError` without CUDA or a device, :class:`InvalidArgumentError` for a device
+    outside the count."""
+    return _core.gpu_memory_info(device)
+
+
 def set_log_callback(fn: Optional[Callable[[int, str], None]], min_level: int = 1) -> None:
     """``fn(level, message)`` receives kvsift's log lines at ``min_level`` and above (0 debug,
     1 info, 2 warn, 3 error); None silences kvsift again. Set it once, before creating handles."""
@@ -85,6 +92,7 @@ __all__ = [
     "Status",
     "UnsupportedError",
     "gpu_device_count",
+    "gpu_memory_info",
     "isa_supported",
     "set_log_callback",
     "set_max_isa",

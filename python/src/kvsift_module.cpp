@@ -830,6 +830,16 @@ NB_MODULE(_core, m) {
       },
       "Usable CUDA devices; raises UnsupportedError without CUDA in the build or a device.");
   m.def(
+      "gpu_memory_info",
+      [](int device) {
+        uint64_t used = 0, total = 0;
+        check(kvsift_gpu_memory_info(device, &used, &total));
+        return nb::make_tuple(used, total);
+      },
+      "device"_a,
+      "(used_bytes, total_bytes) of a CUDA device; used counts every process on it. Raises "
+      "UnsupportedError without CUDA in the build or a device.");
+  m.def(
       "set_log_callback",
       [](std::optional<nb::callable> fn, int min_level) {
         if (!fn) {

@@ -99,8 +99,14 @@ def test_unsupported_requests():
         n = kvsift.gpu_device_count()
     except kvsift.UnsupportedError as e:
         assert e.status == Status.UNSUPPORTED
+        with raises(kvsift.UnsupportedError, Status.UNSUPPORTED, "CUDA"):
+            kvsift.gpu_memory_info(0)
     else:
         assert n >= 0
+        used, total = kvsift.gpu_memory_info(0)
+        assert 0 < used <= total
+        with raises(kvsift.InvalidArgumentError, Status.INVALID_ARGUMENT, "device"):
+            kvsift.gpu_memory_info(n)
 
 
 def test_not_found():
