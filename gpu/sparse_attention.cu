@@ -90,8 +90,9 @@
 //   ahead (L1 hits: a 128-byte line of ids covers 16 tiles); one miss in 16 tiles can delay a
 //   refill, not the stream.
 // - The copies: a tile is 1024 cp.async of 16 bytes (8 a thread, each with its own 64-bit address
-//   from the slot id), a third or so of the tensor-core loop's instructions, all through the
-//   LSU and L1; and they carry no L2 prefetch size, so an L2 miss asks HBM for the missing 32-byte
+//   from the slot id), all through the LSU and L1: with their addresses and slot loads about 70
+//   of the 308 PTX instructions a thread runs per tile of the tensor-core loop (bf16, d = 128,
+//   G = 4); and they carry no L2 prefetch size, so an L2 miss asks HBM for the missing 32-byte
 //   sectors. torch's FlashAttention-2 tiles arrive through CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL,
 //   which is cp.async.cg.shared.global.L2::128B: the one difference in the copy instruction itself.
 // So two variants of the copies (AttendTuning, bench_offload's --a-tunings fields 5 and 6), the
@@ -99,20 +100,21 @@
 // - l2_prefetch 128 or 256 (kPrefetch): the same cp.async with .L2::128B or .L2::256B, so that
 //   each miss fetches a whole 128- or 256-byte block of the 512 contiguous bytes a warp copies.
 //   Costs nothing: 124 registers at d = 128, G = 4, as without.
-// - bulk_copies 1 (BulkTile): warp 0 brings each K and V row of a tile with one
-//   cp.async.bulk (the copy engine, 64 of 256 bytes a tile at d = 128 instead of 1024 LDGSTS),
-//   completion counted in bytes on a per-stage mbarrier; the rows land at a pitch of 16 bytes past
-//   a 128-byte multiple, so ldmatrix stays free of bank conflicts without the swizzle. The other
-//   warps issue no copies and hold no addresses: 96 registers instead of 124, shared memory 51 KiB
-//   a CTA (4 still fit a multiprocessor). The price is a __syncthreads a tile before a stage is
-//   refilled, and rows past the list are copies of the last listed row (weight zero) where
-//   cp.async wrote zeros. Whole-page bulk copies (8 KiB in one) would put the 8 rows of an
-//   ldmatrix phase 256 bytes apart, an 8-way conflict; a tensor-map copy
-//   (cp.async.bulk.tensor, 128-byte swizzle) could have both and is the next step if rows win.
+// - bulk_copies 1 (BulkTile): warp 0 brings each K and V row of a tile with one cp.async.bulk
+//   (the copy engine: 64 copies of 256 bytes a tile at d = 128 instead of 1024 LDGSTS), their
+//   bytes counted on a per-stage mbarrier; the rows land at a pitch of 16 bytes past a 128-byte
+//   multiple, so ldmatrix stays free of bank conflicts without the swizzle. The other warps issue
+//   no copies and hold no addresses: 96 registers instead of 124, 239 PTX instructions a tile for
+//   warp 0 and fewer for the others, shared memory 51 KiB a CTA (4 still fit a multiprocessor).
+//   The price: a __syncthreads a tile before a stage is refilled, and rows past the list are
+//   copies of the split's last listed row (weight zero) where cp.async wrote zeros. Whole-page
+//   bulk copies (8 KiB in one) would put the 8 rows of an ldmatrix phase 256 bytes apart, an
+//   8-way conflict; a tensor-map copy (cp.async.bulk.tensor, 128-byte swizzle) could have both
+//   and is the next step if whole rows win.
 // ptxas (nvcc 13, sm_90), no spills in either: l2_prefetch as the plain tensor-core kernel (72 at
 // d = 64, 96 to 126 at d = 128, 166 to 168 at d = 256); bulk copies 56 to 72 at d = 64, 96 at
-// d = 128, 162 to 164 at d = 256. The kernels existing before keep their registers exactly (q8,
-// d = 256, G = 1, page form, FMA loop keeps its 8-byte spill).
+// d = 128, 162 to 164 at d = 256. The kernels that existed before keep their registers exactly
+// (the FMA loop's q8, d = 256, G = 1 page-form kernel keeps its 8-byte spill).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
