@@ -119,17 +119,18 @@ struct AttendTuning {
   // 65504.
   uint32_t tensor_cores = 0;
   // 0, 128 or 256: the L2 prefetch size the cp.async copies of the rows carry (.L2::128B,
-  // .L2::256B): an L2 miss then fetches that many aligned bytes from HBM at once instead of the
-  // missed 32-byte sectors alone. 0 asks for none (the kernel's original copies). CUTLASS's
+  // .L2::256B): a hint that an L2 miss may fetch that many aligned bytes from HBM at once rather
+  // than the missed 32-byte sectors. 0 asks for none (the kernel's original copies). CUTLASS's
   // SM80_CP_ASYNC_CACHEGLOBAL, through which FlashAttention-2's tiles arrive, asks for 128.
   // Instantiated for the tensor-core loop with one piece a lane (tensor_cores 1, chunks_per_lane
   // 1, f16 or bf16) and without bulk copies: init() refuses anything else.
   uint32_t l2_prefetch = 0;
   // 0 or 1: 1 brings each K and V row into shared memory with one bulk copy (cp.async.bulk, the
   // Hopper copy engine, completion counted in bytes on an mbarrier) issued by one warp, instead
-  // of head_dim / 8 16-byte cp.async per row spread over the CTA's threads; the rows land 16
-  // bytes apart from a bank line so that ldmatrix meets no conflicts. The tensor-core loop only
-  // (tensor_cores 1, chunks_per_lane 1, f16 or bf16): init() refuses anything else.
+  // of head_dim / 8 16-byte cp.async per row spread over the CTA's threads; the rows land at a
+  // pitch of 16 bytes past a multiple of 128, so ldmatrix meets no bank conflicts. The
+  // tensor-core loop only (tensor_cores 1, chunks_per_lane 1, f16 or bf16): init() refuses
+  // anything else.
   uint32_t bulk_copies = 0;
 };
 
