@@ -93,8 +93,9 @@
 //   from the slot id), all through the LSU and L1: with their addresses and slot loads about 70
 //   of the 308 PTX instructions a thread runs per tile of the tensor-core loop (bf16, d = 128,
 //   G = 4); and they carry no L2 prefetch size, so an L2 miss asks HBM for the missing 32-byte
-//   sectors. torch's FlashAttention-2 tiles arrive through CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL,
-//   which is cp.async.cg.shared.global.L2::128B: the one difference in the copy instruction itself.
+//   sectors. FlashAttention-2, torch's first fused SDPA backend (tools/sdpa_baseline.py does not
+//   log which one ran), copies its tiles with CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL, which recent
+//   CUTLASS emits as cp.async.cg.shared.global.L2::128B: a difference in the copy itself.
 // So two variants of the copies (AttendTuning, bench_offload's --a-tunings fields 5 and 6), the
 // tensor-core loop, its splits, merge and registers otherwise unchanged:
 // - l2_prefetch 128 or 256 (kPrefetch): the same cp.async with .L2::128B or .L2::256B, so that
