@@ -96,8 +96,8 @@
 //   sectors. FlashAttention-2, torch's first fused SDPA backend (tools/sdpa_baseline.py does not
 //   log which one ran), copies its tiles with CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL, which recent
 //   CUTLASS emits as cp.async.cg.shared.global.L2::128B: a difference in the copy itself.
-// So two variants of the copies (AttendTuning, bench_offload's --a-tunings fields 5 and 6), the
-// tensor-core loop, its splits, merge and registers otherwise unchanged:
+// So variants of the copies (AttendTuning, bench_offload's --a-tunings fields 5 and 6), the
+// tensor-core loop, its splits and merge otherwise unchanged:
 // - l2_prefetch 128 or 256 (kPrefetch): the same cp.async with .L2::128B or .L2::256B, so that
 //   each miss fetches a whole 128- or 256-byte block of the 512 contiguous bytes a warp copies.
 //   Costs nothing: 124 registers at d = 128, G = 4, as without.
@@ -108,14 +108,20 @@
 //   no copies and hold no addresses: 96 registers instead of 124, 239 PTX instructions a tile for
 //   warp 0 and fewer for the others, shared memory 51 KiB a CTA (4 still fit a multiprocessor).
 //   The price: a __syncthreads a tile before a stage is refilled, and rows past the list are
-//   copies of the split's last listed row (weight zero) where cp.async wrote zeros. Whole-page
-//   bulk copies (8 KiB in one) would put the 8 rows of an ldmatrix phase 256 bytes apart, an
-//   8-way conflict; a tensor-map copy (cp.async.bulk.tensor, 128-byte swizzle) could have both
-//   and is the next step if whole rows win.
-// ptxas (nvcc 13, sm_90), no spills in either: l2_prefetch as the plain tensor-core kernel (72 at
-// d = 64, 96 to 126 at d = 128, 166 to 168 at d = 256); bulk copies 56 to 72 at d = 64, 96 at
-// d = 128, 162 to 164 at d = 256. The kernels that existed before keep their registers exactly
-// (the FMA loop's q8, d = 256, G = 1 page-form kernel keeps its 8-byte spill).
+//   copies of the split's last listed row (weight zero) where cp.async wrote zeros.
+// - bulk_copies 2: the same stage, but each warp copies the 8 rows it computes on (16 copies a
+//   tile) and waits on an mbarrier of its own, so the loop keeps no CTA-wide barrier and the
+//   warps run apart as in the cp.async loop; the issue work is spread over the warps. Whether
+//   the __syncthreads of 1 costs anything is what the pair measures.
+// Whole-page bulk copies (8 KiB in one) would put the 8 rows of an ldmatrix phase 256 bytes
+// apart, an 8-way bank conflict; a tensor-map copy (cp.async.bulk.tensor, 128-byte swizzle) could
+// have both, and is the next step if whole-row copies win.
+// ptxas (nvcc 13, sm_90): l2_prefetch as the plain tensor-core kernel (72 registers at d = 64, 96
+// to 126 at d = 128, 166 to 168 at d = 256); bulk copies 1 and 2 56 to 72 at d = 64, 96 at
+// d = 128, 162 to 164 at d = 256. No spills, except 8 bytes in bulk copies 2 at d = 64, G = 2,
+// token form, where ptxas stops at 56 registers (not a benchmark shape). The kernels that existed
+// before keep their registers exactly (and the FMA loop's q8, d = 256, G = 1 page-form kernel
+// its 8-byte spill).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -185,7 +191,6 @@ struct BulkTile {
   static constexpr uint32_t kRowBytes = kHeadDim * 2;
   static constexpr uint32_t kPitch = kRowBytes + 16;
   static constexpr uint32_t kStageBytes = 2 * kTokens * kPitch;
-  static constexpr uint32_t kCopyBytes = 2 * kTokens * kRowBytes;  // a stage's barrier counts
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, T::kAccumulatorBytes);
 };
 
@@ -840,13 +845,14 @@ struct MmaTile {
 // kPrefetch: AttendTuning::l2_prefetch, a qualifier of the copy instruction, hence a parameter
 // (a branch on it inside the kernel cost registers: ptxas kept a pipeline per size).
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
-          bool kBulk, uint32_t kPrefetch, class Form>
+          uint32_t kBulk, uint32_t kPrefetch, class Form>
 __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
   static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
   static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk>,
-                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  using Compute =
+      std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk != 0>,
+                         FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
   constexpr uint32_t R = T::kRowsPerThread;
   constexpr uint32_t C = kChunks;
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
@@ -876,24 +882,34 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   // pieces of its warp's lanes, so a __syncwarp after the wait makes them visible and one before
   // the copies keeps a stage from being refilled while other lanes still read it.
   extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads], or BulkTile's
-  if constexpr (kBulk) {
-    // The bulk copies: warp 0's lanes each copy whole rows (a K and a V row per token, 256 bytes
-    // at d = 128) with the copy engine, where the cp.async tile takes 8 16-byte copies from every
-    // thread; each stage's mbarrier counts its bytes in, and every warp waits on it, since each
-    // computes on rows that others' copies brought. One __syncthreads a tile then guards the
-    // refill: the stage refilled at tile t is the one all warps computed at t - 1. Rows past the
-    // list repeat the split's last listed row (a copy cannot zero-fill): finite K and V, which
-    // MmaTile::tile weighs zero. Warp 0 loads the addresses of tile t + kStages while it issues
-    // tile t + kStages - 1, as the cp.async pipeline does.
+  if constexpr (kBulk != 0) {
+    // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
+    // where the cp.async tile takes 8 16-byte copies from every thread, and a stage's mbarrier
+    // counts the bytes in. kBulk 1: warp 0's lanes copy the whole tile and every warp waits on the
+    // one barrier, since each computes on rows that others' copies brought; one __syncthreads a
+    // tile then guards the refill (the stage refilled at tile t is the one all warps computed at
+    // t - 1). kBulk 2: each warp copies the rows it computes (MmaTile::tile_row) and waits on a
+    // barrier of its own, so a __syncwarp guards the refill and the warps run apart as in the
+    // cp.async loop. Rows past the list repeat the split's last listed row (a copy cannot
+    // zero-fill): finite K and V, which MmaTile::tile weighs zero. The addresses of tile
+    // t + kStages are loaded while tile t + kStages - 1 is issued, as the cp.async pipeline does.
     using B = BulkTile<kHeadDim, kBlockHeads>;
     static_assert(!Compute::kSwizzle, "MmaTile reads BulkTile's rows");
-    constexpr uint32_t kPerLane = (B::kTokens + 31) / 32;
-    __shared__ uint64_t full[kStages];
+    constexpr bool kPerWarp = kBulk == 2;
+    constexpr uint32_t kIssueRows = kPerWarp ? Compute::kWarpRows : B::kTokens;  // a warp copies
+    constexpr uint32_t kPerLane = (kIssueRows + 31) / 32;
+    constexpr uint32_t kBarriers = kPerWarp ? kWarps : 1;  // a stage's
+    __shared__ uint64_t full[kStages][kBarriers];
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t row0 = kPerWarp ? warp * kIssueRows : 0;  // the tile row of its first copy
+    const uint32_t barrier = kPerWarp ? warp : 0;
     const uint32_t n_tiles = first < last ? (last - first + B::kTokens - 1) / B::kTokens : 0;
-    const bool issuer = threadIdx.x < 32;
+    const bool issuer = kPerWarp || warp == 0;
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (uint32_t s = 0; s < kStages; ++s) barrier_init(&full[s], 1);
+      for (uint32_t s = 0; s < kStages; ++s)
+#pragma unroll
+        for (uint32_t b = 0; b < kBarriers; ++b) barrier_init(&full[s][b], 1);
       barrier_init_fence();
     }
     __syncthreads();
@@ -902,23 +918,24 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       for (uint32_t k = 0; k < kPerLane; ++k) {
         const uint32_t j = lane + 32 * k;
         to[k] = TokenAddress{0, 0};
-        if (tile < n_tiles && j < B::kTokens)
-          to[k] = form.address(list_begin, min(first + tile * B::kTokens + j, last - 1));
+        if (tile < n_tiles && j < kIssueRows)
+          to[k] = form.address(list_begin, min(first + tile * B::kTokens + row0 + j, last - 1));
       }
     };
     auto issue = [&](uint32_t tile, const TokenAddress(&from)[kPerLane]) {
       const uint32_t stage = tile % kStages;
       std::byte* to = reinterpret_cast<std::byte*>(stages) + stage * B::kStageBytes;
-      if (lane == 0) barrier_expect(&full[stage], B::kCopyBytes);
+      if (lane == 0) barrier_expect(&full[stage][barrier], 2 * kIssueRows * B::kRowBytes);
       __syncwarp();
 #pragma unroll
       for (uint32_t k = 0; k < kPerLane; ++k) {
         const uint32_t j = lane + 32 * k;
-        if (j >= B::kTokens) continue;
+        if (j >= kIssueRows) continue;
         const std::byte* slot = layout.slot(pool, from[k].slot);
-        bulk_copy(to + j * B::kPitch, layout.key(slot, from[k].row), B::kRowBytes, &full[stage]);
-        bulk_copy(to + (B::kTokens + j) * B::kPitch, layout.value(slot, from[k].row), B::kRowBytes,
-                  &full[stage]);
+        bulk_copy(to + (row0 + j) * B::kPitch, layout.key(slot, from[k].row), B::kRowBytes,
+                  &full[stage][barrier]);
+        bulk_copy(to + (B::kTokens + row0 + j) * B::kPitch, layout.value(slot, from[k].row),
+                  B::kRowBytes, &full[stage][barrier]);
       }
     };
     TokenAddress next[kPerLane];
@@ -932,12 +949,16 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       fetch(kStages - 1, next);
     }
     for (uint32_t tile = 0; tile < n_tiles; ++tile) {
-      __syncthreads();  // every warp is done with stage (tile - 1) % kStages, refilled next
+      // Whoever computed stage (tile - 1) % kStages is done with it: it is refilled next.
+      if constexpr (kPerWarp)
+        __syncwarp();
+      else
+        __syncthreads();
       if (issuer) {
         if (tile + kStages - 1 < n_tiles) issue(tile + kStages - 1, next);
         fetch(tile + kStages, next);
       }
-      barrier_wait(&full[tile % kStages], tile / kStages % 2);
+      barrier_wait(&full[tile % kStages][barrier], tile / kStages % 2);
       compute.tile(stages, tile % kStages, first + tile * B::kTokens, last);
     }
   } else {
@@ -1060,11 +1081,11 @@ struct KernelInfo {
 };
 
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
-          bool kBulk, uint32_t kPrefetch, class Form>
+          uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
   constexpr uint32_t shared =
-      kBulk ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes : T::kSharedBytes;
+      kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes : T::kSharedBytes;
   return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, kBulk, kPrefetch, Form>,
           T::kTokens, shared, shared / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
@@ -1072,10 +1093,10 @@ KernelInfo<Form> info() {
 // Blocks of 8 heads have no 2-piece kernel (its q and acc would not fit the registers): they keep
 // one piece a lane whatever the tuning asks. The bulk copies and the L2 prefetches are
 // instantiated for one piece only (init() refuses chunks_per_lane 2 with them).
-template <simd::Dtype D, uint32_t kHeadDim, bool kTensor, bool kBulk, uint32_t kPrefetch,
+template <simd::Dtype D, uint32_t kHeadDim, bool kTensor, uint32_t kBulk, uint32_t kPrefetch,
           class Form>
 KernelInfo<Form> kernel_for_heads(uint32_t block_heads, uint32_t chunks) {
-  constexpr bool kOnePiece = kBulk || kPrefetch != 0;
+  constexpr bool kOnePiece = kBulk != 0 || kPrefetch != 0;
   switch (block_heads) {
     case 1:
       if constexpr (!kOnePiece)
@@ -1093,7 +1114,7 @@ KernelInfo<Form> kernel_for_heads(uint32_t block_heads, uint32_t chunks) {
   }
 }
 
-template <simd::Dtype D, bool kTensor, bool kBulk, uint32_t kPrefetch, class Form>
+template <simd::Dtype D, bool kTensor, uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_t chunks) {
   switch (head_dim) {
     case 64: return kernel_for_heads<D, 64, kTensor, kBulk, kPrefetch, Form>(block_heads, chunks);
@@ -1107,12 +1128,13 @@ KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_
 template <simd::Dtype D, class Form>
 KernelInfo<Form> kernel_for_16bit(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
   const uint32_t chunks = tuning.chunks_per_lane;
-  if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, false, 0, Form>(d, heads, chunks);
-  if (tuning.bulk_copies != 0) return kernel_for_dim<D, true, true, 0, Form>(d, heads, chunks);
+  if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, 0, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 1) return kernel_for_dim<D, true, 1, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 2) return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
   switch (tuning.l2_prefetch) {
-    case 128: return kernel_for_dim<D, true, false, 128, Form>(d, heads, chunks);
-    case 256: return kernel_for_dim<D, true, false, 256, Form>(d, heads, chunks);
-    default: return kernel_for_dim<D, true, false, 0, Form>(d, heads, chunks);
+    case 128: return kernel_for_dim<D, true, 0, 128, Form>(d, heads, chunks);
+    case 256: return kernel_for_dim<D, true, 0, 256, Form>(d, heads, chunks);
+    default: return kernel_for_dim<D, true, 0, 0, Form>(d, heads, chunks);
   }
 }
 
@@ -1127,8 +1149,8 @@ KernelInfo<Form> kernel_for(const AttentionShape& shape, const AttendTuning& tun
     case Dtype::f16: return kernel_for_16bit<Dtype::f16, Form>(shape.head_dim, heads, tuning);
     case Dtype::bf16: return kernel_for_16bit<Dtype::bf16, Form>(shape.head_dim, heads, tuning);
     default:
-      return kernel_for_dim<Dtype::q8, false, false, 0, Form>(shape.head_dim, heads,
-                                                              tuning.chunks_per_lane);
+      return kernel_for_dim<Dtype::q8, false, 0, 0, Form>(shape.head_dim, heads,
+                                                          tuning.chunks_per_lane);
   }
 }
 
@@ -1326,22 +1348,22 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("tuning.tensor_cores=", tuning.tensor_cores, " is not 0 or 1");
   if (tuning.l2_prefetch != 0 && tuning.l2_prefetch != 128 && tuning.l2_prefetch != 256)
     return invalid("tuning.l2_prefetch=", tuning.l2_prefetch, " is not 0, 128 or 256");
-  if (tuning.bulk_copies > 1)
-    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0 or 1");
-  if (tuning.bulk_copies == 1) {
+  if (tuning.bulk_copies > 2)
+    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1 or 2");
+  if (tuning.bulk_copies != 0) {
+    const uint32_t bulk = tuning.bulk_copies;
     if (tuning.tensor_cores != 1)
-      return invalid(
-          "tuning.bulk_copies=1 needs tensor_cores=1 (the FMA loop reads the cp.async "
-          "layout)");
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs tensor_cores=1 (the FMA loop reads the cp.async layout)");
     if (tuning.chunks_per_lane != 1)
-      return invalid(
-          "tuning.bulk_copies=1 needs chunks_per_lane=1 (a bulk copy moves whole "
-          "rows)");
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs chunks_per_lane=1 (a bulk copy moves whole rows)");
     if (shape.dtype == simd::Dtype::q8)
-      return invalid("tuning.bulk_copies=1 needs f16 or bf16 K/V (q8 has no tensor-core loop)");
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs f16 or bf16 K/V (q8 has no tensor-core loop)");
     if (tuning.l2_prefetch != 0)
       return invalid("tuning.l2_prefetch=", tuning.l2_prefetch,
-                     " applies to the cp.async copies: bulk_copies=1 has none");
+                     " applies to the cp.async copies: bulk_copies=", bulk, " has none");
   }
   if (tuning.l2_prefetch != 0) {
     if (tuning.tensor_cores != 1 || tuning.chunks_per_lane != 1 || shape.dtype == simd::Dtype::q8)

@@ -107,7 +107,7 @@ std::string case_name(const Case& c) {
        << (c.form == Form::pages ? "_pages" : "_tokens") << (c.chunks == 2 ? "_c2" : "")
        << (c.tensor_cores ? "_tc" : "");
   if (c.l2_prefetch != 0) name << "_pf" << c.l2_prefetch;
-  if (c.bulk_copies != 0) name << "_bulk";
+  if (c.bulk_copies != 0) name << "_bulk" << c.bulk_copies;
   return name.str();
 }
 
@@ -388,19 +388,20 @@ std::vector<Case> all_cases() {
     cases.back().tensor_cores = 1;
   }
   // Every 16-bit one-piece shape again on the tensor cores with an L2 prefetch on its copies, and
-  // with bulk copies.
+  // with bulk copies of both kinds.
   for (std::size_t i = 0; i < one_piece; ++i) {
     if (cases[i].dtype == simd::Dtype::q8) continue;
     cases.push_back(cases[i]);
     cases.back().tensor_cores = 1;
     cases.back().l2_prefetch = 256;
   }
-  for (std::size_t i = 0; i < one_piece; ++i) {
-    if (cases[i].dtype == simd::Dtype::q8) continue;
-    cases.push_back(cases[i]);
-    cases.back().tensor_cores = 1;
-    cases.back().bulk_copies = 1;
-  }
+  for (uint32_t bulk : {1u, 2u})
+    for (std::size_t i = 0; i < one_piece; ++i) {
+      if (cases[i].dtype == simd::Dtype::q8) continue;
+      cases.push_back(cases[i]);
+      cases.back().tensor_cores = 1;
+      cases.back().bulk_copies = bulk;
+    }
   return cases;
 }
 
@@ -423,7 +424,8 @@ TEST_F(GpuTest, a_long_context_splits_and_merges) {
   // Both inner loops, and the tensor-core loop's other copies.
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 128}, gpu::AttendTuning{0, 2, 1, 1, 0, 1}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 128}, gpu::AttendTuning{0, 2, 1, 1, 0, 1},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
     SCOPED_TRACE(::testing::Message()
                  << "tensor_cores " << tuning.tensor_cores << ", l2_prefetch " << tuning.l2_prefetch
                  << ", bulk_copies " << tuning.bulk_copies);
@@ -448,14 +450,16 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
   const std::vector<uint32_t> last = {9, 16, 3, 1, 16, 0, 11, 15};
   // Then L2 prefetches and bulk copies on the tensor-core loop under the same split tunings.
   const gpu::AttendTuning tunings[] = {
-      {0, 2, 1},          {1, 1, 1},           {2, 2, 1},          {3, 5, 1},
-      {8, 2, 1},          {16, 2, 1},          {0, 8, 1},          {64, 1, 1},
-      {0, 64, 1},         {0, 2, 2},           {1, 1, 2},          {8, 2, 2},
-      {0, 8, 2},          {0, 2, 1, 1},        {1, 1, 1, 1},       {2, 2, 1, 1},
-      {3, 5, 1, 1},       {8, 2, 1, 1},        {0, 64, 1, 1},      {0, 2, 2, 1},
-      {8, 2, 2, 1},       {0, 2, 1, 1, 128},   {2, 2, 1, 1, 256},  {8, 2, 1, 1, 128},
-      {0, 2, 1, 1, 0, 1}, {1, 1, 1, 1, 0, 1},  {2, 2, 1, 1, 0, 1}, {3, 5, 1, 1, 0, 1},
-      {8, 2, 1, 1, 0, 1}, {0, 64, 1, 1, 0, 1}, {64, 1, 1, 1, 0, 1}};
+      {0, 2, 1},           {1, 1, 1},           {2, 2, 1},           {3, 5, 1},
+      {8, 2, 1},           {16, 2, 1},          {0, 8, 1},           {64, 1, 1},
+      {0, 64, 1},          {0, 2, 2},           {1, 1, 2},           {8, 2, 2},
+      {0, 8, 2},           {0, 2, 1, 1},        {1, 1, 1, 1},        {2, 2, 1, 1},
+      {3, 5, 1, 1},        {8, 2, 1, 1},        {0, 64, 1, 1},       {0, 2, 2, 1},
+      {8, 2, 2, 1},        {0, 2, 1, 1, 128},   {2, 2, 1, 1, 256},   {8, 2, 1, 1, 128},
+      {0, 2, 1, 1, 0, 1},  {1, 1, 1, 1, 0, 1},  {2, 2, 1, 1, 0, 1},  {3, 5, 1, 1, 0, 1},
+      {8, 2, 1, 1, 0, 1},  {0, 64, 1, 1, 0, 1}, {64, 1, 1, 1, 0, 1}, {0, 2, 1, 1, 0, 2},
+      {1, 1, 1, 1, 0, 2},  {2, 2, 1, 1, 0, 2},  {3, 5, 1, 1, 0, 2},  {8, 2, 1, 1, 0, 2},
+      {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}};
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning : tunings) {
@@ -485,7 +489,8 @@ TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
     for (uint32_t chunks : {1u, 2u})
       for (uint32_t tensor_cores : {0u, 1u})
         run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks, tensor_cores});
-    run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, 1, 1, 0, 1});
+    for (uint32_t bulk : {1u, 2u})
+      run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, 1, 1, 0, bulk});
   }
 }
 
@@ -495,7 +500,7 @@ TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
   const Problem p = make_problem(c, 11, {2, 1, 2, 2}, {1, 1, 16, 5});
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 1}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
     gpu::SplitPlan plan;
     run_and_check(p, Form::pages, &plan, tuning);
     EXPECT_EQ(plan.splits_per_pair, 1u);
@@ -506,7 +511,7 @@ TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning :
          {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-          gpu::AttendTuning{0, 2, 1, 1, 0, 1}}) {
+          gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
       const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
       // Some empty, then all empty.
       run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form, nullptr, tuning);
@@ -521,7 +526,7 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
   const Problem p = make_random_problem(c, 31);
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 1}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
     SCOPED_TRACE(::testing::Message() << "tensor_cores " << tuning.tensor_cores << ", bulk_copies "
                                       << tuning.bulk_copies);
     const std::vector<float> checked = run_and_check(p, Form::tokens, nullptr, tuning);
@@ -573,11 +578,12 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
                  "tuning.l2_prefetch=128 is instantiated for the tensor-core loop only");
   expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 256}),
                  "tuning.l2_prefetch=256 is instantiated for the tensor-core loop only");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 2}), "tuning.bulk_copies=2 is not 0 or 1");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 3}),
+                 "tuning.bulk_copies=3 is not 0, 1 or 2");
   expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 1}),
                  "tuning.bulk_copies=1 needs tensor_cores=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 1}),
-                 "tuning.bulk_copies=1 needs chunks_per_lane=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 2}),
+                 "tuning.bulk_copies=2 needs chunks_per_lane=1");
   expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 128, 1}),
                  "tuning.l2_prefetch=128 applies to the cp.async copies");
   gpu::AttentionShape q8 = good;
