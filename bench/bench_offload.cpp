@@ -222,16 +222,17 @@ DevicePtr device(std::size_t bytes, const char* what) {
 }
 
 // One point of (a)'s sweep over the kernel's tuning:
-// "ctas_per_sm:min_tiles_per_split:chunks[:tensor_cores]" (the last field 0 when left out).
+// "ctas_per_sm:min_tiles_per_split:chunks[:tensor_cores[:l2_prefetch[:bulk_copies]]]" (fields
+// left out are 0).
 struct TuningPoint {
   gpu::AttendTuning tuning;
   std::string text;
 };
 
 TuningPoint parse_tuning(const std::string& text) {
-  uint32_t fields[4] = {};
+  uint32_t fields[6] = {};
   const std::size_t colons = static_cast<std::size_t>(std::count(text.begin(), text.end(), ':'));
-  const int n_fields = colons == 3 ? 4 : 3;
+  const int n_fields = static_cast<int>(std::clamp<std::size_t>(colons + 1, 3, 6));
   std::size_t at = 0;
   for (int i = 0; i < n_fields; ++i) {
     const std::size_t end = i + 1 < n_fields ? text.find(':', at) : text.size();
@@ -245,10 +246,12 @@ TuningPoint parse_tuning(const std::string& text) {
     if (field.empty() || used != field.size() || field[0] == '-')
       throw kvsift::apps::UsageError(
           "--a-tunings: '" + text +
-          "' is not CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES] (unsigned integers)");
+          "' is not CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES]]] "
+          "(unsigned integers)");
     at = end + 1;
   }
-  return {gpu::AttendTuning{fields[0], fields[1], fields[2], fields[3]}, text};
+  return {gpu::AttendTuning{fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]},
+          text};
 }
 
 struct Config {
@@ -258,7 +261,8 @@ struct Config {
   float drift_noise = 0.6f;
   int a_reps = 20;
   // (a)'s sweep: 0 CTAs per multiprocessor is the kernel's occupancy; 0:2:1 is the default;
-  // a 4th field of 1 runs the tensor-core inner loop.
+  // a 4th field of 1 runs the tensor-core inner loop, a 5th asks its copies for an L2 prefetch
+  // of that many bytes, a 6th of 1 or 2 brings its rows with bulk copies (gpu::AttendTuning).
   std::vector<std::string> a_tunings{"0:2:1", "2:2:1",   "8:2:1",   "0:2:2",
                                      "8:2:2", "0:2:1:1", "2:2:1:1", "8:2:1:1"};
   std::vector<TuningPoint> a_points;  // a_tunings parsed
@@ -517,9 +521,8 @@ void dense_phase(const Config& cfg, Host& host, Row& row, const std::vector<floa
       check(tuned.init(shape, batch, point.tuning), "a: tuned attention workspace");
       const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
       const gpu::SplitPlan& plan = tuned.last_plan();
-      say("  (a) sweep %s (ctas_per_sm:min_tiles:chunks[:tensor_cores]): %u splits x %u tokens, "
-          "%lu CTAs "
-          "against %u: %.1f us (%.1f..%.1f over %d), %.2f TB/s",
+      say("  (a) sweep %s (ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk]]]): "
+          "%u splits x %u tokens, %lu CTAs against %u: %.1f us (%.1f..%.1f over %d), %.2f TB/s",
           point.text.c_str(), plan.splits_per_pair, plan.tokens_per_split,
           static_cast<unsigned long>(plan.ctas), plan.device_ctas, t.median, t.min, t.max,
           cfg.a_reps, kv_bytes / t.median * 1e-6);
@@ -612,9 +615,9 @@ void selective_sweep(const Config& cfg, const Host& host, const OffloadAttention
       check(tuned.validate(call), "(c) sweep: lists");
       const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
       const gpu::SplitPlan& plan = tuned.last_plan();
-      say("  (c) attend sweep %s (ctas_per_sm:min_tiles:chunks[:tensor_cores]), %u pairs, %u "
-          "pages: %u splits x "
-          "%u tokens, %lu CTAs: %.1f us (%.1f..%.1f over %d)",
+      say("  (c) attend sweep %s "
+          "(ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk]]]), "
+          "%u pairs, %u pages: %u splits x %u tokens, %lu CTAs: %.1f us (%.1f..%.1f over %d)",
           point.text.c_str(), pairs, offsets[pairs], plan.splits_per_pair, plan.tokens_per_split,
           static_cast<unsigned long>(plan.ctas), t.median, t.min, t.max, cfg.a_reps);
     } catch (const std::exception& e) {
@@ -917,9 +920,10 @@ int main(int argc, char** argv) {
   app.add_option("--a-reps", cfg.a_reps, "(a) kernel repetitions")->check(CLI::Range(1, 100000));
   app.add_option(
          "--a-tunings", cfg.a_tunings,
-         "(a) also times the kernel tuned as each CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES] "
-         "asks (gpu::AttendTuning; 0 CTAs per multiprocessor: its occupancy; tensor "
-         "cores 0 when left out); 'none': no sweep")
+         "(a) also times the kernel tuned as each "
+         "CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES]]] asks "
+         "(gpu::AttendTuning; 0 CTAs per multiprocessor: its occupancy; fields left out are 0); "
+         "'none': no sweep")
       ->delimiter(',');
   app.add_option("--b-steps", cfg.b_steps, "(b) cold dense steps")->check(CLI::Range(1, 100000));
   app.add_option("--c-warmup", cfg.c_warmup, "(c) untimed steps first (the cold fill)")

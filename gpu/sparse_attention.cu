@@ -3,9 +3,10 @@
 // One CTA of 4 warps serves one (pair, head block, split). A K/V row of head_dim elements is read
 // by head_dim / 8 lanes with one 16-byte load each (a "row group"), so a warp reads 32 / (d / 8)
 // rows at once and the CTA kTokens rows per iteration, each row once for all the block's query
-// heads. The rows arrive through a three-stage cp.async pipeline in shared memory. Every row group
-// keeps its own online-softmax state (m, l, acc) in registers and the CTA combines them once at
-// the end, so the token loop has no barrier; the last CTA of a pair merges the pair's splits.
+// heads. The rows arrive through a three-stage cp.async pipeline in shared memory (or bulk copies:
+// AttendTuning::bulk_copies, below). Every row group keeps its own online-softmax state (m, l,
+// acc) in registers and the CTA combines them once at the end, so the token loop has no barrier;
+// the last CTA of a pair merges the pair's splits.
 // Logits are kept in base 2 (q pre-multiplied by log2(e) / sqrt(d)) so that each exponential is
 // one ex2, and the running sums are rescaled lazily.
 //
@@ -68,6 +69,59 @@
 // faster at every point, so it is the default (AttendTuning); with it the model-level offload
 // tests (greedy tokens against the CPU, tests/test_offload.cpp) and the device demo pass.
 // compute-sanitizer: memcheck over its 206 test cases and racecheck over 35 found nothing.
+//
+// Where the rest goes (arithmetic on the measurements above; nothing here is measured yet). The
+// layer reads 512 bytes of K and V per token and KV head: 537 MB at 128K batch 1, 4295 MB at 1M
+// batch 1 and at 128K batch 8. A fixed cost F per call (launch, ramp, merge) and a streaming rate
+// W fit both contexts at batch 1: ours 151.1 = 537 / W + F and 1099.7 = 4295 / W + F give W =
+// 3.96 TB/s, F = 15.5 us; torch's 130.6 and 950.8 give 4.58 TB/s and 13.4 us. So the fixed costs
+// differ by about 2 us and the streaming rate by 13.5%: the gap is in the steady state, the same
+// at every point (1.14-1.16x), not in the split count, the merge or the tail.
+// - Bytes in flight: at 4.58 TB/s and ~700 ns of loaded latency Little's law asks for ~3.2 MB in
+//   flight, 24 KB a multiprocessor. A CTA keeps 2 to 3 tiles of 16 KiB in flight (kStages), 4
+//   CTAs a multiprocessor: 128 to 192 KiB, 5 to 8 times that. Halving it (2 CTAs a multiprocessor)
+//   won 2 us at 128K batch 1 and lost 7 at batch 8, so more stages would not help (1:2:1:1, 32
+//   to 48 KiB a multiprocessor, probes the low end).
+// - Split and merge: at 128K batch 1, 66 splits of 2016 tokens a pair, 528 CTAs, exactly one wave
+//   of 4 a multiprocessor; the fused merge reads 66 partials of ~2 KiB a pair (1.1 MB in all,
+//   0.2% of the K/V) in about 4 L2 round trips with 16 float4 loads a thread in flight: a few
+//   us, inside F. No second launch.
+// - Page table: a tile of 32 tokens spans 2 pages, each thread loads its rows' slot ids one tile
+//   ahead (L1 hits: a 128-byte line of ids covers 16 tiles); one miss in 16 tiles can delay a
+//   refill, not the stream.
+// - The copies: a tile is 1024 cp.async of 16 bytes (8 a thread, each with its own 64-bit address
+//   from the slot id), all through the LSU and L1: with their addresses and slot loads about 70
+//   of the 308 PTX instructions a thread runs per tile of the tensor-core loop (bf16, d = 128,
+//   G = 4); and they carry no L2 prefetch size, so an L2 miss asks HBM for the missing 32-byte
+//   sectors. FlashAttention-2, torch's first fused SDPA backend (tools/sdpa_baseline.py does not
+//   log which one ran), copies its tiles with CUTLASS's SM80_CP_ASYNC_CACHEGLOBAL, which recent
+//   CUTLASS emits as cp.async.cg.shared.global.L2::128B: a difference in the copy itself.
+// So variants of the copies (AttendTuning, bench_offload's --a-tunings fields 5 and 6), the
+// tensor-core loop, its splits and merge otherwise unchanged:
+// - l2_prefetch 128 or 256 (kPrefetch): the same cp.async with .L2::128B or .L2::256B, so that
+//   each miss fetches a whole 128- or 256-byte block of the 512 contiguous bytes a warp copies.
+//   Costs nothing: 124 registers at d = 128, G = 4, as without.
+// - bulk_copies 1 (BulkTile): warp 0 brings each K and V row of a tile with one cp.async.bulk
+//   (the copy engine: 64 copies of 256 bytes a tile at d = 128 instead of 1024 LDGSTS), their
+//   bytes counted on a per-stage mbarrier; the rows land at a pitch of 16 bytes past a 128-byte
+//   multiple, so ldmatrix stays free of bank conflicts without the swizzle. The other warps issue
+//   no copies and hold no addresses: 96 registers instead of 124, 239 PTX instructions a tile for
+//   warp 0 and fewer for the others, shared memory 51 KiB a CTA (4 still fit a multiprocessor).
+//   The price: a __syncthreads a tile before a stage is refilled, and rows past the list are
+//   copies of the split's last listed row (weight zero) where cp.async wrote zeros.
+// - bulk_copies 2: the same stage, but each warp copies the 8 rows it computes on (16 copies a
+//   tile) and waits on an mbarrier of its own, so the loop keeps no CTA-wide barrier and the
+//   warps run apart as in the cp.async loop; the issue work is spread over the warps. Whether
+//   the __syncthreads of 1 costs anything is what the pair measures.
+// Whole-page bulk copies (8 KiB in one) would put the 8 rows of an ldmatrix phase 256 bytes
+// apart, an 8-way bank conflict; a tensor-map copy (cp.async.bulk.tensor, 128-byte swizzle) could
+// have both, and is the next step if whole-row copies win.
+// ptxas (nvcc 13, sm_90): l2_prefetch as the plain tensor-core kernel (72 registers at d = 64, 96
+// to 126 at d = 128, 166 to 168 at d = 256); bulk copies 1 and 2 56 to 72 at d = 64, 96 at
+// d = 128, 162 to 164 at d = 256. No spills, except 8 bytes in bulk copies 2 at d = 64, G = 2,
+// token form, where ptxas stops at 56 registers (not a benchmark shape). The kernels that existed
+// before keep their registers exactly (and the FMA loop's q8, d = 256, G = 1 page-form kernel
+// its 8-byte spill).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -124,6 +178,20 @@ struct Tile {
   static constexpr uint32_t kStageBytes = kRowsPerThread * kChunks * 2 * kThreads * 16;
   static constexpr uint32_t kAccumulatorBytes = kWarps * kBlockHeads * kHeadDim * 4;
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, kAccumulatorBytes);
+};
+
+// The stage of the bulk copies (AttendTuning::bulk_copies): [K, V][kTokens] rows of head_dim
+// 16-bit values, kPitch bytes apart, as many tokens as the cp.async tile (plan_splits serves both).
+// A bulk copy cannot swizzle its bytes, so the rows are padded instead: kPitch is 16 bytes past a
+// multiple of 128, so the 8 rows of an ldmatrix phase start in 8 different 16-byte bank groups.
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
+struct BulkTile {
+  using T = Tile<kHeadDim, kBlockHeads, 1>;
+  static constexpr uint32_t kTokens = T::kTokens;
+  static constexpr uint32_t kRowBytes = kHeadDim * 2;
+  static constexpr uint32_t kPitch = kRowBytes + 16;
+  static constexpr uint32_t kStageBytes = 2 * kTokens * kPitch;
+  static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, T::kAccumulatorBytes);
 };
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
@@ -222,11 +290,20 @@ __device__ __forceinline__ float rescale(float m_part, float m_all) {
 }
 
 // 16 bytes global -> shared, asynchronously, through L2 only (the rows are read once); with
-// fill false it writes zeros and reads nothing.
+// fill false it writes zeros and reads nothing. kPrefetch is AttendTuning::l2_prefetch.
+template <uint32_t kPrefetch>
 __device__ __forceinline__ void copy16(uint4* shared, const void* global, bool fill) {
   const auto to = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
-               "r"(fill ? 16 : 0));
+  const uint32_t bytes = fill ? 16 : 0;
+  if constexpr (kPrefetch == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+                 "r"(bytes));
+  else if constexpr (kPrefetch == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+                 "r"(bytes));
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+                 "r"(bytes));
 }
 // 4 or 8 bytes global -> shared, asynchronously, through L1 (cp.async.cg copies only 16): a q8
 // thread's codes and its row's scale.
@@ -242,6 +319,51 @@ __device__ __forceinline__ void commit_copies() {
 template <int kPending>
 __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending));
+}
+
+// The bulk copies (AttendTuning::bulk_copies): one mbarrier per stage counts the bytes that have
+// landed (PTX ISA, "cp.async.bulk" and "mbarrier"; the sequence CUTLASS's SM90 TMA pipelines use).
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void barrier_init(uint64_t* barrier, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)),
+               "r"(arrivals)
+               : "memory");
+}
+// Makes the initialised barriers visible to the copy engine (the async proxy).
+__device__ __forceinline__ void barrier_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+// One arrival that also tells the barrier to expect `bytes` more before its phase completes.
+__device__ __forceinline__ void barrier_expect(uint64_t* barrier, uint32_t bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
+      "r"(bytes)
+      : "memory");
+}
+// Returns once the barrier's phase of parity `parity` has completed.
+__device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity) {
+  uint32_t done = 0;
+  do {
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
+        " selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(parity)
+        : "memory");
+  } while (!done);
+}
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared by the copy engine;
+// their arrival is counted on `barrier`. A CTA launched without a cluster is its own cluster, so
+// its shared::cta addresses serve as shared::cluster ones.
+__device__ __forceinline__ void bulk_copy(void* shared, const void* global, uint32_t bytes,
+                                          uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(shared_address(shared)),
+      "l"(global), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
 }
 
 // Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,
@@ -542,17 +664,22 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
 //   accumulators to hold hi and lo apart; a thread's accumulators are heads 2 threadID_in_group
 //   and + 1, whose rescaling factors two shuffles fetch from the heads' lanes.
 // Warps of fewer than 8 tokens pad their 8 columns with copies of their rows at weight zero.
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks>
+// kBulk: the stage is BulkTile's (whole rows at a padded pitch, which every warp's lanes can
+// read) and warp w computes the tile's tokens w * kWarpRows .. + kWarpRows - 1.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kBulk>
 struct MmaTile {
   static_assert(D == simd::Dtype::f16 || D == simd::Dtype::bf16, "16-bit K/V only");
+  static_assert(!kBulk || kChunks == 1, "bulk copies move whole rows");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
+  using B = BulkTile<kHeadDim, kBlockHeads>;
+  static constexpr uint32_t kStageBytes = kBulk ? B::kStageBytes : T::kStageBytes;
   static constexpr uint32_t kWarpRows = T::kTokens / kWarps;
   static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
   static constexpr uint32_t kNTiles = kCols / 8;
   static constexpr uint32_t kKSteps = kHeadDim / 16;
   static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
   static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
-  static constexpr bool kSwizzle = true;
+  static constexpr bool kSwizzle = !kBulk;                   // the bulk stage is padded instead
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
 
   uint32_t warp, lane;
@@ -565,6 +692,7 @@ struct MmaTile {
 
   // The tile row (of the T::kTokens) of the warp's token `token`.
   __device__ uint32_t tile_row(uint32_t token) const {
+    if constexpr (kBulk) return warp * kWarpRows + token;
     return token / T::kRowsPerWarp * T::kRowsPerStep + warp * T::kRowsPerWarp +
            token % T::kRowsPerWarp;
   }
@@ -576,6 +704,8 @@ struct MmaTile {
   // compile time: no arithmetic per ldmatrix beyond one add.
   template <uint32_t kKv>
   __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
+    if constexpr (kBulk)
+      return stage_address + lane_bytes[nt][0] + kKv * B::kTokens * B::kPitch + column0 * 2;
     const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
     return stage_address + lane_bytes[nt][piece / 4 % 2] +
            ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
@@ -589,6 +719,10 @@ struct MmaTile {
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
       // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
       const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
+      if constexpr (kBulk) {
+        lane_bytes[nt][0] = lane_bytes[nt][1] = tile_row(token) * B::kPitch + lane / 8 * 16;
+        continue;
+      }
       const uint32_t r = token / T::kRowsPerWarp;
       const uint32_t row = warp * T::kRowsPerWarp + token % T::kRowsPerWarp;
       // piece_index's swizzle of this row.
@@ -617,8 +751,7 @@ struct MmaTile {
 
   __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
     const uint32_t t = lane % 4;
-    const uint32_t stage_address =
-        static_cast<uint32_t>(__cvta_generic_to_shared(stages)) + stage * T::kStageBytes;
+    const uint32_t stage_address = shared_address(stages) + stage * kStageBytes;
 
     float s[kNTiles][4];
 #pragma unroll
@@ -709,12 +842,17 @@ struct MmaTile {
   }
 };
 
+// kPrefetch: AttendTuning::l2_prefetch, a qualifier of the copy instruction, hence a parameter
+// (a branch on it inside the kernel cost registers: ptxas kept a pipeline per size).
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
-          class Form>
+          uint32_t kBulk, uint32_t kPrefetch, class Form>
 __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
+  static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
+  static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks>,
-                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  using Compute =
+      std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk != 0>,
+                         FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
   constexpr uint32_t R = T::kRowsPerThread;
   constexpr uint32_t C = kChunks;
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
@@ -743,66 +881,147 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   // own copy groups is enough and the loop needs no barrier; the tensor-core loop reads the
   // pieces of its warp's lanes, so a __syncwarp after the wait makes them visible and one before
   // the copies keeps a stage from being refilled while other lanes still read it.
-  extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads]
-  auto piece = [&](uint32_t stage, uint32_t r, uint32_t j, uint32_t kv) {
-    return stages + piece_index<T, Compute::kSwizzle>(stage, r, j, kv, threadIdx.x);
-  };
-  TokenAddress address[R];
-  bool listed[R];
-  auto fetch_addresses = [&](uint32_t base) {
+  extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads], or BulkTile's
+  if constexpr (kBulk != 0) {
+    // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
+    // where the cp.async tile takes 8 16-byte copies from every thread, and a stage's mbarrier
+    // counts the bytes in. kBulk 1: warp 0's lanes copy the whole tile and every warp waits on the
+    // one barrier, since each computes on rows that others' copies brought; one __syncthreads a
+    // tile then guards the refill (the stage refilled at tile t is the one all warps computed at
+    // t - 1). kBulk 2: each warp copies the rows it computes (MmaTile::tile_row) and waits on a
+    // barrier of its own, so a __syncwarp guards the refill and the warps run apart as in the
+    // cp.async loop. Rows past the list repeat the split's last listed row (a copy cannot
+    // zero-fill): finite K and V, which MmaTile::tile weighs zero. The addresses of tile
+    // t + kStages are loaded while tile t + kStages - 1 is issued, as the cp.async pipeline does.
+    using B = BulkTile<kHeadDim, kBlockHeads>;
+    static_assert(!Compute::kSwizzle, "MmaTile reads BulkTile's rows");
+    constexpr bool kPerWarp = kBulk == 2;
+    constexpr uint32_t kIssueRows = kPerWarp ? Compute::kWarpRows : B::kTokens;  // a warp copies
+    constexpr uint32_t kPerLane = (kIssueRows + 31) / 32;
+    constexpr uint32_t kBarriers = kPerWarp ? kWarps : 1;  // a stage's
+    __shared__ uint64_t full[kStages][kBarriers];
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t row0 = kPerWarp ? warp * kIssueRows : 0;  // the tile row of its first copy
+    const uint32_t barrier = kPerWarp ? warp : 0;
+    const uint32_t n_tiles = first < last ? (last - first + B::kTokens - 1) / B::kTokens : 0;
+    const bool issuer = kPerWarp || warp == 0;
+    if (threadIdx.x == 0) {
 #pragma unroll
-    for (uint32_t r = 0; r < R; ++r) {
-      const uint32_t i = base + r * T::kRowsPerStep + row_group;
-      listed[r] = i < last;
-      address[r] = listed[r] ? form.address(list_begin, i) : TokenAddress{0, 0};
+      for (uint32_t s = 0; s < kStages; ++s)
+#pragma unroll
+        for (uint32_t b = 0; b < kBarriers; ++b) barrier_init(&full[s][b], 1);
+      barrier_init_fence();
     }
-  };
-  auto issue_copies = [&](uint32_t stage) {
+    __syncthreads();
+    auto fetch = [&](uint32_t tile, TokenAddress(&to)[kPerLane]) {
 #pragma unroll
-    for (uint32_t r = 0; r < R; ++r) {
-      const std::byte* slot = layout.slot(pool, address[r].slot);
-      const uint32_t row = address[r].row;
+      for (uint32_t k = 0; k < kPerLane; ++k) {
+        const uint32_t j = lane + 32 * k;
+        to[k] = TokenAddress{0, 0};
+        if (tile < n_tiles && j < kIssueRows)
+          to[k] = form.address(list_begin, min(first + tile * B::kTokens + row0 + j, last - 1));
+      }
+    };
+    auto issue = [&](uint32_t tile, const TokenAddress(&from)[kPerLane]) {
+      const uint32_t stage = tile % kStages;
+      std::byte* to = reinterpret_cast<std::byte*>(stages) + stage * B::kStageBytes;
+      if (lane == 0) barrier_expect(&full[stage][barrier], 2 * kIssueRows * B::kRowBytes);
+      __syncwarp();
 #pragma unroll
-      for (uint32_t j = 0; j < C; ++j) {
-        // Rows past the list: zeros, nothing read.
-        uint4* k = piece(stage, r, j, 0);
-        uint4* v = piece(stage, r, j, 1);
-        if constexpr (D == simd::Dtype::q8) {
-          // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4 bytes
-          // are read by every lane of the group, from L1 after the first.
-          copy_small<8>(&k->x, layout.key_codes(slot, row) + channel(j), listed[r]);
-          copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
-          copy_small<8>(&v->x, layout.value_codes(slot, row) + channel(j), listed[r]);
-          copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
-        } else {
-          copy16(k, layout.key(slot, row) + channel(j), listed[r]);
-          copy16(v, layout.value(slot, row) + channel(j), listed[r]);
+      for (uint32_t k = 0; k < kPerLane; ++k) {
+        const uint32_t j = lane + 32 * k;
+        if (j >= kIssueRows) continue;
+        const std::byte* slot = layout.slot(pool, from[k].slot);
+        bulk_copy(to + (row0 + j) * B::kPitch, layout.key(slot, from[k].row), B::kRowBytes,
+                  &full[stage][barrier]);
+        bulk_copy(to + (B::kTokens + row0 + j) * B::kPitch, layout.value(slot, from[k].row),
+                  B::kRowBytes, &full[stage][barrier]);
+      }
+    };
+    TokenAddress next[kPerLane];
+    if (issuer) {
+      TokenAddress early[kStages - 1][kPerLane];  // the first tiles' loads all in flight at once
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s) fetch(s, early[s]);
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s)
+        if (s < n_tiles) issue(s, early[s]);
+      fetch(kStages - 1, next);
+    }
+    for (uint32_t tile = 0; tile < n_tiles; ++tile) {
+      // Whoever computed stage (tile - 1) % kStages is done with it: it is refilled next.
+      if constexpr (kPerWarp)
+        __syncwarp();
+      else
+        __syncthreads();
+      if (issuer) {
+        if (tile + kStages - 1 < n_tiles) issue(tile + kStages - 1, next);
+        fetch(tile + kStages, next);
+      }
+      barrier_wait(&full[tile % kStages][barrier], tile / kStages % 2);
+      compute.tile(stages, tile % kStages, first + tile * B::kTokens, last);
+    }
+  } else {
+    auto piece = [&](uint32_t stage, uint32_t r, uint32_t j, uint32_t kv) {
+      return stages + piece_index<T, Compute::kSwizzle>(stage, r, j, kv, threadIdx.x);
+    };
+    TokenAddress address[R];
+    bool listed[R];
+    auto fetch_addresses = [&](uint32_t base) {
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        const uint32_t i = base + r * T::kRowsPerStep + row_group;
+        listed[r] = i < last;
+        address[r] = listed[r] ? form.address(list_begin, i) : TokenAddress{0, 0};
+      }
+    };
+    auto issue_copies = [&](uint32_t stage) {
+#pragma unroll
+      for (uint32_t r = 0; r < R; ++r) {
+        const std::byte* slot = layout.slot(pool, address[r].slot);
+        const uint32_t row = address[r].row;
+#pragma unroll
+        for (uint32_t j = 0; j < C; ++j) {
+          // Rows past the list: zeros, nothing read.
+          uint4* k = piece(stage, r, j, 0);
+          uint4* v = piece(stage, r, j, 1);
+          if constexpr (D == simd::Dtype::q8) {
+            // Each lane of a row group copies its 8 codes and the row's scale: the scale's 4
+            // bytes are read by every lane of the group, from L1 after the first.
+            copy_small<8>(&k->x, layout.key_codes(slot, row) + channel(j), listed[r]);
+            copy_small<4>(&k->z, layout.key_scales(slot) + row, listed[r]);
+            copy_small<8>(&v->x, layout.value_codes(slot, row) + channel(j), listed[r]);
+            copy_small<4>(&v->z, layout.value_scales(slot) + row, listed[r]);
+          } else {
+            copy16<kPrefetch>(k, layout.key(slot, row) + channel(j), listed[r]);
+            copy16<kPrefetch>(v, layout.value(slot, row) + channel(j), listed[r]);
+          }
         }
       }
-    }
-    commit_copies();
-  };
-  uint32_t issue_base = first;
+      commit_copies();
+    };
+    uint32_t issue_base = first;
 #pragma unroll
-  for (uint32_t stage = 0; stage + 1 < kStages; ++stage, issue_base += T::kTokens) {
+    for (uint32_t stage = 0; stage + 1 < kStages; ++stage, issue_base += T::kTokens) {
+      fetch_addresses(issue_base);
+      issue_copies(stage);
+    }
     fetch_addresses(issue_base);
-    issue_copies(stage);
-  }
-  fetch_addresses(issue_base);
 
-  // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
-  uint32_t stage = 0;
-  for (uint32_t base = first; base < last; base += T::kTokens) {
-    if constexpr (kTensor) __syncwarp();
-    issue_copies((stage + kStages - 1) % kStages);  // the stage computed last iteration
-    issue_base += T::kTokens;
-    fetch_addresses(issue_base);
-    wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
-    if constexpr (kTensor) __syncwarp();
-    compute.tile(stages, stage, base, last);
-    stage = (stage + 1) % kStages;
+    // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
+    uint32_t stage = 0;
+    for (uint32_t base = first; base < last; base += T::kTokens) {
+      if constexpr (kTensor) __syncwarp();
+      issue_copies((stage + kStages - 1) % kStages);  // the stage computed last iteration
+      issue_base += T::kTokens;
+      fetch_addresses(issue_base);
+      wait_copies<kStages - 1>();  // all but the newest kStages - 1 groups: tile t has landed
+      if constexpr (kTensor) __syncwarp();
+      compute.tile(stages, stage, base, last);
+      stage = (stage + 1) % kStages;
+    }
+    wait_copies<0>();  // the zero-fill groups issued past the end
   }
-  wait_copies<0>();  // the zero-fill groups issued past the end
 
   // Each warp's state, then the warps combined through shared memory.
   __shared__ float s_m[kWarps][kBlockHeads], s_l[kWarps][kBlockHeads];
@@ -862,61 +1081,76 @@ struct KernelInfo {
 };
 
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
-          class Form>
+          uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, Form>, T::kTokens,
-          T::kSharedBytes, T::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
+  constexpr uint32_t shared =
+      kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes : T::kSharedBytes;
+  return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, kBulk, kPrefetch, Form>,
+          T::kTokens, shared, shared / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
 
 // Blocks of 8 heads have no 2-piece kernel (its q and acc would not fit the registers): they keep
-// one piece a lane whatever the tuning asks.
-template <simd::Dtype D, uint32_t kHeadDim, bool kTensor, class Form>
+// one piece a lane whatever the tuning asks. The bulk copies and the L2 prefetches are
+// instantiated for one piece only (init() refuses chunks_per_lane 2 with them).
+template <simd::Dtype D, uint32_t kHeadDim, bool kTensor, uint32_t kBulk, uint32_t kPrefetch,
+          class Form>
 KernelInfo<Form> kernel_for_heads(uint32_t block_heads, uint32_t chunks) {
+  constexpr bool kOnePiece = kBulk != 0 || kPrefetch != 0;
   switch (block_heads) {
     case 1:
-      return chunks == 2 ? info<D, kHeadDim, 1, 2, kTensor, Form>()
-                         : info<D, kHeadDim, 1, 1, kTensor, Form>();
+      if constexpr (!kOnePiece)
+        if (chunks == 2) return info<D, kHeadDim, 1, 2, kTensor, kBulk, kPrefetch, Form>();
+      return info<D, kHeadDim, 1, 1, kTensor, kBulk, kPrefetch, Form>();
     case 2:
-      return chunks == 2 ? info<D, kHeadDim, 2, 2, kTensor, Form>()
-                         : info<D, kHeadDim, 2, 1, kTensor, Form>();
+      if constexpr (!kOnePiece)
+        if (chunks == 2) return info<D, kHeadDim, 2, 2, kTensor, kBulk, kPrefetch, Form>();
+      return info<D, kHeadDim, 2, 1, kTensor, kBulk, kPrefetch, Form>();
     case 4:
-      return chunks == 2 ? info<D, kHeadDim, 4, 2, kTensor, Form>()
-                         : info<D, kHeadDim, 4, 1, kTensor, Form>();
-    default: return info<D, kHeadDim, kMaxBlockHeads, 1, kTensor, Form>();
+      if constexpr (!kOnePiece)
+        if (chunks == 2) return info<D, kHeadDim, 4, 2, kTensor, kBulk, kPrefetch, Form>();
+      return info<D, kHeadDim, 4, 1, kTensor, kBulk, kPrefetch, Form>();
+    default: return info<D, kHeadDim, kMaxBlockHeads, 1, kTensor, kBulk, kPrefetch, Form>();
   }
 }
 
-template <simd::Dtype D, bool kTensor, class Form>
+template <simd::Dtype D, bool kTensor, uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_t chunks) {
   switch (head_dim) {
-    case 64: return kernel_for_heads<D, 64, kTensor, Form>(block_heads, chunks);
-    case 128: return kernel_for_heads<D, 128, kTensor, Form>(block_heads, chunks);
-    default: return kernel_for_heads<D, 256, kTensor, Form>(block_heads, chunks);
+    case 64: return kernel_for_heads<D, 64, kTensor, kBulk, kPrefetch, Form>(block_heads, chunks);
+    case 128: return kernel_for_heads<D, 128, kTensor, kBulk, kPrefetch, Form>(block_heads, chunks);
+    default: return kernel_for_heads<D, 256, kTensor, kBulk, kPrefetch, Form>(block_heads, chunks);
+  }
+}
+
+// The 16-bit kernels: the FMA loop, the tensor-core loop with cp.async copies (with or without an
+// L2 prefetch), or with bulk copies.
+template <simd::Dtype D, class Form>
+KernelInfo<Form> kernel_for_16bit(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
+  const uint32_t chunks = tuning.chunks_per_lane;
+  if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, 0, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 1) return kernel_for_dim<D, true, 1, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 2) return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
+  switch (tuning.l2_prefetch) {
+    case 128: return kernel_for_dim<D, true, 0, 128, Form>(d, heads, chunks);
+    case 256: return kernel_for_dim<D, true, 0, 256, Form>(d, heads, chunks);
+    default: return kernel_for_dim<D, true, 0, 0, Form>(d, heads, chunks);
   }
 }
 
 // The instantiation for a shape and a tuning that init() accepted. q8 has no tensor-core loop
 // (its codes would need converting to 16 bits before ldmatrix): it keeps the FMA loop whatever
-// the tuning asks.
+// the tuning asks (init() refuses bulk copies and prefetches for it).
 template <class Form>
 KernelInfo<Form> kernel_for(const AttentionShape& shape, const AttendTuning& tuning) {
-  const uint32_t block_heads = block_heads_for(shape.group_size);
-  const uint32_t chunks = tuning.chunks_per_lane;
-  const bool tensor = tuning.tensor_cores != 0;
+  using simd::Dtype;
+  const uint32_t heads = block_heads_for(shape.group_size);
   switch (shape.dtype) {
-    case simd::Dtype::f16:
-      return tensor
-                 ? kernel_for_dim<simd::Dtype::f16, true, Form>(shape.head_dim, block_heads, chunks)
-                 : kernel_for_dim<simd::Dtype::f16, false, Form>(shape.head_dim, block_heads,
-                                                                 chunks);
-    case simd::Dtype::bf16:
-      return tensor ? kernel_for_dim<simd::Dtype::bf16, true, Form>(shape.head_dim, block_heads,
-                                                                    chunks)
-                    : kernel_for_dim<simd::Dtype::bf16, false, Form>(shape.head_dim, block_heads,
-                                                                     chunks);
+    case Dtype::f16: return kernel_for_16bit<Dtype::f16, Form>(shape.head_dim, heads, tuning);
+    case Dtype::bf16: return kernel_for_16bit<Dtype::bf16, Form>(shape.head_dim, heads, tuning);
     default:
-      return kernel_for_dim<simd::Dtype::q8, false, Form>(shape.head_dim, block_heads, chunks);
+      return kernel_for_dim<Dtype::q8, false, 0, 0, Form>(shape.head_dim, heads,
+                                                          tuning.chunks_per_lane);
   }
 }
 
@@ -1112,6 +1346,31 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("tuning.chunks_per_lane=", tuning.chunks_per_lane, " is not 1 or 2");
   if (tuning.tensor_cores > 1)
     return invalid("tuning.tensor_cores=", tuning.tensor_cores, " is not 0 or 1");
+  if (tuning.l2_prefetch != 0 && tuning.l2_prefetch != 128 && tuning.l2_prefetch != 256)
+    return invalid("tuning.l2_prefetch=", tuning.l2_prefetch, " is not 0, 128 or 256");
+  if (tuning.bulk_copies > 2)
+    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1 or 2");
+  if (tuning.bulk_copies != 0) {
+    const uint32_t bulk = tuning.bulk_copies;
+    if (tuning.tensor_cores != 1)
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs tensor_cores=1 (the FMA loop reads the cp.async layout)");
+    if (tuning.chunks_per_lane != 1)
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs chunks_per_lane=1 (a bulk copy moves whole rows)");
+    if (shape.dtype == simd::Dtype::q8)
+      return invalid("tuning.bulk_copies=", bulk,
+                     " needs f16 or bf16 K/V (q8 has no tensor-core loop)");
+    if (tuning.l2_prefetch != 0)
+      return invalid("tuning.l2_prefetch=", tuning.l2_prefetch,
+                     " applies to the cp.async copies: bulk_copies=", bulk, " has none");
+  }
+  if (tuning.l2_prefetch != 0) {
+    if (tuning.tensor_cores != 1 || tuning.chunks_per_lane != 1 || shape.dtype == simd::Dtype::q8)
+      return invalid("tuning.l2_prefetch=", tuning.l2_prefetch,
+                     " is instantiated for the tensor-core loop only (tensor_cores=1, "
+                     "chunks_per_lane=1, f16 or bf16)");
+  }
 
   release();
   int device = 0, multiprocessors = 0, resident = 0;

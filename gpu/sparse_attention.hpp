@@ -119,6 +119,22 @@ struct AttendTuning {
   // 65504. The default: measured faster than the FMA loop at every point of the H200 sweep
   // (gpu/sparse_attention.cu).
   uint32_t tensor_cores = 1;
+  // 0, 128 or 256: the L2 prefetch size the cp.async copies of the rows carry (.L2::128B,
+  // .L2::256B): a hint that an L2 miss may fetch that many aligned bytes from HBM at once rather
+  // than the missed 32-byte sectors. 0 asks for none (the kernel's original copies). CUTLASS's
+  // SM80_CP_ASYNC_CACHEGLOBAL, through which FlashAttention-2's tiles arrive, asks for 128.
+  // Instantiated for the tensor-core loop with one piece a lane (tensor_cores 1, chunks_per_lane
+  // 1, f16 or bf16) and without bulk copies: init() refuses anything else.
+  uint32_t l2_prefetch = 0;
+  // 0, 1 or 2: 1 and 2 bring each K and V row into shared memory with one bulk copy
+  // (cp.async.bulk, the Hopper copy engine, completion counted in bytes on an mbarrier) instead
+  // of head_dim / 8 16-byte cp.async per row spread over the CTA's threads; the rows land at a
+  // pitch of 16 bytes past a multiple of 128, so ldmatrix meets no bank conflicts. 1: one warp
+  // copies the CTA's tile and the CTA synchronises once a tile; 2: each warp copies the rows it
+  // computes on and waits on its own barrier, with no CTA-wide barrier in the loop. The
+  // tensor-core loop only (tensor_cores 1, chunks_per_lane 1, f16 or bf16): init() refuses
+  // anything else.
+  uint32_t bulk_copies = 0;
 };
 
 // How the last call was split, and what it read.

@@ -94,6 +94,8 @@ struct Case {
   float key_growth = 0.0f;          // K of a pair's page i is scaled by 1 + key_growth * i
   uint32_t chunks = 1;              // gpu::AttendTuning::chunks_per_lane
   uint32_t tensor_cores = 0;        // gpu::AttendTuning::tensor_cores
+  uint32_t l2_prefetch = 0;         // gpu::AttendTuning::l2_prefetch
+  uint32_t bulk_copies = 0;         // gpu::AttendTuning::bulk_copies
 };
 
 std::string case_name(const Case& c) {
@@ -104,6 +106,8 @@ std::string case_name(const Case& c) {
                                           : "_q8")
        << (c.form == Form::pages ? "_pages" : "_tokens") << (c.chunks == 2 ? "_c2" : "")
        << (c.tensor_cores ? "_tc" : "");
+  if (c.l2_prefetch != 0) name << "_pf" << c.l2_prefetch;
+  if (c.bulk_copies != 0) name << "_bulk" << c.bulk_copies;
   return name.str();
 }
 
@@ -348,6 +352,8 @@ TEST_P(GpuAttentionCase, matches_the_float64_reference) {
   gpu::AttendTuning tuning;
   tuning.chunks_per_lane = c.chunks;
   tuning.tensor_cores = c.tensor_cores;
+  tuning.l2_prefetch = c.l2_prefetch;
+  tuning.bulk_copies = c.bulk_copies;
   run_and_check(p, c.form, nullptr, tuning);
 }
 
@@ -381,6 +387,21 @@ std::vector<Case> all_cases() {
     cases.push_back(cases[i]);
     cases.back().tensor_cores = 1;
   }
+  // Every 16-bit one-piece shape again on the tensor cores with an L2 prefetch on its copies, and
+  // with bulk copies of both kinds.
+  for (std::size_t i = 0; i < one_piece; ++i) {
+    if (cases[i].dtype == simd::Dtype::q8) continue;
+    cases.push_back(cases[i]);
+    cases.back().tensor_cores = 1;
+    cases.back().l2_prefetch = 256;
+  }
+  for (uint32_t bulk : {1u, 2u})
+    for (std::size_t i = 0; i < one_piece; ++i) {
+      if (cases[i].dtype == simd::Dtype::q8) continue;
+      cases.push_back(cases[i]);
+      cases.back().tensor_cores = 1;
+      cases.back().bulk_copies = bulk;
+    }
   return cases;
 }
 
@@ -400,10 +421,14 @@ TEST_F(GpuTest, a_long_q8_context_splits_and_merges) {
 TEST_F(GpuTest, a_long_context_splits_and_merges) {
   // The benchmark's layer shape: 8 KV heads of 1024 pages (16K tokens) each, half of the pages
   // listed, then all of them: many splits per pair either way.
-  // Both inner loops.
-  for (uint32_t tensor_cores : {0u, 1u}) {
-    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tensor_cores);
-    const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
+  // Both inner loops, and the tensor-core loop's other copies.
+  for (const gpu::AttendTuning& tuning :
+       {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
+        gpu::AttendTuning{0, 2, 1, 1, 128}, gpu::AttendTuning{0, 2, 1, 1, 0, 1},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+    SCOPED_TRACE(::testing::Message()
+                 << "tensor_cores " << tuning.tensor_cores << ", l2_prefetch " << tuning.l2_prefetch
+                 << ", bulk_copies " << tuning.bulk_copies);
     Case c{1, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
     const std::vector<uint32_t> pages(8, 1024);
     gpu::SplitPlan plan;
@@ -423,18 +448,26 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
   // forms. Each must merge to the same attention.
   const std::vector<uint32_t> pages = {301, 7, 1, 517, 64, 0, 129, 255};
   const std::vector<uint32_t> last = {9, 16, 3, 1, 16, 0, 11, 15};
+  // Then L2 prefetches and bulk copies on the tensor-core loop under the same split tunings.
   const gpu::AttendTuning tunings[] = {
-      {0, 2, 1},     {1, 1, 1},    {2, 2, 1},    {3, 5, 1},    {8, 2, 1},    {16, 2, 1},
-      {0, 8, 1},     {64, 1, 1},   {0, 64, 1},   {0, 2, 2},    {1, 1, 2},    {8, 2, 2},
-      {0, 8, 2},     {0, 2, 1, 1}, {1, 1, 1, 1}, {2, 2, 1, 1}, {3, 5, 1, 1}, {8, 2, 1, 1},
-      {0, 64, 1, 1}, {0, 2, 2, 1}, {8, 2, 2, 1}};
+      {0, 2, 1},           {1, 1, 1},           {2, 2, 1},           {3, 5, 1},
+      {8, 2, 1},           {16, 2, 1},          {0, 8, 1},           {64, 1, 1},
+      {0, 64, 1},          {0, 2, 2},           {1, 1, 2},           {8, 2, 2},
+      {0, 8, 2},           {0, 2, 1, 1},        {1, 1, 1, 1},        {2, 2, 1, 1},
+      {3, 5, 1, 1},        {8, 2, 1, 1},        {0, 64, 1, 1},       {0, 2, 2, 1},
+      {8, 2, 2, 1},        {0, 2, 1, 1, 128},   {2, 2, 1, 1, 256},   {8, 2, 1, 1, 128},
+      {0, 2, 1, 1, 0, 1},  {1, 1, 1, 1, 0, 1},  {2, 2, 1, 1, 0, 1},  {3, 5, 1, 1, 0, 1},
+      {8, 2, 1, 1, 0, 1},  {0, 64, 1, 1, 0, 1}, {64, 1, 1, 1, 0, 1}, {0, 2, 1, 1, 0, 2},
+      {1, 1, 1, 1, 0, 2},  {2, 2, 1, 1, 0, 2},  {3, 5, 1, 1, 0, 2},  {8, 2, 1, 1, 0, 2},
+      {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}};
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning : tunings) {
       SCOPED_TRACE(::testing::Message()
                    << "ctas_per_sm " << tuning.ctas_per_sm << ", min tiles "
                    << tuning.min_tiles_per_split << ", chunks " << tuning.chunks_per_lane
-                   << ", tensor_cores " << tuning.tensor_cores);
+                   << ", tensor_cores " << tuning.tensor_cores << ", l2_prefetch "
+                   << tuning.l2_prefetch << ", bulk_copies " << tuning.bulk_copies);
       const Case c{1, 4, 128, 16, simd::Dtype::bf16, form, 8};
       gpu::SplitPlan plan;
       run_and_check(make_problem(c, ++seed, pages, last), form, &plan, tuning);
@@ -450,31 +483,36 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
 TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
   // Keys that grow along the context push the logits' maximum up tile after tile, so the lazy
   // rescaling (a reference max moved only when a logit exceeds it by 2^8) fires again and again.
-  for (Form form : {Form::pages, Form::tokens})
+  for (Form form : {Form::pages, Form::tokens}) {
+    Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
+    c.key_growth = 0.08f;
     for (uint32_t chunks : {1u, 2u})
-      for (uint32_t tensor_cores : {0u, 1u}) {
-        Case c{2, 4, 128, 16, simd::Dtype::f16, form, 2, 120, 0.7};
-        c.key_growth = 0.08f;
+      for (uint32_t tensor_cores : {0u, 1u})
         run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks, tensor_cores});
-      }
+    for (uint32_t bulk : {1u, 2u})
+      run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, 1, 1, 0, bulk});
+  }
 }
 
 TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
   // Two pages of which the last holds one token: below two CTA tiles, so one split per pair.
   const Case c{2, 4, 128, 16, simd::Dtype::f16, Form::pages};
   const Problem p = make_problem(c, 11, {2, 1, 2, 2}, {1, 1, 16, 5});
-  for (uint32_t tensor_cores : {0u, 1u}) {
+  for (const gpu::AttendTuning& tuning :
+       {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
     gpu::SplitPlan plan;
-    run_and_check(p, Form::pages, &plan, {0, 2, 1, tensor_cores});
+    run_and_check(p, Form::pages, &plan, tuning);
     EXPECT_EQ(plan.splits_per_pair, 1u);
   }
 }
 
 TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
   for (Form form : {Form::pages, Form::tokens})
-    for (uint32_t tensor_cores : {0u, 1u}) {
+    for (const gpu::AttendTuning& tuning :
+         {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
+          gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
       const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
-      const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
       // Some empty, then all empty.
       run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form, nullptr, tuning);
       run_and_check(make_problem(c, 22, {0, 0, 0, 0}, {0, 0, 0, 0}), form, nullptr, tuning);
@@ -486,9 +524,11 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
   // at zero for the next call, and no merge may depend on the order CTAs finish in.
   const Case c{4, 4, 128, 16, simd::Dtype::bf16, Form::tokens, 8, 200};
   const Problem p = make_random_problem(c, 31);
-  for (uint32_t tensor_cores : {0u, 1u}) {
-    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tensor_cores);
-    const gpu::AttendTuning tuning{0, 2, 1, tensor_cores};
+  for (const gpu::AttendTuning& tuning :
+       {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tuning.tensor_cores << ", bulk_copies "
+                                      << tuning.bulk_copies);
     const std::vector<float> checked = run_and_check(p, Form::tokens, nullptr, tuning);
     DeviceProblem dev(p);
     gpu::SparseDecodeAttention attention;
@@ -532,6 +572,24 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
   expect_invalid(attention.init(good, 1, {0, 65}), "tuning.min_tiles_per_split=65");
   expect_invalid(attention.init(good, 1, {0, 2, 3}), "tuning.chunks_per_lane=3 is not 1 or 2");
   expect_invalid(attention.init(good, 1, {0, 2, 1, 2}), "tuning.tensor_cores=2 is not 0 or 1");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 64}),
+                 "tuning.l2_prefetch=64 is not 0, 128 or 256");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 128}),
+                 "tuning.l2_prefetch=128 is instantiated for the tensor-core loop only");
+  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 256}),
+                 "tuning.l2_prefetch=256 is instantiated for the tensor-core loop only");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 3}),
+                 "tuning.bulk_copies=3 is not 0, 1 or 2");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 1}),
+                 "tuning.bulk_copies=1 needs tensor_cores=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 2}),
+                 "tuning.bulk_copies=2 needs chunks_per_lane=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 128, 1}),
+                 "tuning.l2_prefetch=128 applies to the cp.async copies");
+  gpu::AttentionShape q8 = good;
+  q8.dtype = simd::Dtype::q8;
+  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 1}),
+                 "tuning.bulk_copies=1 needs f16 or bf16 K/V");
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
