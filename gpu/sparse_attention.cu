@@ -70,7 +70,7 @@
 // tests (greedy tokens against the CPU, tests/test_offload.cpp) and the device demo pass.
 // compute-sanitizer: memcheck over its 206 test cases and racecheck over 35 found nothing.
 //
-// Where the rest goes (arithmetic on the measurements above; nothing here is measured yet). The
+// Where the rest goes (arithmetic on the measurements above; the variants' times follow). The
 // layer reads 512 bytes of K and V per token and KV head: 537 MB at 128K batch 1, 4295 MB at 1M
 // batch 1 and at 128K batch 8. A fixed cost F per call (launch, ramp, merge) and a streaming rate
 // W fit both contexts at batch 1: ours 151.1 = 537 / W + F and 1099.7 = 4295 / W + F give W =
@@ -122,6 +122,21 @@
 // token form, where ptxas stops at 56 registers (not a benchmark shape). The kernels that existed
 // before keep their registers exactly (and the FMA loop's q8, d = 256, G = 1 page-form kernel
 // its 8-byte spill).
+// Measured on the H200 (bench_offload's (a) sweep, each a median of 20 calls), us. The default,
+// bulk 2 and 2:2:1:1:0:2: medians over five runs at 128K and three at 1M, torch SDPA in each run
+// (docs/results/gpu-scale/raw/kernels/); the L2 hints and bulk 1: one run of the same lease.
+//                      0:2:1:1   :128    :256   bulk 1  bulk 2  2:..:0:2   torch
+//   128K batch 1        154.0    153.2   157.4   168.6   142.1   148.4     130.5
+//   128K batch 8       1111.4   1106.8  1140.5  1316.4  1027.9  1132.0     949.7
+//   1M batch 1         1098.3      -       -       -    1024.2  1109.3     949.0
+// bulk_copies 2 is the fastest at every point: 1.089x torch at 128K batch 1 (1.088-1.094 over
+// the five runs, each against its own torch), 1.082x at batch 8 (1.077-1.084), 1.079x at 1M,
+// against 1.16-1.18x for the default; it also attends the selective step's pages faster (13.6
+// against 15.2 us at 128K, 35.0 against 36.3 at 1M). The L2 prefetch hint changes nothing at 128
+// bytes and loses at 256; one warp issuing the CTA's bulk copies (bulk 1) loses 10-18%. Its
+// tests, memcheck, racecheck and synccheck pass; it is not the default yet because the
+// model-level offload tests have not run with it. The 8% left is for a tensor-map copy of whole
+// pages (above).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
