@@ -110,6 +110,18 @@ class Model {
   std::vector<int32_t> seq_ids_;
 };
 
+// Offload options for calls with token rows: a device cache and a row reserve of every page a
+// call could list.
+OffloadOptions options_with_rows(const Case& c, const Model& model) {
+  const uint64_t pages = uint64_t{c.batch} * model.geometry().n_kv_heads * model.max_pages();
+  OffloadOptions options;
+  options.max_batch = c.batch;
+  options.max_pages_per_pair = model.max_pages();
+  options.max_row_chunks = pages;
+  options.cache_pages = static_cast<uint32_t>(pages);
+  return options;
+}
+
 class OffloadCase : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override { KVSIFT_SKIP_WITHOUT_DEVICE(); }
@@ -384,12 +396,7 @@ TEST_F(OffloadTest, token_rows_of_louver_and_s4r_match_the_cpu_kernel) {
     Selection selection;
     selector->reserve_selection(selection);
     DecodeAttention cpu(g, c.batch, 2, test::kernels());
-    OffloadOptions options;
-    options.max_batch = c.batch;
-    options.max_pages_per_pair = model.max_pages();
-    options.max_row_chunks = c.batch * g.n_kv_heads * model.max_pages();
-    options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * model.max_pages());
-    auto offload = OffloadAttention::create(model.cache(), options);
+    auto offload = OffloadAttention::create(model.cache(), options_with_rows(c, model));
     const std::size_t elems = std::size_t{c.batch} * g.n_query_heads() * g.head_dim;
     std::vector<float> out_cpu(elems), out_gpu(elems);
     uint64_t rows_attended = 0;
@@ -475,12 +482,7 @@ TEST_F(OffloadTest, device_reconstructed_s4r_rows_equal_the_host_rows_to_an_ulp)
         auto& s4r = dynamic_cast<select::S4rSelector&>(*selector);
         Selection selection;
         selector->reserve_selection(selection);
-        OffloadOptions options;
-        options.max_batch = c.batch;
-        options.max_pages_per_pair = model.max_pages();
-        options.max_row_chunks = c.batch * g.n_kv_heads * model.max_pages();
-        options.cache_pages = static_cast<uint32_t>(c.batch * g.n_kv_heads * model.max_pages());
-        auto offload = OffloadAttention::create(model.cache(), options);
+        auto offload = OffloadAttention::create(model.cache(), options_with_rows(c, model));
         ASSERT_TRUE(offload->reconstructs_rows());
         for (int32_t id : model.seq_ids()) model.append(id, 0, 1);
         select::SelectCall select_call{0, c.batch, model.seq_ids().data(), model.q().data()};
