@@ -141,7 +141,11 @@ struct OffloadStats {
 
 // Owns, on one device: a stream and its events, one DevicePageCache per layer, the attention
 // kernel's workspace and pinned/device buffers for q, the output and the lists, all sized by
-// create(); run() allocates nothing. Registered with the cache as a seal listener (to see
+// create(); run() allocates nothing for pages and value rows. Calls with latent rows (S4R) are the
+// exception: a (sequence, layer)'s device bases are allocated at its first such call, and the
+// coefficient staging grows (by half again) when a call needs more, each a cudaMalloc or
+// cudaHostAlloc on that call's path; a decode reaches its sizes within its first steps.
+// Registered with the cache as a seal listener (to see
 // free_sequence) until destroyed, so it must not outlive the cache. Use from one host thread at a
 // time. Not copyable or movable (the cache holds its address).
 class OffloadAttention final : public AttentionBackend, public SealListener {
