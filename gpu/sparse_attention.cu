@@ -338,21 +338,29 @@ __device__ __forceinline__ void wait_copies() {
 
 // The bulk copies (AttendTuning::bulk_copies): one mbarrier per stage counts the bytes that have
 // landed (PTX ISA, "cp.async.bulk" and "mbarrier"; the sequence CUTLASS's SM90 TMA pipelines use).
+// They exist from sm_90 on. The module is also built for earlier targets (sm_80, sm_89), where
+// these helpers trap instead: init() refuses bulk copies when the kernel the device runs was
+// compiled for one of them, so the traps are never reached.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define KVSIFT_BULK_ASM(...) __trap()
+#else
+#define KVSIFT_BULK_ASM(...) asm volatile(__VA_ARGS__)
+#endif
 __device__ __forceinline__ uint32_t shared_address(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 __device__ __forceinline__ void barrier_init(uint64_t* barrier, uint32_t arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)),
-               "r"(arrivals)
-               : "memory");
+  KVSIFT_BULK_ASM("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)),
+                  "r"(arrivals)
+                  : "memory");
 }
 // Makes the initialised barriers visible to the copy engine (the async proxy).
 __device__ __forceinline__ void barrier_init_fence() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  KVSIFT_BULK_ASM("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
 // One arrival that also tells the barrier to expect `bytes` more before its phase completes.
 __device__ __forceinline__ void barrier_expect(uint64_t* barrier, uint32_t bytes) {
-  asm volatile(
+  KVSIFT_BULK_ASM(
       "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
       "r"(bytes)
       : "memory");
@@ -361,7 +369,7 @@ __device__ __forceinline__ void barrier_expect(uint64_t* barrier, uint32_t bytes
 __device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity) {
   uint32_t done = 0;
   do {
-    asm volatile(
+    KVSIFT_BULK_ASM(
         "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n"
         " selp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
@@ -374,7 +382,7 @@ __device__ __forceinline__ void barrier_wait(uint64_t* barrier, uint32_t parity)
 // its shared::cta addresses serve as shared::cluster ones.
 __device__ __forceinline__ void bulk_copy(void* shared, const void* global, uint32_t bytes,
                                           uint64_t* barrier) {
-  asm volatile(
+  KVSIFT_BULK_ASM(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
           "r"(shared_address(shared)),
       "l"(global), "r"(bytes), "r"(shared_address(barrier))
@@ -1404,6 +1412,20 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
         cudaFuncSetAttribute(token_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              token_kernel.shared_bytes)})
     if (Result r = cuda_result(err, "shared memory limit"); !r.ok) return r;
+  // The bulk copies are sm_90 instructions: the kernel the device runs must have been compiled for
+  // compute_90 or later (its PTX version), else its helpers trap (KVSIFT_BULK_ASM).
+  if (tuning.bulk_copies != 0) {
+    cudaFuncAttributes attributes{};
+    if (Result r = cuda_result(cudaFuncGetAttributes(&attributes, page_kernel.kernel),
+                               "kernel attributes");
+        !r.ok)
+      return r;
+    if (attributes.ptxVersion < 90)
+      return invalid("tuning.bulk_copies=", tuning.bulk_copies,
+                     " needs a device of compute capability 9.0 or later (this device runs code "
+                     "for compute_",
+                     attributes.ptxVersion, ")");
+  }
   // The page and token kernels of a shape use the same registers within a few; one bound serves.
   if (Result r = cuda_result(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                  &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
