@@ -38,9 +38,10 @@ constexpr uint32_t kNone = gpu::PageResidency::kNone;
     ASSERT_TRUE(r_.ok) << #expr ": " << r_.message; \
   } while (0)
 
-std::vector<uint32_t> plan(gpu::PageResidency& residency, const std::vector<uint32_t>& ids) {
+std::vector<uint32_t> plan(gpu::PageResidency& residency, const std::vector<uint32_t>& ids,
+                           gpu::StepMode mode = gpu::StepMode::next) {
   std::vector<uint32_t> slots(ids.size(), 0xdeadbeef);
-  const gpu::Result r = residency.plan(ids.data(), ids.size(), slots.data());
+  const gpu::Result r = residency.plan(ids.data(), ids.size(), slots.data(), mode);
   EXPECT_TRUE(r.ok) << r.message;
   return slots;
 }
@@ -309,13 +310,6 @@ TEST_P(Residency, agrees_with_a_model_over_a_long_walk_of_large_steps) {
   }
 }
 
-std::vector<uint32_t> plan_piece(gpu::PageResidency& residency, const std::vector<uint32_t>& ids) {
-  std::vector<uint32_t> slots(ids.size(), 0xdeadbeef);
-  const gpu::Result r = residency.plan(ids.data(), ids.size(), slots.data(), gpu::StepMode::same);
-  EXPECT_TRUE(r.ok) << r.message;
-  return slots;
-}
-
 TEST_P(Residency, a_step_planned_in_pieces_keeps_its_earlier_pieces_pinned) {
   gpu::PageResidency residency;
   ASSERT_OK(residency.init(6, 1000, GetParam()));
@@ -324,7 +318,7 @@ TEST_P(Residency, a_step_planned_in_pieces_keeps_its_earlier_pieces_pinned) {
   // never the first piece's, whatever the policy thinks of them.
   const std::vector<uint32_t> a = plan(residency, {4, 5, 6});
   EXPECT_EQ(residency.last_counts().evictions, 0u);
-  const std::vector<uint32_t> b = plan_piece(residency, {7, 8, 9});
+  const std::vector<uint32_t> b = plan(residency, {7, 8, 9}, gpu::StepMode::same);
   EXPECT_EQ(residency.last_counts().misses, 3u);
   EXPECT_EQ(residency.last_counts().evictions, 3u);
   for (uint32_t i = 0; i < 3; ++i) {
@@ -333,7 +327,7 @@ TEST_P(Residency, a_step_planned_in_pieces_keeps_its_earlier_pieces_pinned) {
     EXPECT_EQ(residency.find(1 + i), kNone);
   }
   // A page an earlier piece named is neither a hit nor a miss again.
-  const std::vector<uint32_t> again = plan_piece(residency, {5, 9});
+  const std::vector<uint32_t> again = plan(residency, {5, 9}, gpu::StepMode::same);
   EXPECT_EQ(again[0], a[1]);
   EXPECT_EQ(again[1], b[2]);
   EXPECT_EQ(residency.last_counts().requested, 2u);
