@@ -86,8 +86,11 @@ math.ceil($context / 16))))")
     [[ $hbm == 0 ]] ||
       run hbm --contexts "$context" --batches "$batch" --selectors dense --device-cache-pages 0
     for place in "${place_list[@]}"; do
+      # Dense takes no budget: with CACHE_FRACTION 1 it is the dense row through the page cache.
+      budget_args=(--budgets "$budgets")
+      [[ $selectors == dense ]] && budget_args=()
       run "host_$place" --contexts "$context" --batches "$batch" --selectors "$selectors" \
-        --budgets "$budgets" --select-on "$place" --device-cache-pages "$pages"
+        "${budget_args[@]}" --select-on "$place" --device-cache-pages "$pages"
     done
   done
 done
