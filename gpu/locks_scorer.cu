@@ -1,12 +1,14 @@
 // LOCKS page selection on CUDA (gpu/locks_scorer.hpp has the contract; the CPU original is
 // PageSelector::select_pair in lib/select/page_selector.cpp, the score simd's locks_score).
 //
-// Two kernels per run. score_kernel: four lanes per sealed page and block of up to 8 query heads
-// (grid y = pair, z = head block). Each block first rounds its heads' queries to int8 (as the CPU
-// does) while its pages' records travel to L1; then V^T q~ by dp4a on V's nibbles biased by +8
-// (n ^ 8 in 0..15, the bias taken out with 8 * sum(q codes), as the VNNI kernel does), mu . q~ by
-// dp4a on the int8 codes, both exact in int32, and the B logits' max, then the sum of exps. It
-// reads the pages' slots from the device copies of named tables and adds the new entries to them.
+// Two kernels per run. score_kernel: a block copies the records of its 64 sealed pages (32 for
+// large records) into shared memory with cp.async, a warp's lanes on consecutive 16 bytes of one
+// record, and rounds its heads' queries to int8 (as the CPU does) while they travel; then four
+// lanes per page and up to 4 heads a pass compute from shared memory: V^T q~ by dp4a on V's
+// nibbles biased by +8 (n ^ 8 in 0..15, the bias taken out with 8 * sum(q codes), as the VNNI
+// kernel does), mu . q~ by dp4a on the int8 codes, both exact in int32, and the B logits' max,
+// then the sum of exps. It reads the pages' slots from the device copies of named tables and adds
+// the new entries to them.
 // select_kernel: a cluster of 8 CTAs per pair, each CTA an eighth of the pages in shared memory:
 // the open page's exact log-sum-exp, per head the best selectable score and the mass sum, the
 // combined score, a radix select (8 bits a pass, stopping as soon as the bin holding the b-th key
@@ -15,16 +17,30 @@
 // compaction of the chosen pages, and the kept estimate; maxima, sums, histograms and counts are
 // combined across the cluster through distributed shared memory.
 //
-// Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget): a batch
-// 1 run, 8 pairs, takes 37 us of scoring (55 MB of records) and 24 us of selection.
-// Profiled there with Nsight Compute (clocks held at ~1.45 GHz, so durations run long; one layer,
-// batch 1, bench/bench_offload.cpp --locks-device 0): at 128K score_kernel 41.7 us, select_kernel
-// 29.7 us; at 512K (32,768 pages a pair) 131.1 and 50.4 us. The scoring is L1-bound, not
-// DRAM-bound: L1/TEX throughput 74% at 512K against DRAM 36% (1.72 TB/s), 80 registers with
-// 65,664 local-memory spill requests, occupancy 37.5% (three blocks, register-bound). A quad's
-// four lanes read four V columns 64 bytes apart, so one load of a warp touches 32 sectors of 8
-// records. The selection runs 64 CTAs (8 clusters of 8) at 25% occupancy, half a wave. Left for
-// later: loads a quad reads contiguously, and more CTAs per pair at batch 1.
+// Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget), with the
+// previous score_kernel (records read from global memory by the quads): a batch 1 run, 8 pairs,
+// takes 37 us of scoring (55 MB of records) and 24 us of selection. Profiled there with Nsight
+// Compute (clocks held at ~1.45 GHz, so durations run long; one layer, batch 1,
+// bench/bench_offload.cpp --locks-device 0): at 128K score_kernel 41.7 us, select_kernel 29.7 us;
+// at 512K (32,768 pages a pair) 131.1 and 50.4 us. That scoring was L1-bound, not DRAM-bound:
+// L1/TEX throughput 74% at 512K against DRAM 36% (1.72 TB/s), 80 registers with 65,664
+// local-memory spill requests, occupancy 37.5% (three blocks, register-bound); a quad's four
+// lanes read four V columns 64 bytes apart, so one load of a warp touched 32 sectors of 8
+// records. The selection runs 64 CTAs (8 clusters of 8) at 25% occupancy, half a wave.
+//
+// The floor of the scoring, d = 128, B = 16, G = 4: a page's record is 832 bytes (V 512, C 128,
+// mu 128, scales 50, the residual and padding 14), read once, whole sectors; 8 pairs of 32,768
+// pages at 512K are 218 MB, 49.6 us at 4.4 TB/s (12.4 us for the 55 MB at 128K): the old
+// kernel's 131 us is 2.6 times that (41.7 us, 3.4 times). The arithmetic a page: 1,152 dp4a (V's
+// 128 words twice and mu's 32 once, for each of 4 heads), 512 FMA for the 16 logits of 4 heads,
+// 64 exps. The PTX of score_kernel<4, 4> runs about 1,400 instructions a lane and page, 5,600 a
+// page (four lanes; a count of the PTX, not of SASS, which drops most of its movs), a good part
+// of them the logits' byte-to-float conversions. At ~1.45 GHz the 132 SMs issue ~24,500 lane
+// instructions a ns; 218 MB at 4.4 TB/s leaves ~36 SM cycles a page, 4,600 lane instructions:
+// at those clocks the kernel may be issue-bound short of the DRAM floor; not measured yet.
+// Shared memory a page: 6.5 wavefronts to write the record, about 4 to read V (conflict-free by
+// the swizzle), 4 for the query codes, 2-3 for mu and C.
+// Registers 56-80 (80 for 4 heads), no spills, for sm_80, sm_89 and sm_90.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
