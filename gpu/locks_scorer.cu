@@ -1,12 +1,14 @@
 // LOCKS page selection on CUDA (gpu/locks_scorer.hpp has the contract; the CPU original is
 // PageSelector::select_pair in lib/select/page_selector.cpp, the score simd's locks_score).
 //
-// Two kernels per run. score_kernel: four lanes per sealed page and block of up to 8 query heads
-// (grid y = pair, z = head block). Each block first rounds its heads' queries to int8 (as the CPU
-// does) while its pages' records travel to L1; then V^T q~ by dp4a on V's nibbles biased by +8
-// (n ^ 8 in 0..15, the bias taken out with 8 * sum(q codes), as the VNNI kernel does), mu . q~ by
-// dp4a on the int8 codes, both exact in int32, and the B logits' max, then the sum of exps. It
-// reads the pages' slots from the device copies of named tables and adds the new entries to them.
+// Two kernels per run. score_kernel: a block copies the records of its 64 sealed pages (32 for
+// large records) into shared memory with cp.async, a warp's lanes on consecutive 16 bytes of one
+// record, and rounds its heads' queries to int8 (as the CPU does) while they travel; then four
+// lanes per page and up to 4 heads a pass compute from shared memory: V^T q~ by dp4a on V's
+// nibbles biased by +8 (n ^ 8 in 0..15, the bias taken out with 8 * sum(q codes), as the VNNI
+// kernel does), mu . q~ by dp4a on the int8 codes, both exact in int32, and the B logits' max,
+// then the sum of exps. It reads the pages' slots from the device copies of named tables and adds
+// the new entries to them.
 // select_kernel: a cluster of 8 CTAs per pair, each CTA an eighth of the pages in shared memory:
 // the open page's exact log-sum-exp, per head the best selectable score and the mass sum, the
 // combined score, a radix select (8 bits a pass, stopping as soon as the bin holding the b-th key
@@ -15,16 +17,30 @@
 // compaction of the chosen pages, and the kept estimate; maxima, sums, histograms and counts are
 // combined across the cluster through distributed shared memory.
 //
-// Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget): a batch
-// 1 run, 8 pairs, takes 37 us of scoring (55 MB of records) and 24 us of selection.
-// Profiled there with Nsight Compute (clocks held at ~1.45 GHz, so durations run long; one layer,
-// batch 1, bench/bench_offload.cpp --locks-device 0): at 128K score_kernel 41.7 us, select_kernel
-// 29.7 us; at 512K (32,768 pages a pair) 131.1 and 50.4 us. The scoring is L1-bound, not
-// DRAM-bound: L1/TEX throughput 74% at 512K against DRAM 36% (1.72 TB/s), 80 registers with
-// 65,664 local-memory spill requests, occupancy 37.5% (three blocks, register-bound). A quad's
-// four lanes read four V columns 64 bytes apart, so one load of a warp touches 32 sectors of 8
-// records. The selection runs 64 CTAs (8 clusters of 8) at 25% occupancy, half a wave. Left for
-// later: loads a quad reads contiguously, and more CTAs per pair at batch 1.
+// Measured on the H200 at 128K (one Llama-3.1-8B layer, 8 pairs a sequence, 2% budget), with the
+// previous score_kernel (records read from global memory by the quads): a batch 1 run, 8 pairs,
+// takes 37 us of scoring (55 MB of records) and 24 us of selection. Profiled there with Nsight
+// Compute (clocks held at ~1.45 GHz, so durations run long; one layer, batch 1,
+// bench/bench_offload.cpp --locks-device 0): at 128K score_kernel 41.7 us, select_kernel 29.7 us;
+// at 512K (32,768 pages a pair) 131.1 and 50.4 us. That scoring was L1-bound, not DRAM-bound:
+// L1/TEX throughput 74% at 512K against DRAM 36% (1.72 TB/s), 80 registers with 65,664
+// local-memory spill requests, occupancy 37.5% (three blocks, register-bound); a quad's four
+// lanes read four V columns 64 bytes apart, so one load of a warp touched 32 sectors of 8
+// records. The selection runs 64 CTAs (8 clusters of 8) at 25% occupancy, half a wave.
+//
+// The floor of the scoring, d = 128, B = 16, G = 4: a page's record is 832 bytes (V 512, C 128,
+// mu 128, scales 50, the residual and padding 14), read once, whole sectors; 8 pairs of 32,768
+// pages at 512K are 218 MB, 49.6 us at 4.4 TB/s (12.4 us for the 55 MB at 128K): the old
+// kernel's 131 us is 2.6 times that (41.7 us, 3.4 times). The arithmetic a page: 1,152 dp4a (V's
+// 128 words twice and mu's 32 once, for each of 4 heads), 512 FMA for the 16 logits of 4 heads,
+// 64 exps. The PTX of score_kernel<4, 4> runs about 1,400 instructions a lane and page, 5,600 a
+// page (four lanes; a count of the PTX, not of SASS, which drops most of its movs), a good part
+// of them the logits' byte-to-float conversions. At ~1.45 GHz the 132 SMs issue ~24,500 lane
+// instructions a ns; 218 MB at 4.4 TB/s leaves ~36 SM cycles a page, 4,600 lane instructions:
+// at those clocks the kernel may be issue-bound short of the DRAM floor; not measured yet.
+// Shared memory a page: 6.5 wavefronts to write the record, about 4 to read V (conflict-free by
+// the swizzle), 4 for the query codes, 2-3 for mu and C.
+// Registers 56-80 (80 for 4 heads), no spills, for sm_80, sm_89 and sm_90.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -52,14 +68,18 @@ constexpr uint32_t kRank = 8;
 constexpr uint32_t kMaxHeadDim = 256;
 constexpr uint32_t kMaxPageTokens = 64;
 constexpr uint32_t kMaxGroup = 64;
-// score_kernel: four lanes per page, 64 pages a block. One thread per page (the first version)
-// left the H200 at 1.2 TB/s on the records at 128K (about 16 warps per SM, each a long chain of
-// dependent loads and dp4a); four lanes per page run four times the warps on the same bytes. A
-// block looping over two sets of 64 pages (its query set-up done once) gained nothing at 128K.
+// score_kernel: four lanes per page, 64 pages a block (32 where 64 records pass 64 KiB of shared
+// memory), up to 8 query heads a block. One thread per page (the first version) left the H200 at
+// 1.2 TB/s on the records at 128K (about 16 warps per SM, each a long chain of dependent loads and
+// dp4a); four lanes per page run four times the warps on the same bytes. The second version read
+// the records from global memory, a quad's lanes 64 bytes apart: L1-bound (header). This one
+// copies a block's records to shared memory first (cp.async, a warp's lanes on consecutive 16
+// bytes of one record) and computes from there.
 constexpr uint32_t kScoreThreads = 256;
-constexpr uint32_t kScorePages = kScoreThreads / 4;
-// Registers capped at 80 (three blocks, 24 warps an SM; G = 4 spills a few words) rather than
-// the 106 the compiler takes unbounded (two blocks an SM): the kernel waits on memory.
+constexpr uint32_t kScoreMaxPages = kScoreThreads / 4;
+constexpr uint32_t kScoreHeads = 8;
+constexpr std::size_t kScoreTileCap = 64 * 1024;  // a block's records at most (64 pages of them)
+// Registers capped at 80: three blocks of 256 threads (or six of 128), 24 warps an SM.
 constexpr uint32_t kScoreBlocksPerSm = 3;
 // select_kernel: a cluster of 8 CTAs of 512 threads per pair, each CTA's pages staged in shared
 // memory. The first version, one CTA of 512 threads per pair over L2-resident scores, took 101 us
@@ -116,18 +136,54 @@ struct RunView {
   uint32_t combine, bf16;
   float scale;
   uint32_t stage_floats;  // select_kernel's dynamic shared memory, in floats
+  uint32_t score_pages;   // score_kernel's pages a block (its threads / 4)
 };
-
-__device__ __forceinline__ float bf16_at(const unsigned char* p) {
-  const uint32_t bits = uint32_t(p[0]) | uint32_t(p[1]) << 8;
-  return __uint_as_float(bits << 16);
-}
 
 __device__ __forceinline__ float key_value(uint16_t x, uint32_t bf16) {
   return bf16 ? __uint_as_float(uint32_t(x) << 16) : __half2float(__ushort_as_half(x));
 }
 
-// The logits l_t = c_scale_t (c_t . z) of tokens [t4, t4 + 4) of a page, for GB heads.
+// The bf16 in the low (hi = 0) or high half of a 32-bit word.
+__device__ __forceinline__ float bf16_half(uint32_t w, uint32_t hi) {
+  return __uint_as_float(hi ? w & 0xffff0000u : w << 16);
+}
+
+__device__ __forceinline__ uint32_t lds32(const unsigned char* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+__device__ __forceinline__ uint4 lds128(const unsigned char* p) {
+  return *reinterpret_cast<const uint4*>(p);
+}
+
+// 16 bytes global to shared, asynchronously (sm_80 on): no registers, no wait until
+// cp_async_wait_all.
+__device__ __forceinline__ void cp_async16(void* shared, const void* global) {
+  const auto at = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(global) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+}
+
+// score_kernel's place in shared memory of a record's 16-byte chunk c, with cpc = d / 32 chunks a
+// V column. V's chunks are swizzled (c ^ (c / 8 mod cpc / 2)): the quad's four lanes then read
+// chunk u of columns r (+ 4) from four different bank groups; the other fields stay in place.
+__host__ __device__ constexpr uint32_t tile_chunk(uint32_t c, uint32_t cpc) {
+  return c < 8 * cpc ? c ^ ((c >> 3) & (cpc / 2 - 1)) : c;
+}
+
+// Bytes between two records in score_kernel's tile: the record's bytes rounded up to an odd
+// multiple of 8 cpc, so that the two pages a quarter warp reads (lanes 0-3 and 4-7) fall on the
+// other half of the bank groups.
+__host__ __device__ constexpr uint32_t tile_stride(uint32_t record_bytes, uint32_t cpc) {
+  const uint32_t unit = 8 * cpc, units = (record_bytes + unit - 1) / unit;
+  return (units | 1u) * unit;
+}
+
+// The logits l_t = c_scale_t (c_t . z) of tokens [t4, t4 + 4) of a page, for GB heads, from the
+// record's copy in shared memory.
 template <int GB>
 __device__ __forceinline__ void chunk_logits(const RunView& v, const unsigned char* rec,
                                              uint32_t t4, const float (&z)[kRank][GB],
@@ -135,11 +191,12 @@ __device__ __forceinline__ void chunk_logits(const RunView& v, const unsigned ch
   const uint32_t B = v.page_tokens;
   uint32_t cw[kRank];
 #pragma unroll
-  for (int j = 0; j < int(kRank); ++j)
-    cw[j] = __ldg(reinterpret_cast<const unsigned int*>(rec + v.c_codes + j * B + t4));
+  for (int j = 0; j < int(kRank); ++j) cw[j] = lds32(rec + v.c_codes + j * B + t4);
+  // c_scales is 4 bytes past a multiple of 16 and t4 a multiple of 4: two aligned words.
+  const uint32_t s01 = lds32(rec + v.c_scales + 2 * t4), s23 = lds32(rec + v.c_scales + 2 * t4 + 4);
 #pragma unroll
   for (int k = 0; k < 4; ++k) {
-    const float c_scale = bf16_at(rec + v.c_scales + 2 * (t4 + k));
+    const float c_scale = bf16_half(k < 2 ? s01 : s23, k % 2);
     float c[kRank];
 #pragma unroll
     for (int j = 0; j < int(kRank); ++j) c[j] = float(int8_t(cw[j] >> (8 * k)));
@@ -153,52 +210,70 @@ __device__ __forceinline__ void chunk_logits(const RunView& v, const unsigned ch
   }
 }
 
-// Page scores of heads [blockIdx.z * GB, +GB) of pair blockIdx.y for 64 of its sealed pages. Lane
-// r of a page's quad takes V's columns r and r + 4, mu's 16-byte words r, r + 4, ... and the
-// tokens of C's words r, r + 4, ...; the quad exchanges z, the integer mu . q~ and the logits' max
-// and sum by shuffles. z, mu . q~ and the logits come out bit for bit as from one lane; the sum of
-// exps in another order.
-template <int GB>
+// Page scores of pair blockIdx.y's heads [8 blockIdx.z, + 8) (GB at a time) for v.score_pages of
+// its sealed pages (a quad of lanes per page, blockDim.x = 4 v.score_pages), CPC = d / 32.
+//
+// The block first copies its pages' records into shared memory with cp.async (each warp a record
+// at a time, lane l its 16-byte chunks l, l + 32, ...: contiguous and whole sectors), rounds the
+// queries to int8 while they travel, then computes from shared memory. Lane r of a page's quad
+// takes V's columns r and r + 4 (all four lanes on one channel chunk u at a time, the query codes
+// of u broadcast), mu's 16-byte words r, r + 4, ... and the tokens of C's words r, r + 4, ...; the
+// quad exchanges z, the integer mu . q~ and the logits' max and sum by shuffles. z, mu . q~ and the
+// logits come out bit for bit as from one lane; the sum of exps in another order.
+template <int GB, int CPC>
 __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel(RunView v) {
+  extern __shared__ uint4 tile_words[];  // [score_pages][tile_stride / 16], swizzled V
   // The int8 query codes: channel order (mu), and V's nibble pairs' even and odd channels.
-  __shared__ uint4 qc[GB][kMaxHeadDim / 16];
-  __shared__ uint4 qe[GB][kMaxHeadDim / 32];
-  __shared__ uint4 qo[GB][kMaxHeadDim / 32];
-  __shared__ int32_t qsum[GB];
-  __shared__ float qs[GB];
+  __shared__ uint4 qc[kScoreHeads][kMaxHeadDim / 16];
+  __shared__ uint4 qe[kScoreHeads][kMaxHeadDim / 32];
+  __shared__ uint4 qo[kScoreHeads][kMaxHeadDim / 32];
+  __shared__ int32_t qsum[kScoreHeads];
+  __shared__ float qs[kScoreHeads];
+  __shared__ uint32_t tile_slot[kScoreMaxPages];
   const PairParams& p = v.params[blockIdx.y];
-  const uint32_t sealed = p.sealed;
-  if (blockIdx.x * kScorePages >= sealed) return;  // the whole block: no barrier is missed
-  const uint32_t d = v.head_dim, G = v.group, B = v.page_tokens, g0 = blockIdx.z * GB;
-  // Every lane stays to the end: the quads' shuffles take the whole warp. A lane past the pages
-  // reads slot 0's record and writes nothing.
-  const uint32_t r = threadIdx.x % 4, quad0 = (threadIdx.x % 32) & ~3u;
-  const uint32_t page = blockIdx.x * kScorePages + threadIdx.x / 4;
-  uint32_t slot = 0;
-  if (page < sealed) {
-    if (page < p.copied) {
-      slot = v.copies[p.copy_at + page];
-    } else {
-      slot = v.tables[p.table_at + page - p.copied];
-      // The table's new entries join its device copy, for the next runs.
-      if (p.copy_at != kNoCopy && r == 0 && blockIdx.z == 0) v.copies[p.copy_at + page] = slot;
+  const uint32_t sealed = p.sealed, P = v.score_pages;
+  const uint32_t first = blockIdx.x * P;
+  if (first >= sealed) return;  // the whole block: no barrier is missed
+  constexpr uint32_t d = 32 * CPC;
+  const uint32_t G = v.group, B = v.page_tokens, hb = blockIdx.z * kScoreHeads;
+  const uint32_t nh = min(G - hb, kScoreHeads);  // this block's heads
+  const uint32_t stride = tile_stride(v.record_bytes, CPC), chunks = v.record_bytes / 16;
+  auto* tile = reinterpret_cast<unsigned char*>(tile_words);
+  const uint32_t lane = threadIdx.x % 32, warp = threadIdx.x / 32, warps = blockDim.x / 32;
+
+  // The pages' slots; the table's new entries join its device copy, for the next runs.
+  for (uint32_t i = threadIdx.x; i < P; i += blockDim.x) {
+    const uint32_t page = first + i;
+    uint32_t slot = 0;
+    if (page < sealed) {
+      if (page < p.copied) {
+        slot = v.copies[p.copy_at + page];
+      } else {
+        slot = v.tables[p.table_at + page - p.copied];
+        if (p.copy_at != kNoCopy && blockIdx.z == 0) v.copies[p.copy_at + page] = slot;
+      }
     }
+    tile_slot[i] = slot;  // validate() does not read the tables: a bad slot ranks last
   }
-  const bool bad = slot >= v.slots;  // validate() does not read the tables: a bad slot ranks last
-  const unsigned char* rec = v.records + std::size_t{bad ? 0 : slot} * v.record_bytes;
-  // The record's lines on their way to L1 while the block rounds the query: the loads below then
-  // wait on L1, not on four trips to DRAM in a row.
-  for (uint32_t at = 128 * r; at < v.record_bytes; at += 512)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(rec + at));
+  __syncthreads();
+  // The records to shared memory: warp w takes records w, w + warps, ...; pages past the sealed
+  // ones are not copied (their lanes read the first page and write nothing).
+  for (uint32_t i = warp; i < P && first + i < sealed; i += warps) {
+    const uint32_t slot = tile_slot[i] < v.slots ? tile_slot[i] : 0;
+    const unsigned char* rec = v.records + std::size_t{slot} * v.record_bytes;
+    unsigned char* to = tile + i * stride;
+    for (uint32_t c = lane; c < chunks; c += 32)
+      cp_async16(to + 16 * tile_chunk(c, CPC), rec + 16 * c);
+  }
 
   // The query codes exactly as simd's locks_score rounds them (attend_scalar.cpp,
   // locks_avx512_vnni.cpp): s_q = max|q| / 127 in float, codes rint(q / s_q) (IEEE division and
   // round-to-nearest-even, as the host's nearbyint); a head with a non-finite q scores NaN. Each
-  // block rounds its heads again: a few hundred divisions, against a launch and a copy.
-  const uint32_t lane = threadIdx.x % 32;
-  for (uint32_t g = threadIdx.x / 32; g < GB; g += kScoreThreads / 32) {
-    const bool in = g0 + g < G;
-    const float* x = v.qf + (std::size_t{blockIdx.y} * G + g0 + g) * d;
+  // block rounds its heads again: a few hundred divisions, against a launch and a copy. Heads
+  // past the group get zero codes.
+  for (uint32_t g = warp; g < kScoreHeads; g += warps) {
+    const bool in = g < nh;
+    const float* x = v.qf + (std::size_t{blockIdx.y} * G + hb + (in ? g : 0)) * d;
     float amax = 0.0f;
     bool finite = true;
     for (uint32_t c = lane; c < d; c += 32) {
@@ -224,109 +299,134 @@ __global__ void __launch_bounds__(kScoreThreads, kScoreBlocksPerSm) score_kernel
   }
   __syncthreads();
   // V's nibbles pair channels 2i and 2i + 1: the even and the odd codes, four to a word.
-  for (uint32_t i = threadIdx.x; i < GB * (d / 8); i += kScoreThreads) {
+  for (uint32_t i = threadIdx.x; i < kScoreHeads * (d / 8); i += blockDim.x) {
     const uint32_t g = i / (d / 8), w = i % (d / 8);
     const uint32_t* c = reinterpret_cast<const uint32_t*>(qc[g]);
     reinterpret_cast<uint32_t*>(qe[g])[w] = __byte_perm(c[2 * w], c[2 * w + 1], 0x6420);
     reinterpret_cast<uint32_t*>(qo[g])[w] = __byte_perm(c[2 * w], c[2 * w + 1], 0x7531);
   }
+  cp_async_wait_all();
   __syncthreads();
 
-  // z_j = s_q scale v_scale_j sum_c V_code[c, j] q_code[c], exact up to the last product.
-  float mine[2][GB];
+  const uint32_t r = threadIdx.x % 4, quad0 = lane & ~3u, i = threadIdx.x / 4;
+  const uint32_t page = first + i;
+  const bool bad = page < sealed && tile_slot[i] >= v.slots;
+  const unsigned char* rec = tile + (page < sealed ? i : 0) * stride;
+  float* const out = v.head + p.head_at + std::size_t{hb} * p.n_pages + page;
+  // Every lane stays to the end: the quads' shuffles take the whole warp.
+#pragma unroll 1
+  for (uint32_t h0 = 0; h0 < nh; h0 += GB) {
+    // z_j = s_q scale v_scale_j sum_c V_code[c, j] q_code[c], exact up to the last product.
+    int acc[2][GB];
 #pragma unroll
-  for (int m = 0; m < 2; ++m) {
-    const uint32_t j = r + 4 * m;
-    const uint4* column = reinterpret_cast<const uint4*>(rec + j * (d / 2));
-    int acc[GB];
+    for (int m = 0; m < 2; ++m)
 #pragma unroll
-    for (int g = 0; g < GB; ++g) acc[g] = 0;
-    for (uint32_t u = 0; u < d / 32; ++u) {
-      const uint4 x = __ldg(column + u);
-      const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+      for (int g = 0; g < GB; ++g) acc[m][g] = 0;
+        // Not unrolled: the next chunk's query codes would take registers the logits need.
+#pragma unroll 1
+    for (uint32_t u = 0; u < CPC; ++u) {
+      uint4 e4[GB], o4[GB];
 #pragma unroll
-      for (int g = 0; g < GB; ++g) {
-        const uint4 e4 = qe[g][u], o4 = qo[g][u];
-        const uint32_t e[4] = {e4.x, e4.y, e4.z, e4.w}, o[4] = {o4.x, o4.y, o4.z, o4.w};
+      for (int g = 0; g < GB; ++g) e4[g] = qe[h0 + g][u], o4[g] = qo[h0 + g][u];
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {
+        const uint32_t j = r + 4 * m;
+        const uint4 x = lds128(rec + 16 * tile_chunk(j * CPC + u, CPC));
+        const uint32_t words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
           // V's nibbles biased by +8 (n ^ 8 in 0..15), the bias taken out with 8 sum(q codes).
           const uint32_t biased = words[k] ^ 0x88888888u;
-          acc[g] = __dp4a(int(biased & 0x0f0f0f0fu), int(e[k]), acc[g]);
-          acc[g] = __dp4a(int((biased >> 4) & 0x0f0f0f0fu), int(o[k]), acc[g]);
+          const int lo = int(biased & 0x0f0f0f0fu), hi = int((biased >> 4) & 0x0f0f0f0fu);
+#pragma unroll
+          for (int g = 0; g < GB; ++g) {
+            const uint32_t e = k == 0 ? e4[g].x : k == 1 ? e4[g].y : k == 2 ? e4[g].z : e4[g].w;
+            const uint32_t o = k == 0 ? o4[g].x : k == 1 ? o4[g].y : k == 2 ? o4[g].z : o4[g].w;
+            acc[m][g] = __dp4a(lo, int(e), acc[m][g]);
+            acc[m][g] = __dp4a(hi, int(o), acc[m][g]);
+          }
         }
       }
     }
-    const float v_scale = bf16_at(rec + v.v_scales + 2 * j);
+    // v_scales is 4 bytes past a multiple of 16: columns r and r + 4 in words r / 2 and 2 + r / 2.
+    float mine[2][GB];
 #pragma unroll
-    for (int g = 0; g < GB; ++g) mine[m][g] = float(acc[g] - 8 * qsum[g]) * (v_scale * qs[g]);
-  }
-  float z[kRank][GB];
+    for (int m = 0; m < 2; ++m) {
+      const float v_scale = bf16_half(lds32(rec + v.v_scales + 4 * (2 * m + r / 2)), r % 2);
 #pragma unroll
-  for (int j = 0; j < int(kRank); ++j)
-#pragma unroll
-    for (int g = 0; g < GB; ++g) z[j][g] = __shfl_sync(kFull, mine[j / 4][g], quad0 + j % 4);
-
-  float mu_q[GB];
-  {
-    const uint4* mu = reinterpret_cast<const uint4*>(rec + v.mu_codes);
-    int acc[GB];
-#pragma unroll
-    for (int g = 0; g < GB; ++g) acc[g] = 0;
-    for (uint32_t u = r; u < d / 16; u += 4) {
-      const uint4 x = __ldg(mu + u);
-      const uint32_t words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-      for (int g = 0; g < GB; ++g) {
-        const uint4 c4 = qc[g][u];
-        const uint32_t c[4] = {c4.x, c4.y, c4.z, c4.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) acc[g] = __dp4a(int(words[k]), int(c[k]), acc[g]);
-      }
+      for (int g = 0; g < GB; ++g)
+        mine[m][g] = float(acc[m][g] - 8 * qsum[h0 + g]) * (v_scale * qs[h0 + g]);
     }
-    const float mu_scale = bf16_at(rec + v.mu_scale);
+    float z[kRank][GB];
+#pragma unroll
+    for (int j = 0; j < int(kRank); ++j)
+#pragma unroll
+      for (int g = 0; g < GB; ++g) z[j][g] = __shfl_sync(kFull, mine[j / 4][g], quad0 + j % 4);
+
+    // lse = mu . q~ scale + max_t l_t + log sum_t e^(l_t - max): the logits' max, then the sum
+    // of exps; a lane with one chunk of tokens (page_tokens 16) keeps its logits in between.
+    float top[GB], sum[GB], lg[4][GB];
+#pragma unroll
+    for (int g = 0; g < GB; ++g) top[g] = -INFINITY, sum[g] = 0.0f;
+    for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
+      chunk_logits<GB>(v, rec, t4, z, lg);
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int g = 0; g < GB; ++g) top[g] = fmaxf(top[g], lg[k][g]);
+    }
 #pragma unroll
     for (int g = 0; g < GB; ++g) {
-      acc[g] += __shfl_xor_sync(kFull, acc[g], 1);
-      acc[g] += __shfl_xor_sync(kFull, acc[g], 2);
-      mu_q[g] = float(acc[g]) * (mu_scale * qs[g]);
+      top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 1));
+      top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 2));
     }
-  }
-  // lse = mu . q~ scale + max_t l_t + log sum_t e^(l_t - max): the logits' max, then the sum
-  // of exps; a lane with one chunk of tokens (page_tokens 16) keeps its logits in between.
-  float top[GB], sum[GB], lg[4][GB];
+    for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
+      if (B > 16) chunk_logits<GB>(v, rec, t4, z, lg);
 #pragma unroll
-  for (int g = 0; g < GB; ++g) top[g] = -INFINITY, sum[g] = 0.0f;
-  for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
-    chunk_logits<GB>(v, rec, t4, z, lg);
+      for (int k = 0; k < 4; ++k)
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+        for (int g = 0; g < GB; ++g) sum[g] += expf(lg[k][g] - top[g]);
+    }
 #pragma unroll
-      for (int g = 0; g < GB; ++g) top[g] = fmaxf(top[g], lg[k][g]);
-  }
+    for (int g = 0; g < GB; ++g) {
+      sum[g] += __shfl_xor_sync(kFull, sum[g], 1);
+      sum[g] += __shfl_xor_sync(kFull, sum[g], 2);
+    }
+    // mu . q~ last: its registers are not live while the logits are.
+    float mu_q[GB];
+    {
+      int macc[GB];
 #pragma unroll
-  for (int g = 0; g < GB; ++g) {
-    top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 1));
-    top[g] = fmaxf(top[g], __shfl_xor_sync(kFull, top[g], 2));
-  }
-  for (uint32_t t4 = 4 * r; t4 < B; t4 += 16) {
-    if (B > 16) chunk_logits<GB>(v, rec, t4, z, lg);
+      for (int g = 0; g < GB; ++g) macc[g] = 0;
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
+      for (uint32_t u0 = 0; u0 < d / 16; u0 += 4) {
+        const uint32_t u = u0 + r;
+        const uint4 x = lds128(rec + v.mu_codes + 16 * u);
+        const uint32_t words[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
-      for (int g = 0; g < GB; ++g) sum[g] += expf(lg[k][g] - top[g]);
-  }
+        for (int g = 0; g < GB; ++g) {
+          const uint4 c4 = qc[h0 + g][u];
+          const uint32_t c[4] = {c4.x, c4.y, c4.z, c4.w};
 #pragma unroll
-  for (int g = 0; g < GB; ++g) {
-    sum[g] += __shfl_xor_sync(kFull, sum[g], 1);
-    sum[g] += __shfl_xor_sync(kFull, sum[g], 2);
-  }
-  if (page < sealed) {
+          for (int k = 0; k < 4; ++k) macc[g] = __dp4a(int(words[k]), int(c[k]), macc[g]);
+        }
+      }
+      // mu_scale is 4 bytes past a multiple of 16: the low half of its word.
+      const float mu_scale = bf16_half(lds32(rec + v.mu_scale), 0);
 #pragma unroll
-    for (int g = 0; g < GB; ++g)
-      if (g % 4 == int(r) && g0 + g < G)
-        v.head[p.head_at + std::size_t{g0 + g} * p.n_pages + page] =
-            bad ? __int_as_float(0x7fc00000) : mu_q[g] + (top[g] + logf(sum[g]));
+      for (int g = 0; g < GB; ++g) {
+        macc[g] += __shfl_xor_sync(kFull, macc[g], 1);
+        macc[g] += __shfl_xor_sync(kFull, macc[g], 2);
+        mu_q[g] = float(macc[g]) * (mu_scale * qs[h0 + g]);
+      }
+    }
+    if (page < sealed) {
+#pragma unroll
+      for (int g = 0; g < GB; ++g)
+        if (g % 4 == int(r) && h0 + g < nh)
+          out[std::size_t{h0 + g} * p.n_pages] =
+              bad ? __int_as_float(0x7fc00000) : mu_q[g] + (top[g] + logf(sum[g]));
+    }
   }
 }
 
@@ -723,6 +823,21 @@ __global__ void scatter_kernel(const uint4* __restrict__ staged, const uint32_t*
   for (uint32_t i = threadIdx.x; i < words; i += blockDim.x) to[i] = from[i];
 }
 
+using ScoreKernel = void (*)(RunView);
+
+// score_kernel's instance for G heads and head_dim d: 1, 2 or 4 heads at a time.
+ScoreKernel score_kernel_for(uint32_t G, uint32_t d) {
+  const uint32_t gb = G <= 1 ? 1 : G <= 2 ? 2 : 4;
+  switch (d) {
+    case 64:
+      return gb == 1 ? score_kernel<1, 2> : gb == 2 ? score_kernel<2, 2> : score_kernel<4, 2>;
+    case 128:
+      return gb == 1 ? score_kernel<1, 4> : gb == 2 ? score_kernel<2, 4> : score_kernel<4, 4>;
+    default:
+      return gb == 1 ? score_kernel<1, 8> : gb == 2 ? score_kernel<2, 8> : score_kernel<4, 8>;
+  }
+}
+
 }  // namespace
 
 namespace cuda {
@@ -769,8 +884,10 @@ struct LocksScorer::Device {
   std::size_t staging_bytes = 0;
   uint32_t stage_cap_floats = 0;  // select_kernel's dynamic shared memory at most, in floats
   uint32_t select_ctas = 1;       // select_kernel's CTAs a pair: its cluster width (1 before sm_90)
-  DeviceBuffer<float> head;       // [group * max_pages]
-  DeviceBuffer<float> combined;   // [max_pages]
+  uint32_t score_pages = kScoreMaxPages;  // score_kernel's pages a block
+  std::size_t score_tile_bytes = 0;       // and their records' bytes in its shared memory
+  DeviceBuffer<float> head;               // [group * max_pages]
+  DeviceBuffer<float> combined;           // [max_pages]
   // The device copies of named tables (LocksPair::table_id), [table_copies][max_pair_pages], and
   // which table each holds: its name, its entries, the run that last used it.
   struct TableCopy {
@@ -926,6 +1043,27 @@ Result LocksScorer::init(int device, const LocksScorerShape& shape) {
       r = from_cuda(cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(stage_bytes)),
                     "select kernel shared memory");
+  }
+  // score_kernel's records in shared memory: 64 pages a block, or 32 where they pass the cap.
+  if (r.ok) {
+    const std::size_t stride = tile_stride(static_cast<uint32_t>(rb), shape.head_dim / 32);
+    d->score_pages = stride * kScoreMaxPages <= kScoreTileCap ? kScoreMaxPages : kScoreMaxPages / 2;
+    d->score_tile_bytes = stride * d->score_pages;
+    const ScoreKernel kernel = score_kernel_for(shape.group, shape.head_dim);
+    r = from_cuda(cudaFuncGetAttributes(&attributes, kernel), "score kernel");
+    if (r.ok && d->score_tile_bytes + attributes.sharedSizeBytes > std::size_t(optin))
+      r = invalid("the device's shared memory per block (" + std::to_string(optin) +
+                  " bytes) is too small for the score kernel's " +
+                  std::to_string(d->score_tile_bytes) + " bytes of records");
+    if (r.ok)
+      r = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(d->score_tile_bytes)),
+                    "score kernel shared memory");
+    // The most shared memory an SM can give, so that three blocks (or six) fit.
+    if (r.ok)
+      r = from_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                         cudaSharedmemCarveoutMaxShared),
+                    "score kernel carveout");
   }
   if (!r.ok) return r;
   d->plans.resize(shape.max_pairs);
@@ -1113,14 +1251,11 @@ Result LocksScorer::run(const LocksPair* pairs, uint32_t n_pairs) noexcept {
                                     cudaMemcpyHostToDevice, dev.stream.get()),
                     "batch upload");
     if (r.ok && max_sealed > 0) {
-      const uint32_t gb = G <= 1 ? 1 : G <= 2 ? 2 : G <= 4 ? 4 : 8;
-      const dim3 grid((max_sealed + kScorePages - 1) / kScorePages, n_dev, (G + gb - 1) / gb);
-      switch (gb) {
-        case 1: score_kernel<1><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
-        case 2: score_kernel<2><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
-        case 4: score_kernel<4><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
-        default: score_kernel<8><<<grid, kScoreThreads, 0, dev.stream.get()>>>(view); break;
-      }
+      const dim3 grid((max_sealed + dev.score_pages - 1) / dev.score_pages, n_dev,
+                      (G + kScoreHeads - 1) / kScoreHeads);
+      view.score_pages = dev.score_pages;
+      score_kernel_for(
+          G, d)<<<grid, 4 * dev.score_pages, dev.score_tile_bytes, dev.stream.get()>>>(view);
       r = from_cuda.launched("score launch");
     }
     if (r.ok) {

@@ -103,10 +103,12 @@ struct Config {
   uint32_t group, head_dim;
   simd::Dtype dtype;
   std::vector<uint32_t> contexts;
+  uint32_t page_tokens = 16;
 };
 
 std::string describe(const Config& c) {
   return "G=" + std::to_string(c.group) + " d=" + std::to_string(c.head_dim) +
+         (c.page_tokens != 16 ? " B=" + std::to_string(c.page_tokens) : std::string()) +
          (c.dtype == simd::Dtype::bf16 ? " bf16"
           : c.dtype == simd::Dtype::q8 ? " q8"
                                        : " f16");
@@ -126,7 +128,7 @@ struct Fixture {
     g.n_kv_heads = 2;
     g.group_size = c.group;
     g.head_dim = c.head_dim;
-    g.page_tokens = 16;
+    g.page_tokens = c.page_tokens;
     g.dtype = c.dtype;
     uint64_t pages = 0;
     for (uint32_t n : c.contexts) {
@@ -531,31 +533,54 @@ void expect_cpu_head_scores(const Fixture& f, const Config& c, gpu::LocksScorer&
   }
 }
 
-// The device's per-head scores of every sealed page against the CPU kernel the selector uses (the
-// cache's table), and the open page's against its exact log-sum-exp.
+// The device's per-head scores of every sealed page of configuration c against the CPU kernel the
+// selector uses (the cache's table), and the open page's against its exact log-sum-exp.
+void expect_head_scores_match(const Config& c) {
+  Fixture f(c, 0, 17);
+  const uint32_t H = f.g.n_kv_heads;
+  std::vector<std::byte> records;
+  std::vector<uint32_t> listed;
+  build_records(f, c, 0, records, listed);
+  const gpu::LocksScorerShape shape = scorer_shape(f, c, static_cast<uint32_t>(f.seqs.size()) * H);
+  gpu::LocksScorer scorer;
+  const gpu::Result init = scorer.init(0, shape);
+  ASSERT_TRUE(init.ok) << describe(c) << ": " << init.message;
+  const gpu::Result up = scorer.upload(records.data(), listed.data(), listed.size());
+  ASSERT_TRUE(up.ok) << up.message;
+  const auto q = make_queries(*f.keys, f.seqs.size(), H, c.group, c.head_dim, 23);
+  std::vector<gpu::LocksPair> pairs;
+  for (uint32_t i = 0; i < shape.max_pairs; ++i)
+    pairs.push_back(pair_of(f, q, c.group, c.head_dim, i));
+  double worst = 0.0;
+  expect_cpu_head_scores(f, c, scorer, pairs, records, describe(c), &worst);
+  if (::testing::Test::HasFatalFailure()) return;
+  std::printf("[ LOCKS ] %s: worst |cpu - device| / (1 + |cpu|) of the page scores %.3g\n",
+              describe(c).c_str(), worst);
+}
+
 TEST(LocksScorer, head_scores_match_the_cpu_kernel) {
   KVSIFT_SKIP_WITHOUT_DEVICE();
   for (const Config& c : configs()) {
-    Fixture f(c, 0, 17);
-    const uint32_t H = f.g.n_kv_heads;
-    std::vector<std::byte> records;
-    std::vector<uint32_t> listed;
-    build_records(f, c, 0, records, listed);
-    const gpu::LocksScorerShape shape =
-        scorer_shape(f, c, static_cast<uint32_t>(f.seqs.size()) * H);
-    gpu::LocksScorer scorer;
-    ASSERT_TRUE(scorer.init(0, shape).ok) << describe(c);
-    const gpu::Result up = scorer.upload(records.data(), listed.data(), listed.size());
-    ASSERT_TRUE(up.ok) << up.message;
-    const auto q = make_queries(*f.keys, f.seqs.size(), H, c.group, c.head_dim, 23);
-    std::vector<gpu::LocksPair> pairs;
-    for (uint32_t i = 0; i < shape.max_pairs; ++i)
-      pairs.push_back(pair_of(f, q, c.group, c.head_dim, i));
-    double worst = 0.0;
-    expect_cpu_head_scores(f, c, scorer, pairs, records, describe(c), &worst);
+    expect_head_scores_match(c);
     if (HasFatalFailure()) return;
-    std::printf("[ LOCKS ] %s: worst |cpu - device| / (1 + |cpu|) of the page scores %.3g\n",
-                describe(c).c_str(), worst);
+  }
+}
+
+// The score kernel's other paths: heads in two passes (G = 8) and past the group in the last
+// pass (G = 6), a second block of heads (G = 12), head_dim 256 (its swizzle), 32-page blocks
+// (records of page_tokens 32 and 64), tiles the pages do not fill, and contexts of one page and
+// one page and a token.
+TEST(LocksScorer, head_scores_match_the_cpu_kernel_for_every_score_kernel_path) {
+  KVSIFT_SKIP_WITHOUT_DEVICE();
+  static const std::vector<Config> more = {
+      {8, 128, simd::Dtype::bf16, {5003, 20000}},    {6, 64, simd::Dtype::bf16, {1000, 4099}},
+      {12, 128, simd::Dtype::f16, {3000}},           {2, 256, simd::Dtype::f16, {999, 7000}},
+      {4, 256, simd::Dtype::bf16, {16, 17, 4000}},   {4, 128, simd::Dtype::bf16, {1000, 20000}, 32},
+      {1, 256, simd::Dtype::bf16, {2000, 9001}, 64}, {3, 64, simd::Dtype::f16, {64, 65, 3001}, 64},
+  };
+  for (const Config& c : more) {
+    expect_head_scores_match(c);
+    if (HasFatalFailure()) return;
   }
 }
 
