@@ -472,7 +472,8 @@ struct FmaTile {
   __device__ uint32_t channel(uint32_t j) const { return (j * T::kLanesPerRow + chunk) * 8; }
 
   // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
-  __device__ FmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+  // Called once the first copies are in flight (sparse_attend), so that q's loads wait with them.
+  __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     chunk = lane % T::kLanesPerRow;
     row_group = warp * T::kRowsPerWarp + lane / T::kLanesPerRow;
@@ -734,7 +735,8 @@ struct MmaTile {
            ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
   }
 
-  __device__ MmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+  // As FmaTile::load_q.
+  __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t g = lane / 4, t = lane % 4;
     constexpr uint32_t L = T::kLanesPerRow;
@@ -888,7 +890,9 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
 
   const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
-  Compute compute(q_pair, heads, p.q_scale);
+  // q is loaded (Compute::load_q) once each path has its first copies in flight: the CTA's first
+  // tile then waits on one memory latency, not on q's and then the rows'.
+  Compute compute;
 
   const uint32_t list_begin = form.begin(pair);
   const uint32_t n_tokens = form.count(pair, list_begin);
@@ -971,6 +975,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         if (s < n_tiles) issue(s, early[s]);
       fetch(kStages - 1, next);
     }
+    compute.load_q(q_pair, heads, p.q_scale);
     for (uint32_t tile = 0; tile < n_tiles; ++tile) {
       // Whoever computed stage (tile - 1) % kStages is done with it: it is refilled next.
       if constexpr (kPerWarp)
@@ -1030,6 +1035,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       issue_copies(stage);
     }
     fetch_addresses(issue_base);
+    compute.load_q(q_pair, heads, p.q_scale);
 
     // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
     uint32_t stage = 0;
