@@ -137,14 +137,18 @@
 // tests, memcheck, racecheck and synccheck pass; it is not the default yet because the
 // model-level offload tests have not run with it. The 8% left is for a tensor-map copy of whole
 // pages (above).
+#include <cuda.h>  // CUtensorMap and its enums only: the driver's encoder comes at run time
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -207,6 +211,29 @@ struct BulkTile {
   static constexpr uint32_t kPitch = kRowBytes + 16;
   static constexpr uint32_t kStageBytes = 2 * kTokens * kPitch;
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, T::kAccumulatorBytes);
+};
+
+// The stage of the tensor-map copies (AttendTuning::bulk_copies 3, page form): [K, V][kTokens]
+// rows of head_dim 16-bit values, packed, each row head_dim / 64 "lines" of 128 bytes in the
+// 128-byte swizzle of cp.async.bulk.tensor: the 16-byte chunk c of line n (counted from a
+// 1024-byte boundary) lands at chunk c ^ (n % 8). Warp w's rows (tile rows w * kWarpRows ..) come
+// as one box of K and one of V, kBoxBytes each (1 or 2 KiB: a multiple of 1024 at every shape, so
+// every box starts on a swizzle atom). One more KiB of dynamic shared memory lets the kernel round
+// the stages up to a 1024-byte boundary.
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
+struct TmaTile {
+  using T = Tile<kHeadDim, kBlockHeads, 1>;
+  static constexpr uint32_t kTokens = T::kTokens;
+  static constexpr uint32_t kWarpRows = kTokens / kWarps;
+  static constexpr uint32_t kRowBytes = kHeadDim * 2;
+  static constexpr uint32_t kLinesPerRow = kRowBytes / 128;
+  static constexpr uint32_t kBoxBytes = kWarpRows * kRowBytes;
+  static constexpr uint32_t kStageBytes = 2 * kTokens * kRowBytes;
+  static constexpr uint32_t kSharedBytes =
+      std::max(kStages * kStageBytes + 1024, T::kAccumulatorBytes);
+  // A warp's box is one page's rows kWarpRows-aligned (the smallest page holds 16 tokens), and
+  // each box covers whole swizzle atoms.
+  static_assert(kWarpRows <= 16 && 16 % kWarpRows == 0 && kBoxBytes % 1024 == 0);
 };
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
@@ -387,6 +414,21 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, uint
           "r"(shared_address(shared)),
       "l"(global), "r"(bytes), "r"(shared_address(barrier))
       : "memory");
+}
+// The box of `map` at coordinates (c0, c1, c2) global -> shared (`shared`: a shared::cta
+// address) by the copy engine, through the tensor map's swizzle; its bytes are counted on
+// `barrier`. `map` is the address of a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tensor_copy(uint32_t shared, const CUtensorMap* map, int32_t c0,
+                                            int32_t c1, int32_t c2, uint64_t* barrier) {
+  KVSIFT_BULK_ASM(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(shared),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(barrier))
+      : "memory");
+}
+// Brings the tensor map into the descriptor cache ahead of the first copy.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  KVSIFT_BULK_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
 
 // Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,
@@ -688,28 +730,38 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
 //   accumulators to hold hi and lo apart; a thread's accumulators are heads 2 threadID_in_group
 //   and + 1, whose rescaling factors two shuffles fetch from the heads' lanes.
 // Warps of fewer than 8 tokens pad their 8 columns with copies of their rows at weight zero.
-// kBulk: the stage is BulkTile's (whole rows at a padded pitch, which every warp's lanes can
-// read) and warp w computes the tile's tokens w * kWarpRows .. + kWarpRows - 1.
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kBulk>
+// kCopies (AttendTuning::bulk_copies): 0, the cp.async stage (piece_index); 1 and 2, BulkTile's
+// (whole rows at a padded pitch, which every warp's lanes can read); 3, TmaTile's (whole rows in
+// the tensor map's 128-byte swizzle). With any but 0, warp w computes the tile's tokens
+// w * kWarpRows .. + kWarpRows - 1.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks,
+          uint32_t kCopies>
 struct MmaTile {
   static_assert(D == simd::Dtype::f16 || D == simd::Dtype::bf16, "16-bit K/V only");
-  static_assert(!kBulk || kChunks == 1, "bulk copies move whole rows");
+  static_assert(kCopies == 0 || kChunks == 1, "bulk copies move whole rows");
+  static constexpr bool kBulk = kCopies != 0;  // whole rows, a warp's tokens side by side
+  static constexpr bool kTma = kCopies == 3;   // ... in the tensor map's swizzle
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
   using B = BulkTile<kHeadDim, kBlockHeads>;
-  static constexpr uint32_t kStageBytes = kBulk ? B::kStageBytes : T::kStageBytes;
+  using M = TmaTile<kHeadDim, kBlockHeads>;
+  static constexpr uint32_t kStageBytes =
+      kTma ? M::kStageBytes : kBulk ? B::kStageBytes : T::kStageBytes;
   static constexpr uint32_t kWarpRows = T::kTokens / kWarps;
   static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
   static constexpr uint32_t kNTiles = kCols / 8;
   static constexpr uint32_t kKSteps = kHeadDim / 16;
   static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
   static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
-  static constexpr bool kSwizzle = !kBulk;                   // the bulk stage is padded instead
+  static constexpr bool kSwizzle = !kBulk;  // piece_index's; the bulk stages place their own
+  // lane_bytes per tile of 8 tokens: the cp.async stage's two variants of a 32-column group (its
+  // piece index with bit 2 clear or set); the tensor map's, one per 32-column group.
+  static constexpr uint32_t kLaneVariants = kTma ? kHeadDim / 32 : 2;
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
 
   uint32_t warp, lane;
   // Byte offsets in a stage of the row this lane gives ldmatrix for its columns 8 (lane / 8) ..
-  // + 7 of a 32-column group (the group's piece index has bit 2 clear [0] or set [1]), K, j = 0.
-  uint32_t lane_bytes[kNTiles][2];
+  // + 7 of a 32-column group, K (j = 0): kLaneVariants per tile of 8 tokens.
+  uint32_t lane_bytes[kNTiles][kLaneVariants];
   uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
   float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
   float m, l;               // head groupID's reference max and (this lane's part of) the sum
@@ -725,9 +777,13 @@ struct MmaTile {
   // K (kv 0) or V, as piece_index places them; stage_address is the stage's. The swizzle XORs a
   // piece index below 8 into the row's piece, and column0's pieces are a multiple of 4, so the
   // XOR splits into the lane's constant low part and a +4 or -4 on bit 2 that column0 decides at
-  // compile time: no arithmetic per ldmatrix beyond one add.
+  // compile time: no arithmetic per ldmatrix beyond one add. In the tensor map's stage the swizzle
+  // of a 128-byte line depends on the line, so each 32-column group has its own offset: still a
+  // register and a constant.
   template <uint32_t kKv>
   __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
+    if constexpr (kTma)
+      return stage_address + lane_bytes[nt][column0 / 32] + kKv * M::kTokens * M::kRowBytes;
     if constexpr (kBulk)
       return stage_address + lane_bytes[nt][0] + kKv * B::kTokens * B::kPitch + column0 * 2;
     const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
@@ -744,6 +800,18 @@ struct MmaTile {
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
       // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
       const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
+      if constexpr (kTma) {
+        // Group c of 32 columns: line c / 2 of the row, chunks 4 (c % 2) .. + 3, this lane's
+        // chunk 4 (c % 2) + lane / 8, placed at chunk ^ (line % 8). The stage and the boxes
+        // start on 1024-byte boundaries, so a line's index in the stage gives its swizzle.
+#pragma unroll
+        for (uint32_t c = 0; c < kLaneVariants; ++c) {
+          const uint32_t line = tile_row(token) * M::kLinesPerRow + c / 2;
+          const uint32_t chunk = (4 * (c % 2) + lane / 8) ^ (line % 8);
+          lane_bytes[nt][c] = line * 128 + chunk * 16;
+        }
+        continue;
+      }
       if constexpr (kBulk) {
         lane_bytes[nt][0] = lane_bytes[nt][1] = tile_row(token) * B::kPitch + lane / 8 * 16;
         continue;
@@ -837,17 +905,37 @@ struct MmaTile {
     }
     // O^T += V^T P^T. Matrices 0, 1: channels 16 i + 0..7 and 8..15 of the 8 tokens (A's rows
     // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
+    // The tensor map's boxes hold whole pages' rows: past the list (the open page's unwritten
+    // rows, a clamped box's) they may hold anything, NaN included, and 0 * NaN is NaN. On the
+    // split's last tile the V registers of tokens at weight zero are zeroed: a register's low
+    // and high halves are tokens 2t and 2t + 1 of the 8, exactly those of x[nt][0] and [1].
+    // (Their K needs nothing: those logits were replaced by -inf above.)
+    auto p_v = [&](auto masked) {
 #pragma unroll
-    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+        uint32_t keep = 0xffffffffu;
+        if constexpr (decltype(masked)::value)
+          keep = (x[nt][0] == kNegInf ? 0u : 0x0000ffffu) | (x[nt][1] == kNegInf ? 0u : 0xffff0000u);
 #pragma unroll
-      for (uint32_t i = 0; i < kMTiles; i += 2) {
-        uint32_t v[4];
-        ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
-        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
-                                             pb[nt][1]);
-        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
-                                             pb[nt][1]);
+        for (uint32_t i = 0; i < kMTiles; i += 2) {
+          uint32_t v[4];
+          ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
+          if constexpr (decltype(masked)::value)
+            v[0] &= keep, v[1] &= keep, v[2] &= keep, v[3] &= keep;
+          mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
+                                               pb[nt][1]);
+          mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
+                                               pb[nt][1]);
+        }
       }
+    };
+    if constexpr (kTma) {
+      if (last_tile)
+        p_v(std::true_type{});
+      else
+        p_v(std::false_type{});
+    } else {
+      p_v(std::false_type{});
     }
   }
 
@@ -871,13 +959,14 @@ struct MmaTile {
 // (a branch on it inside the kernel cost registers: ptxas kept a pipeline per size).
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
           uint32_t kBulk, uint32_t kPrefetch, class Form>
-__global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
+__global__ void __launch_bounds__(kThreads)
+    sparse_attend(AttendParams p, Form form, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
   static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
+  static_assert(kBulk != 3 || std::is_same_v<Form, PageForm>, "tensor maps copy whole pages");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  using Compute =
-      std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk != 0>,
-                         FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk>,
+                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
   constexpr uint32_t R = T::kRowsPerThread;
   constexpr uint32_t C = kChunks;
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
@@ -909,7 +998,75 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   // pieces of its warp's lanes, so a __syncwarp after the wait makes them visible and one before
   // the copies keeps a stage from being refilled while other lanes still read it.
   extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads], or BulkTile's
-  if constexpr (kBulk != 0) {
+  if constexpr (kBulk == 3) {
+    // The tensor-map copies (page form): each warp copies the kWarpRows rows it computes on
+    // (MmaTile::tile_row), which lie in one page (a split starts at a multiple of the tile, a
+    // warp's rows at a multiple of kWarpRows, which divides page_tokens), as one box of K and
+    // one of V through kv_map (SparseDecodeAttention::tensor_map), and waits on a barrier of its
+    // own, as bulk copies 2 do. Lane 0 issues both; the slot id of tile t + kStages is loaded
+    // while tile t + kStages - 1 is issued. A warp whose rows start past the list copies the box
+    // of the list's last row instead (any valid box; MmaTile::tile weighs it zero and zeroes its
+    // V), so every stage's barrier expects the same bytes.
+    using M = TmaTile<kHeadDim, kBlockHeads>;
+    static_assert(Compute::kTma && !Compute::kSwizzle && Compute::kWarpRows == M::kWarpRows);
+    __shared__ uint64_t full[kStages][kWarps];
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t n_tiles = first < last ? (last - first + M::kTokens - 1) / M::kTokens : 0;
+    // The stages from the first 1024-byte boundary (TmaTile::kSharedBytes has the slack).
+    const uint32_t stages_address = (shared_address(stages) + 1023) & ~1023u;
+    const auto* aligned_stages = reinterpret_cast<const uint4*>(
+        reinterpret_cast<const std::byte*>(stages) + (stages_address - shared_address(stages)));
+    if (threadIdx.x == 0) {
+      prefetch_tensor_map(&kv_map);
+#pragma unroll
+      for (uint32_t s = 0; s < kStages; ++s)
+#pragma unroll
+        for (uint32_t w = 0; w < kWarps; ++w) barrier_init(&full[s][w], 1);
+      barrier_init_fence();
+    }
+    __syncthreads();
+    // (slot, first row) of the warp's box in tile `tile`.
+    auto locate = [&](uint32_t tile) {
+      TokenAddress at{0, 0};
+      if (tile < n_tiles) {
+        at = form.address(list_begin,
+                          min(first + tile * M::kTokens + warp * M::kWarpRows, last - 1));
+        at.row &= ~(M::kWarpRows - 1);
+      }
+      return at;
+    };
+    auto issue = [&](uint32_t tile, TokenAddress at) {
+      if (lane != 0) return;
+      const uint32_t stage = tile % kStages;
+      const uint32_t to = stages_address + stage * M::kStageBytes + warp * M::kBoxBytes;
+      uint64_t* barrier = &full[stage][warp];
+      barrier_expect(barrier, 2 * M::kBoxBytes);
+      // kv_map's coordinates: (element in a 128-byte line, line in the slot, slot); V's rows
+      // follow the page's K rows in a slot.
+      const auto line = static_cast<int32_t>(at.row * M::kLinesPerRow);
+      const auto slot = static_cast<int32_t>(at.slot);
+      const auto v_lines = static_cast<int32_t>(p.page_tokens * M::kLinesPerRow);
+      tensor_copy(to, &kv_map, 0, line, slot, barrier);
+      tensor_copy(to + M::kTokens * M::kRowBytes, &kv_map, 0, v_lines + line, slot, barrier);
+    };
+    {
+      TokenAddress early[kStages - 1];  // the first tiles' loads all in flight at once
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s) early[s] = locate(s);
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s)
+        if (s < n_tiles) issue(s, early[s]);
+    }
+    TokenAddress next = locate(kStages - 1);
+    compute.load_q(q_pair, heads, p.q_scale);
+    for (uint32_t tile = 0; tile < n_tiles; ++tile) {
+      __syncwarp();  // the warp is done with stage (tile - 1) % kStages: it is refilled next
+      if (tile + kStages - 1 < n_tiles) issue(tile + kStages - 1, next);
+      next = locate(tile + kStages);
+      barrier_wait(&full[tile % kStages][warp], tile / kStages % 2);
+      compute.tile(aligned_stages, tile % kStages, first + tile * M::kTokens, last);
+    }
+  } else if constexpr (kBulk != 0) {
     // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
     // where the cp.async tile takes 8 16-byte copies from every thread, and a stage's mbarrier
     // counts the bytes in. kBulk 1: warp 0's lanes copy the whole tile and every warp waits on the
@@ -1103,7 +1260,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
 // One instantiation and what launching it needs.
 template <class Form>
 struct KernelInfo {
-  void (*kernel)(AttendParams, Form);
+  void (*kernel)(AttendParams, Form, CUtensorMap);
   uint32_t tile_tokens;
   uint32_t shared_bytes;
   uint32_t max_splits;  // the merge stages (m, l) of every split in shared_bytes
@@ -1113,8 +1270,9 @@ template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChun
           uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  constexpr uint32_t shared =
-      kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes : T::kSharedBytes;
+  constexpr uint32_t shared = kBulk == 3   ? TmaTile<kHeadDim, kBlockHeads>::kSharedBytes
+                              : kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes
+                                           : T::kSharedBytes;
   return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, kBulk, kPrefetch, Form>,
           T::kTokens, shared, shared / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
@@ -1153,11 +1311,18 @@ KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_
 }
 
 // The 16-bit kernels: the FMA loop, the tensor-core loop with cp.async copies (with or without an
-// L2 prefetch), or with bulk copies.
+// L2 prefetch), or with bulk copies. The tensor-map copies (3) move whole pages' rows: the token
+// form, whose rows are anywhere, takes the per-warp row copies (2) instead.
 template <simd::Dtype D, class Form>
 KernelInfo<Form> kernel_for_16bit(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
   const uint32_t chunks = tuning.chunks_per_lane;
   if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, 0, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 3) {
+    if constexpr (std::is_same_v<Form, PageForm>)
+      return kernel_for_dim<D, true, 3, 0, Form>(d, heads, chunks);
+    else
+      return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
+  }
   if (tuning.bulk_copies == 1) return kernel_for_dim<D, true, 1, 0, Form>(d, heads, chunks);
   if (tuning.bulk_copies == 2) return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
   switch (tuning.l2_prefetch) {
@@ -1271,7 +1436,7 @@ template <class Form>
 Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t tokens_per_entry,
               const Form& form, const AttentionShape& shape, const AttendTuning& tuning,
               uint32_t target_ctas, std::size_t partial_slots, float* partials, uint32_t* arrivals,
-              SplitPlan& plan) {
+              const CUtensorMap& kv_map, SplitPlan& plan) {
   const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
   plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, tuning, target_ctas);
   if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
@@ -1293,9 +1458,12 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   const auto stream = static_cast<cudaStream_t>(t.stream);
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
   const KernelInfo<Form> k = kernel_for<Form>(shape, tuning);
-  k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
+  k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form, kv_map);
   return cuda_result(cudaGetLastError(), "sparse attention launch");
 }
+
+// The kernel parameter of the launches that use no tensor map.
+const CUtensorMap kNoTensorMap{};
 
 uint32_t log2_exact(uint32_t power_of_two) {
   uint32_t shift = 0;
@@ -1324,6 +1492,9 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
   struct Workspace {
     DeviceBuffer<float> memory;  // the partials, then the arrival counters
   };
+  // The tensor map of bulk copies 3 over a pool (sparse_attend's kv_map), from the cache below or
+  // encoded now.
+  Result tensor_map(const AttendTarget& t, const CUtensorMap** map) noexcept;
   void release() noexcept;
 
   AttentionShape shape_{};
@@ -1337,6 +1508,19 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
   uint32_t* arrivals_ = nullptr;  // workspace_, after the partials: finished splits per (pair,
                                   // head block), back to zero at the end of every call
   SplitPlan plan_{};
+  // Bulk copies 3: the driver's encoder (found by init(), no link to libcuda), the rows of a
+  // warp's box, and the maps of the last few pools. A map depends only on the pool's address,
+  // its slot count and the shape, so an entry stays right for as long as the shape does; encoding
+  // costs about a microsecond of host time, a lookup a few compares.
+  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_ = nullptr;
+  uint32_t box_rows_ = 0;
+  struct KvMap {
+    const void* pool = nullptr;
+    uint64_t n_slots = 0;
+    CUtensorMap map{};
+  };
+  std::array<KvMap, 4> kv_maps_{};
+  uint32_t kv_maps_used_ = 0, kv_map_next_ = 0;
 };
 
 std::unique_ptr<backend::SparseDecodeAttention> make_sparse_attention() {
@@ -1349,6 +1533,47 @@ void SparseDecodeAttention::release() noexcept {
   arrivals_ = nullptr;
   max_batch_ = 0;
   partial_slots_ = 0;
+  kv_maps_used_ = kv_map_next_ = 0;  // the shape may change
+}
+
+Result SparseDecodeAttention::tensor_map(const AttendTarget& t, const CUtensorMap** map) noexcept {
+  *map = &kNoTensorMap;
+  if (t.n_slots == 0) return Result{};  // nothing can be listed: no copy reads the map
+  for (uint32_t i = 0; i < kv_maps_used_; ++i)
+    if (kv_maps_[i].pool == t.pool && kv_maps_[i].n_slots == t.n_slots) {
+      *map = &kv_maps_[i].map;
+      return Result{};
+    }
+  // The pool as [slots][lines][64 elements]: a slot's K rows and then its V rows are lines of
+  // 128 bytes (head_dim / 64 a row), the inner extent the 128-byte swizzle allows; a box is a
+  // warp's rows of K or of V (sparse_attend, TmaTile). Listed slots are 32-bit, so at most 2^32
+  // slots can be addressed, the most a dimension may have.
+  const simd::PageLayout layout{shape_.page_tokens, shape_.head_dim, shape_.dtype};
+  const uint32_t lines_per_row = shape_.head_dim / 64;
+  const cuuint64_t dims[3] = {64, cuuint64_t{2} * shape_.page_tokens * lines_per_row,
+                              std::min<uint64_t>(t.n_slots, uint64_t{1} << 32)};
+  const cuuint64_t strides[2] = {128, layout.slot_bytes()};  // bytes, of dimensions 1 and 2
+  const cuuint32_t box[3] = {64, box_rows_ * lines_per_row, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  KvMap& entry = kv_maps_[kv_map_next_];
+  const CUresult r = encode_tiled_(
+      &entry.map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.pool), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    entry.pool = nullptr;
+    std::ostringstream message;
+    message << "cuTensorMapEncodeTiled failed (CUresult " << static_cast<int>(r)
+            << ") for the pool at " << t.pool << " of " << t.n_slots << " slots of "
+            << layout.slot_bytes() << " bytes";
+    return Result::failed(message.str());
+  }
+  entry.pool = t.pool;
+  entry.n_slots = t.n_slots;
+  kv_map_next_ = (kv_map_next_ + 1) % kv_maps_.size();
+  kv_maps_used_ = std::min<uint32_t>(kv_maps_used_ + 1, kv_maps_.size());
+  *map = &entry.map;
+  return Result{};
 }
 
 Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch,
@@ -1377,8 +1602,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("tuning.tensor_cores=", tuning.tensor_cores, " is not 0 or 1");
   if (tuning.l2_prefetch != 0 && tuning.l2_prefetch != 128 && tuning.l2_prefetch != 256)
     return invalid("tuning.l2_prefetch=", tuning.l2_prefetch, " is not 0, 128 or 256");
-  if (tuning.bulk_copies > 2)
-    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1 or 2");
+  if (tuning.bulk_copies > 3)
+    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1, 2 or 3");
   if (tuning.bulk_copies != 0) {
     const uint32_t bulk = tuning.bulk_copies;
     if (tuning.tensor_cores != 1)
@@ -1432,6 +1657,24 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                      "for compute_",
                      attributes.ptxVersion, ")");
   }
+  // The tensor-map copies need the driver's encoder, looked up once (no link to libcuda).
+  if (tuning.bulk_copies == 3 && encode_tiled_ == nullptr) {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry,
+                                                             12000, cudaEnableDefault, &query);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &entry, cudaEnableDefault, &query);
+#endif
+    if (Result r = cuda_result(err, "driver entry point cuTensorMapEncodeTiled"); !r.ok) return r;
+    if (query != cudaDriverEntryPointSuccess || entry == nullptr)
+      return Result::failed(
+          "tuning.bulk_copies=3: the driver has no cuTensorMapEncodeTiled (query result " +
+          std::to_string(static_cast<int>(query)) + ")");
+    encode_tiled_ = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
+  }
   // The page and token kernels of a shape use the same registers within a few; one bound serves.
   if (Result r = cuda_result(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                  &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
@@ -1465,6 +1708,7 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   workspace_ = std::move(workspace);
   partials_ = partials;
   arrivals_ = arrivals;
+  box_rows_ = page_kernel.tile_tokens / kWarps;  // a warp's rows (MmaTile::kWarpRows)
   plan_ = SplitPlan{};
   return Result{};
 }
@@ -1525,8 +1769,11 @@ Result SparseDecodeAttention::run(const PageAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const PageForm form{call.device.offsets, call.device.slots, call.device.last_page_tokens,
                       log2_exact(shape_.page_tokens)};
+  const CUtensorMap* kv_map = &kNoTensorMap;
+  if (tuning_.bulk_copies == 3)
+    if (Result r = tensor_map(call.target, &kv_map); !r.ok) return r;
   return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, tuning_,
-                target_ctas_, partial_slots_, partials_, arrivals_, plan_);
+                target_ctas_, partial_slots_, partials_, arrivals_, *kv_map, plan_);
 }
 
 Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
@@ -1536,7 +1783,7 @@ Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const TokenForm form{call.device.offsets, call.device.tokens};
   return launch(call.target, call.host.offsets, 1, form, shape_, tuning_, target_ctas_,
-                partial_slots_, partials_, arrivals_, plan_);
+                partial_slots_, partials_, arrivals_, kNoTensorMap, plan_);
 }
 
 }  // namespace cuda
