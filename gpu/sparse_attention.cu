@@ -137,11 +137,56 @@
 // tests, memcheck, racecheck and synccheck pass; it is not the default yet because the
 // model-level offload tests have not run with it. The 8% left is for a tensor-map copy of whole
 // pages (above).
-#include <cuda.h>  // CUtensorMap and its enums only: the driver's encoder comes at run time
+//
+// bulk_copies 3 (TmaTile; page form only, token-form calls run bulk 2): the same per-warp
+// pipeline as bulk 2, but each warp's rows of a tile, kWarpRows consecutive rows of one page (8
+// at d = 128, G = 4), arrive as tensor-map copies (cp.async.bulk.tensor) of 64 columns each: at
+// d = 128, 4 copies of 1 KiB a warp a tile (K and V, two halves of the row) instead of 16 row
+// copies of 256 bytes. The rows of a warp are one page's because a split starts at a multiple
+// of the tile and a warp's rows at a multiple of kWarpRows (2 to 16), which divides page_tokens.
+// The tensor map (SparseDecodeAttention::tensor_map) sees the pool as [slots][2 page_tokens
+// rows][head_dim] (a slot's K rows, then its V rows); a box is 64 columns, 128 bytes, the widest
+// inner extent the 128-byte swizzle allows, of kWarpRows rows. Each box lands in a region of its
+// own on a 1024-byte boundary (the stages are rounded up to one; regions of fewer than 8 rows
+// are padded to 8), where the swizzle puts chunk c of the region's line n at chunk c ^ (n % 8):
+// the 8 tokens of an ldmatrix phase are 8 consecutive lines, so they cover all 32 banks, with no
+// padding of the rows (a stage is 16 KiB instead of 17 at d = 128, G = 4: 49 KiB a CTA with the
+// alignment slack; where a warp has 2 or 4 rows, at d = 256 and at d = 128, G = 8, the padded
+// regions make the stages 2 to 4 times the rows' bytes: 97 KiB a CTA at d = 256, G = 4, so 2
+// CTAs a multiprocessor there, not a benchmark shape). A single box of whole rows (64-column lines,
+// 2 or 4 a row) was the first version: it put the 8 tokens of a phase 2 or 4 lines apart, a 2- or
+// 4-way bank conflict. The lane's ldmatrix offsets stay a register and a constant
+// (MmaTile::address); they are made opaque to the compiler, which otherwise recomputed them from
+// the thread index in every tile. Rows past the list: a box brings whole page rows, so past the
+// open page's last token it brings whatever the slot holds (NaN in the tests' pools), and a warp
+// whose rows all lie past the list copies the box of the list's last row. Their logits are set to
+// -inf as before; on the split's last tile their V registers are also zeroed after ldmatrix (a
+// register's two halves are the tokens of the lane's two probabilities), since 0 * NaN would poison
+// O; the other tiles run the P V loop unmasked. The map is encoded on the host with
+// cuTensorMapEncodeTiled, which init() takes from the driver through
+// cudaGetDriverEntryPointByVersion (no libcuda link), once per (pool, slot count), cached for the
+// last 4 pools: run() then costs a few compares. The kernel takes it as a __grid_constant__
+// parameter (every kernel does; the others never read it), and thread 0 prefetches it. PTX (nvcc
+// 13, sm_90, bf16, d = 128, G = 4, page form), the token loop a warp runs per tile, rare paths
+// included: bulk 2 255 instructions, 98 of them (row addresses, 16 copies) before the barrier wait;
+// bulk 3 234 on every tile but the last, 78 of them before the wait (one slot id, then lane 0's
+// expect_tx and 4 tensor copies), plus 40 for the masked P V that the last tile runs instead of the
+// plain one's 18: 274 in all. The rest, the computation, is the same in both (156 and 157
+// instructions, 16 mma.sync, 8 ldmatrix); what bulk 3 saves is in the copies (98 -> 78 instructions
+// a warp, 16 -> 4 copy-engine requests). ptxas (sm_90), no spills: 96 registers at d = 128 (as bulk
+// 2), 58 to 68 at d = 64, 160 at d = 256 (bulk 2: 162 to 164); 4 CTAs a multiprocessor at d = 128.
+// It has not run on a device yet. The fixed cost F: every kernel loaded q (a global round trip,
+// then the conversions) before it issued its first copies, so a CTA's first tile waited on q's
+// latency and then on the rows'. The tensor-core kernels now load q once their first copies are in
+// flight (Compute::load_q); the FMA loop keeps the old order, where the move cost registers
+// (sparse_attend). ptxas: the tensor-core cp.async kernels at d = 128 go from 124-126 to 125-128
+// registers (4 CTAs a multiprocessor still), the bulk ones keep theirs, and bulk 2's one spill (8
+// bytes at d = 64, G = 2, token form) is gone.
+#include <cuda.h>          // CUtensorMap and its enums only: the driver's encoder comes at run time
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
 #include <algorithm>
 #include <array>
@@ -213,27 +258,33 @@ struct BulkTile {
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, T::kAccumulatorBytes);
 };
 
-// The stage of the tensor-map copies (AttendTuning::bulk_copies 3, page form): [K, V][kTokens]
-// rows of head_dim 16-bit values, packed, each row head_dim / 64 "lines" of 128 bytes in the
-// 128-byte swizzle of cp.async.bulk.tensor: the 16-byte chunk c of line n (counted from a
-// 1024-byte boundary) lands at chunk c ^ (n % 8). Warp w's rows (tile rows w * kWarpRows ..) come
-// as one box of K and one of V, kBoxBytes each (1 or 2 KiB: a multiple of 1024 at every shape, so
-// every box starts on a swizzle atom). One more KiB of dynamic shared memory lets the kernel round
-// the stages up to a 1024-byte boundary.
+// The stage of the tensor-map copies (AttendTuning::bulk_copies 3, page form). A row of head_dim
+// 16-bit values is head_dim / 64 "halves" of 128 bytes (the widest inner box the 128-byte swizzle
+// allows), and each (K or V, half, warp) has a region of its own: the warp's kWarpRows rows of
+// that half, one 128-byte line each, from a 1024-byte boundary (regions of 8 lines when a warp
+// has fewer rows). In the swizzle of cp.async.bulk.tensor the 16-byte chunk c of a region's line
+// n lands at chunk c ^ (n % 8), so the 8 rows an ldmatrix phase reads (8 consecutive tokens)
+// cover all 32 banks. Layout: [K, V][half][warp][region]; one more KiB of dynamic shared memory
+// lets the kernel round the stages up to a 1024-byte boundary.
 template <uint32_t kHeadDim, uint32_t kBlockHeads>
 struct TmaTile {
   using T = Tile<kHeadDim, kBlockHeads, 1>;
   static constexpr uint32_t kTokens = T::kTokens;
   static constexpr uint32_t kWarpRows = kTokens / kWarps;
-  static constexpr uint32_t kRowBytes = kHeadDim * 2;
-  static constexpr uint32_t kLinesPerRow = kRowBytes / 128;
-  static constexpr uint32_t kBoxBytes = kWarpRows * kRowBytes;
-  static constexpr uint32_t kStageBytes = 2 * kTokens * kRowBytes;
+  static constexpr uint32_t kHalves = kHeadDim / 64;
+  static constexpr uint32_t kBoxBytes = kWarpRows * 128;  // one copy: a half of the warp's rows
+  static constexpr uint32_t kRegionBytes = std::max(kWarpRows, 8u) * 128;
+  static constexpr uint32_t kKvBytes = kHalves * kWarps * kRegionBytes;
+  static constexpr uint32_t kStageBytes = 2 * kKvBytes;
   static constexpr uint32_t kSharedBytes =
       std::max(kStages * kStageBytes + 1024, T::kAccumulatorBytes);
-  // A warp's box is one page's rows kWarpRows-aligned (the smallest page holds 16 tokens), and
-  // each box covers whole swizzle atoms.
-  static_assert(kWarpRows <= 16 && 16 % kWarpRows == 0 && kBoxBytes % 1024 == 0);
+  // A warp's rows lie in one page (the smallest page holds 16 tokens, and kWarpRows divides it);
+  // regions are whole swizzle atoms.
+  static_assert(kWarpRows <= 16 && 16 % kWarpRows == 0 && kRegionBytes % 1024 == 0);
+  // The region of (kv, half) of warp `warp`, in bytes from the stage.
+  __host__ __device__ static constexpr uint32_t region(uint32_t kv, uint32_t half, uint32_t warp) {
+    return kv * kKvBytes + (half * kWarps + warp) * kRegionBytes;
+  }
 };
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
@@ -514,7 +565,6 @@ struct FmaTile {
   __device__ uint32_t channel(uint32_t j) const { return (j * T::kLanesPerRow + chunk) * 8; }
 
   // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
-  // Called once the first copies are in flight (sparse_attend), so that q's loads wait with them.
   __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     chunk = lane % T::kLanesPerRow;
@@ -744,8 +794,9 @@ struct MmaTile {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
   using B = BulkTile<kHeadDim, kBlockHeads>;
   using M = TmaTile<kHeadDim, kBlockHeads>;
-  static constexpr uint32_t kStageBytes =
-      kTma ? M::kStageBytes : kBulk ? B::kStageBytes : T::kStageBytes;
+  static constexpr uint32_t kStageBytes = kTma    ? M::kStageBytes
+                                          : kBulk ? B::kStageBytes
+                                                  : T::kStageBytes;
   static constexpr uint32_t kWarpRows = T::kTokens / kWarps;
   static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
   static constexpr uint32_t kNTiles = kCols / 8;
@@ -753,15 +804,15 @@ struct MmaTile {
   static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
   static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
   static constexpr bool kSwizzle = !kBulk;  // piece_index's; the bulk stages place their own
-  // lane_bytes per tile of 8 tokens: the cp.async stage's two variants of a 32-column group (its
-  // piece index with bit 2 clear or set); the tensor map's, one per 32-column group.
-  static constexpr uint32_t kLaneVariants = kTma ? kHeadDim / 32 : 2;
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
+  static_assert(!kTma || kStageBytes == M::kStageBytes);  // sparse_attend passes tile_at's
 
   uint32_t warp, lane;
   // Byte offsets in a stage of the row this lane gives ldmatrix for its columns 8 (lane / 8) ..
-  // + 7 of a 32-column group, K (j = 0): kLaneVariants per tile of 8 tokens.
-  uint32_t lane_bytes[kNTiles][kLaneVariants];
+  // + 7 of a 32-column group, K (j = 0), per tile of 8 tokens, in two variants: the cp.async
+  // stage's for the group's piece index with bit 2 clear or set; the tensor map's for an even or
+  // odd group, of the first 64 columns.
+  uint32_t lane_bytes[kNTiles][2];
   uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
   float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
   float m, l;               // head groupID's reference max and (this lane's part of) the sum
@@ -777,13 +828,12 @@ struct MmaTile {
   // K (kv 0) or V, as piece_index places them; stage_address is the stage's. The swizzle XORs a
   // piece index below 8 into the row's piece, and column0's pieces are a multiple of 4, so the
   // XOR splits into the lane's constant low part and a +4 or -4 on bit 2 that column0 decides at
-  // compile time: no arithmetic per ldmatrix beyond one add. In the tensor map's stage the swizzle
-  // of a 128-byte line depends on the line, so each 32-column group has its own offset: still a
-  // register and a constant.
+  // compile time: no arithmetic per ldmatrix beyond one add. In the tensor map's stage the other
+  // 64-column halves are other regions, a constant away.
   template <uint32_t kKv>
   __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
     if constexpr (kTma)
-      return stage_address + lane_bytes[nt][column0 / 32] + kKv * M::kTokens * M::kRowBytes;
+      return stage_address + lane_bytes[nt][column0 / 32 % 2] + M::region(kKv, column0 / 64, 0);
     if constexpr (kBulk)
       return stage_address + lane_bytes[nt][0] + kKv * B::kTokens * B::kPitch + column0 * 2;
     const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
@@ -791,7 +841,8 @@ struct MmaTile {
            ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
   }
 
-  // As FmaTile::load_q.
+  // As FmaTile::load_q; sparse_attend calls it once the first copies are in flight, so that q's
+  // loads wait with them.
   __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t g = lane / 4, t = lane % 4;
@@ -801,14 +852,16 @@ struct MmaTile {
       // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
       const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
       if constexpr (kTma) {
-        // Group c of 32 columns: line c / 2 of the row, chunks 4 (c % 2) .. + 3, this lane's
-        // chunk 4 (c % 2) + lane / 8, placed at chunk ^ (line % 8). The stage and the boxes
-        // start on 1024-byte boundaries, so a line's index in the stage gives its swizzle.
+        // An even (b = 0) or odd group of 32 columns: chunks 4 b .. + 3 of the token's line
+        // (line `token` of the warp's region of the half), this lane's chunk 4 b + lane / 8,
+        // placed at chunk ^ (token % 8).
 #pragma unroll
-        for (uint32_t c = 0; c < kLaneVariants; ++c) {
-          const uint32_t line = tile_row(token) * M::kLinesPerRow + c / 2;
-          const uint32_t chunk = (4 * (c % 2) + lane / 8) ^ (line % 8);
-          lane_bytes[nt][c] = line * 128 + chunk * 16;
+        for (uint32_t b = 0; b < 2; ++b) {
+          const uint32_t chunk = (4 * b + lane / 8) ^ (token % 8);
+          lane_bytes[nt][b] = M::region(0, 0, warp) + token * 128 + chunk * 16;
+          // Opaque to the compiler, which otherwise recomputed the offsets from the thread index
+          // in every tile (about 25 more PTX instructions a tile at d = 128) to save registers.
+          asm volatile("" : "+r"(lane_bytes[nt][b]));
         }
         continue;
       }
@@ -843,8 +896,11 @@ struct MmaTile {
   }
 
   __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
+    tile_at(shared_address(stages) + stage * kStageBytes, base, last);
+  }
+  // The same, on the stage at shared address stage_address.
+  __device__ void tile_at(uint32_t stage_address, uint32_t base, uint32_t last) {
     const uint32_t t = lane % 4;
-    const uint32_t stage_address = shared_address(stages) + stage * kStageBytes;
 
     float s[kNTiles][4];
 #pragma unroll
@@ -915,7 +971,8 @@ struct MmaTile {
       for (uint32_t nt = 0; nt < kNTiles; ++nt) {
         uint32_t keep = 0xffffffffu;
         if constexpr (decltype(masked)::value)
-          keep = (x[nt][0] == kNegInf ? 0u : 0x0000ffffu) | (x[nt][1] == kNegInf ? 0u : 0xffff0000u);
+          keep =
+              (x[nt][0] == kNegInf ? 0u : 0x0000ffffu) | (x[nt][1] == kNegInf ? 0u : 0xffff0000u);
 #pragma unroll
         for (uint32_t i = 0; i < kMTiles; i += 2) {
           uint32_t v[4];
@@ -979,9 +1036,14 @@ __global__ void __launch_bounds__(kThreads)
   auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
 
   const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
-  // q is loaded (Compute::load_q) once each path has its first copies in flight: the CTA's first
-  // tile then waits on one memory latency, not on q's and then the rows'.
+  // The tensor-core loop loads q (Compute::load_q) once each path has its first copies in flight:
+  // the CTA's first tile then waits on one memory latency, not on q's and then the rows'. The FMA
+  // loop keeps loading it first: its 32 to 64 q registers, live across the copies' addresses,
+  // cost up to 25 more registers a thread there (153 instead of 128 at d = 128, G = 4, one CTA a
+  // multiprocessor less) and small spills.
   Compute compute;
+  auto load_q = [&] { compute.load_q(q_pair, heads, p.q_scale); };
+  if constexpr (!kTensor) load_q();
 
   const uint32_t list_begin = form.begin(pair);
   const uint32_t n_tokens = form.count(pair, list_begin);
@@ -1002,20 +1064,19 @@ __global__ void __launch_bounds__(kThreads)
     // The tensor-map copies (page form): each warp copies the kWarpRows rows it computes on
     // (MmaTile::tile_row), which lie in one page (a split starts at a multiple of the tile, a
     // warp's rows at a multiple of kWarpRows, which divides page_tokens), as one box of K and
-    // one of V through kv_map (SparseDecodeAttention::tensor_map), and waits on a barrier of its
-    // own, as bulk copies 2 do. Lane 0 issues both; the slot id of tile t + kStages is loaded
-    // while tile t + kStages - 1 is issued. A warp whose rows start past the list copies the box
-    // of the list's last row instead (any valid box; MmaTile::tile weighs it zero and zeroes its
-    // V), so every stage's barrier expects the same bytes.
+    // one of V per 64 columns through kv_map (SparseDecodeAttention::tensor_map), and waits on
+    // a barrier of its own, as bulk copies 2 do. Lane 0 issues them; the slot id of tile t +
+    // kStages is loaded while tile t + kStages - 1 is issued. A warp whose rows start past the list
+    // copies the box of the list's last row instead (any valid box; MmaTile::tile weighs it zero
+    // and zeroes its V), so every stage's barrier expects the same bytes.
     using M = TmaTile<kHeadDim, kBlockHeads>;
     static_assert(Compute::kTma && !Compute::kSwizzle && Compute::kWarpRows == M::kWarpRows);
     __shared__ uint64_t full[kStages][kWarps];
     const uint32_t warp = threadIdx.x / 32;
     const uint32_t n_tiles = first < last ? (last - first + M::kTokens - 1) / M::kTokens : 0;
     // The stages from the first 1024-byte boundary (TmaTile::kSharedBytes has the slack).
-    const uint32_t stages_address = (shared_address(stages) + 1023) & ~1023u;
-    const auto* aligned_stages = reinterpret_cast<const uint4*>(
-        reinterpret_cast<const std::byte*>(stages) + (stages_address - shared_address(stages)));
+    uint32_t stages_address = (shared_address(stages) + 1023) & ~1023u;
+    asm volatile("" : "+r"(stages_address));  // computed once, as the offsets in MmaTile
     if (threadIdx.x == 0) {
       prefetch_tensor_map(&kv_map);
 #pragma unroll
@@ -1038,16 +1099,20 @@ __global__ void __launch_bounds__(kThreads)
     auto issue = [&](uint32_t tile, TokenAddress at) {
       if (lane != 0) return;
       const uint32_t stage = tile % kStages;
-      const uint32_t to = stages_address + stage * M::kStageBytes + warp * M::kBoxBytes;
+      const uint32_t to = stages_address + stage * M::kStageBytes;
       uint64_t* barrier = &full[stage][warp];
-      barrier_expect(barrier, 2 * M::kBoxBytes);
-      // kv_map's coordinates: (element in a 128-byte line, line in the slot, slot); V's rows
-      // follow the page's K rows in a slot.
-      const auto line = static_cast<int32_t>(at.row * M::kLinesPerRow);
+      barrier_expect(barrier, 2 * M::kHalves * M::kBoxBytes);
+      // kv_map's coordinates: (element of a row, row of the slot, slot); a slot's V rows follow
+      // its page_tokens K rows.
+      const auto row = static_cast<int32_t>(at.row);
+      const auto v_row = static_cast<int32_t>(p.page_tokens + at.row);
       const auto slot = static_cast<int32_t>(at.slot);
-      const auto v_lines = static_cast<int32_t>(p.page_tokens * M::kLinesPerRow);
-      tensor_copy(to, &kv_map, 0, line, slot, barrier);
-      tensor_copy(to + M::kTokens * M::kRowBytes, &kv_map, 0, v_lines + line, slot, barrier);
+#pragma unroll
+      for (uint32_t h = 0; h < M::kHalves; ++h) {
+        const auto column = static_cast<int32_t>(64 * h);
+        tensor_copy(to + M::region(0, h, warp), &kv_map, column, row, slot, barrier);
+        tensor_copy(to + M::region(1, h, warp), &kv_map, column, v_row, slot, barrier);
+      }
     };
     {
       TokenAddress early[kStages - 1];  // the first tiles' loads all in flight at once
@@ -1058,13 +1123,14 @@ __global__ void __launch_bounds__(kThreads)
         if (s < n_tiles) issue(s, early[s]);
     }
     TokenAddress next = locate(kStages - 1);
-    compute.load_q(q_pair, heads, p.q_scale);
+    if constexpr (kTensor) load_q();
     for (uint32_t tile = 0; tile < n_tiles; ++tile) {
       __syncwarp();  // the warp is done with stage (tile - 1) % kStages: it is refilled next
       if (tile + kStages - 1 < n_tiles) issue(tile + kStages - 1, next);
       next = locate(tile + kStages);
       barrier_wait(&full[tile % kStages][warp], tile / kStages % 2);
-      compute.tile(aligned_stages, tile % kStages, first + tile * M::kTokens, last);
+      compute.tile_at(stages_address + tile % kStages * M::kStageBytes, first + tile * M::kTokens,
+                      last);
     }
   } else if constexpr (kBulk != 0) {
     // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
@@ -1132,7 +1198,7 @@ __global__ void __launch_bounds__(kThreads)
         if (s < n_tiles) issue(s, early[s]);
       fetch(kStages - 1, next);
     }
-    compute.load_q(q_pair, heads, p.q_scale);
+    if constexpr (kTensor) load_q();
     for (uint32_t tile = 0; tile < n_tiles; ++tile) {
       // Whoever computed stage (tile - 1) % kStages is done with it: it is refilled next.
       if constexpr (kPerWarp)
@@ -1192,7 +1258,7 @@ __global__ void __launch_bounds__(kThreads)
       issue_copies(stage);
     }
     fetch_addresses(issue_base);
-    compute.load_q(q_pair, heads, p.q_scale);
+    if constexpr (kTensor) load_q();
 
     // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
     uint32_t stage = 0;
@@ -1544,16 +1610,15 @@ Result SparseDecodeAttention::tensor_map(const AttendTarget& t, const CUtensorMa
       *map = &kv_maps_[i].map;
       return Result{};
     }
-  // The pool as [slots][lines][64 elements]: a slot's K rows and then its V rows are lines of
-  // 128 bytes (head_dim / 64 a row), the inner extent the 128-byte swizzle allows; a box is a
-  // warp's rows of K or of V (sparse_attend, TmaTile). Listed slots are 32-bit, so at most 2^32
-  // slots can be addressed, the most a dimension may have.
+  // The pool as [slots][rows][head_dim]: a slot's page_tokens K rows, then its V rows. A box is
+  // 64 columns (128 bytes, the widest inner extent the 128-byte swizzle allows) of a warp's rows
+  // of K or V (sparse_attend, TmaTile). Listed slots are 32-bit, so at most 2^32 slots can be
+  // addressed, the most a dimension may have.
   const simd::PageLayout layout{shape_.page_tokens, shape_.head_dim, shape_.dtype};
-  const uint32_t lines_per_row = shape_.head_dim / 64;
-  const cuuint64_t dims[3] = {64, cuuint64_t{2} * shape_.page_tokens * lines_per_row,
+  const cuuint64_t dims[3] = {shape_.head_dim, cuuint64_t{2} * shape_.page_tokens,
                               std::min<uint64_t>(t.n_slots, uint64_t{1} << 32)};
-  const cuuint64_t strides[2] = {128, layout.slot_bytes()};  // bytes, of dimensions 1 and 2
-  const cuuint32_t box[3] = {64, box_rows_ * lines_per_row, 1};
+  const cuuint64_t strides[2] = {layout.row_bytes(), layout.slot_bytes()};  // of dims 1 and 2
+  const cuuint32_t box[3] = {64, box_rows_, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
   KvMap& entry = kv_maps_[kv_map_next_];
   const CUresult r = encode_tiled_(

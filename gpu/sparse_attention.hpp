@@ -132,9 +132,9 @@ struct AttendTuning {
   // pitch of 16 bytes past a multiple of 128, so ldmatrix meets no bank conflicts. 1: one warp
   // copies the CTA's tile and the CTA synchronises once a tile; 2: each warp copies the rows it
   // computes on and waits on its own barrier, with no CTA-wide barrier in the loop. 3: as 2, but
-  // page-form calls bring a warp's rows (consecutive rows of one page) as one tensor-map copy of
-  // K and one of V (cp.async.bulk.tensor, 128-byte swizzle; the map over the call's pool is
-  // encoded on its first call and cached); token-form calls run 2. The tensor-core loop only
+  // page-form calls bring a warp's rows (consecutive rows of one page) as tensor-map copies of
+  // 64 columns of K and of V (cp.async.bulk.tensor, 128-byte swizzle; the map over the call's
+  // pool is encoded on its first call and cached); token-form calls run 2. The tensor-core loop only
   // (tensor_cores 1, chunks_per_lane 1, f16 or bf16), and a device of compute capability 9.0 or
   // later: init() refuses anything else.
   uint32_t bulk_copies = 0;
