@@ -179,9 +179,11 @@
 // then the conversions) before it issued its first copies, so a CTA's first tile waited on q's
 // latency and then on the rows'. The tensor-core kernels now load q once their first copies are in
 // flight (Compute::load_q); the FMA loop keeps the old order, where the move cost registers
-// (sparse_attend). ptxas: the tensor-core cp.async kernels at d = 128 go from 124-126 to 125-128
-// registers (4 CTAs a multiprocessor still), the bulk ones keep theirs, and bulk 2's one spill (8
-// bytes at d = 64, G = 2, token form) is gone.
+// (sparse_attend). ptxas (sm_90), against the old order: at d = 128 the cp.async tensor-core
+// kernels go from 124-126 to 125-128 registers (4 CTAs a multiprocessor still) and bulk copies 1
+// and 2 keep their 96; at d = 64 and 256 the tensor-core kernels move by up to 8 either way
+// (56-80, 164-168); the FMA kernels keep theirs exactly; bulk 2's one spill (8 bytes at d = 64,
+// G = 2, token form) is gone.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver's encoder comes at run time
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
@@ -1612,11 +1614,12 @@ Result SparseDecodeAttention::tensor_map(const AttendTarget& t, const CUtensorMa
     }
   // The pool as [slots][rows][head_dim]: a slot's page_tokens K rows, then its V rows. A box is
   // 64 columns (128 bytes, the widest inner extent the 128-byte swizzle allows) of a warp's rows
-  // of K or V (sparse_attend, TmaTile). Listed slots are 32-bit, so at most 2^32 slots can be
-  // addressed, the most a dimension may have.
+  // of K or V (sparse_attend, TmaTile). A copy's coordinates are signed 32-bit: a pool of 2^31
+  // slots or more (16 TiB at 8 KiB a slot) is refused rather than half addressed.
+  if (t.n_slots > uint64_t{1} << 31)
+    return invalid("tuning.bulk_copies=3 addresses at most 2^31 slots (n_slots=", t.n_slots, ")");
   const simd::PageLayout layout{shape_.page_tokens, shape_.head_dim, shape_.dtype};
-  const cuuint64_t dims[3] = {shape_.head_dim, cuuint64_t{2} * shape_.page_tokens,
-                              std::min<uint64_t>(t.n_slots, uint64_t{1} << 32)};
+  const cuuint64_t dims[3] = {shape_.head_dim, cuuint64_t{2} * shape_.page_tokens, t.n_slots};
   const cuuint64_t strides[2] = {layout.row_bytes(), layout.slot_bytes()};  // of dims 1 and 2
   const cuuint32_t box[3] = {64, box_rows_, 1};
   const cuuint32_t element_strides[3] = {1, 1, 1};
