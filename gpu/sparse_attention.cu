@@ -1080,7 +1080,8 @@ __global__ void __launch_bounds__(kThreads)
     uint32_t stages_address = (shared_address(stages) + 1023) & ~1023u;
     asm volatile("" : "+r"(stages_address));  // computed once, as the offsets in MmaTile
     if (threadIdx.x == 0) {
-      prefetch_tensor_map(&kv_map);
+      // (A call that lists nothing may come with no map at all: SparseDecodeAttention::tensor_map.)
+      if (n_tiles != 0) prefetch_tensor_map(&kv_map);
 #pragma unroll
       for (uint32_t s = 0; s < kStages; ++s)
 #pragma unroll
