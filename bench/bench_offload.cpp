@@ -262,7 +262,8 @@ struct Config {
   int a_reps = 20;
   // (a)'s sweep: 0 CTAs per multiprocessor is the kernel's occupancy; 0:2:1 is the default;
   // a 4th field of 1 runs the tensor-core inner loop, a 5th asks its copies for an L2 prefetch
-  // of that many bytes, a 6th of 1 or 2 brings its rows with bulk copies (gpu::AttendTuning).
+  // of that many bytes, a 6th of 1 or 2 brings its rows with bulk copies, 3 with tensor-map
+  // copies of whole pages' rows (gpu::AttendTuning).
   std::vector<std::string> a_tunings{"0:2:1", "2:2:1",   "8:2:1",   "0:2:2",
                                      "8:2:2", "0:2:1:1", "2:2:1:1", "8:2:1:1"};
   std::vector<TuningPoint> a_points;  // a_tunings parsed

@@ -137,14 +137,65 @@
 // tests, memcheck, racecheck and synccheck pass; it is not the default yet because the
 // model-level offload tests have not run with it. The 8% left is for a tensor-map copy of whole
 // pages (above).
+//
+// bulk_copies 3 (TmaTile; page form only, token-form calls run bulk 2): the same per-warp
+// pipeline as bulk 2, but each warp's rows of a tile, kWarpRows consecutive rows of one page (8
+// at d = 128, G = 4), arrive as tensor-map copies (cp.async.bulk.tensor) of 64 columns each: at
+// d = 128, 4 copies of 1 KiB a warp a tile (K and V, two halves of the row) instead of 16 row
+// copies of 256 bytes. The rows of a warp are one page's because a split starts at a multiple
+// of the tile and a warp's rows at a multiple of kWarpRows (2 to 16), which divides page_tokens.
+// The tensor map (SparseDecodeAttention::tensor_map) sees the pool as [slots][2 page_tokens
+// rows][head_dim] (a slot's K rows, then its V rows); a box is 64 columns, 128 bytes, the widest
+// inner extent the 128-byte swizzle allows, of kWarpRows rows. Each box lands in a region of its
+// own on a 1024-byte boundary (the stages are rounded up to one; regions of fewer than 8 rows
+// are padded to 8), where the swizzle puts chunk c of the region's line n at chunk c ^ (n % 8):
+// the 8 tokens of an ldmatrix phase are 8 consecutive lines, so they cover all 32 banks, with no
+// padding of the rows (a stage is 16 KiB instead of 17 at d = 128, G = 4: 49 KiB a CTA with the
+// alignment slack; where a warp has 2 or 4 rows, at d = 256 and at d = 128, G = 8, the padded
+// regions make the stages 2 to 4 times the rows' bytes: 97 KiB a CTA at d = 256, G = 4, so 2
+// CTAs a multiprocessor there, not a benchmark shape). A single box of whole rows (64-column lines,
+// 2 or 4 a row) was the first version: it put the 8 tokens of a phase 2 or 4 lines apart, a 2- or
+// 4-way bank conflict. The lane's ldmatrix offsets stay a register and a constant
+// (MmaTile::address); they are made opaque to the compiler, which otherwise recomputed them from
+// the thread index in every tile. Rows past the list: a box brings whole page rows, so past the
+// open page's last token it brings whatever the slot holds (NaN in the tests' pools), and a warp
+// whose rows all lie past the list copies the box of the list's last row. Their logits are set to
+// -inf as before; on the split's last tile their V registers are also zeroed after ldmatrix (a
+// register's two halves are the tokens of the lane's two probabilities), since 0 * NaN would poison
+// O; the other tiles run the P V loop unmasked. The map is encoded on the host with
+// cuTensorMapEncodeTiled, which init() takes from the driver through
+// cudaGetDriverEntryPointByVersion (no libcuda link), once per (pool, slot count), cached for the
+// last 4 pools: run() then costs a few compares. The kernel takes it as a __grid_constant__
+// parameter (every kernel does; the others never read it), and thread 0 prefetches it. PTX (nvcc
+// 13, sm_90, bf16, d = 128, G = 4, page form), the token loop a warp runs per tile, rare paths
+// included: bulk 2 255 instructions, 98 of them (row addresses, 16 copies) before the barrier wait;
+// bulk 3 234 on every tile but the last, 78 of them before the wait (one slot id, then lane 0's
+// expect_tx and 4 tensor copies), plus 40 for the masked P V that the last tile runs instead of the
+// plain one's 18: 274 in all. The rest, the computation, is the same in both (156 and 157
+// instructions, 16 mma.sync, 8 ldmatrix); what bulk 3 saves is in the copies (98 -> 78 instructions
+// a warp, 16 -> 4 copy-engine requests). ptxas (sm_90), no spills: 96 registers at d = 128 (as bulk
+// 2), 58 to 68 at d = 64, 160 at d = 256 (bulk 2: 162 to 164); 4 CTAs a multiprocessor at d = 128.
+// It has not run on a device yet. The fixed cost F: every kernel loaded q (a global round trip,
+// then the conversions) before it issued its first copies, so a CTA's first tile waited on q's
+// latency and then on the rows'. The tensor-core kernels now load q once their first copies are in
+// flight (Compute::load_q); the FMA loop keeps the old order, where the move cost registers
+// (sparse_attend). ptxas (sm_90), against the old order: at d = 128 the cp.async tensor-core
+// kernels go from 124-126 to 125-128 registers (4 CTAs a multiprocessor still) and bulk copies 1
+// and 2 keep their 96; at d = 64 and 256 the tensor-core kernels move by up to 8 either way
+// (56-80, 164-168); the FMA kernels keep theirs exactly; bulk 2's one spill (8 bytes at d = 64,
+// G = 2, token form) is gone.
+#include <cuda.h>          // CUtensorMap and its enums only: the driver's encoder comes at run time
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
 #include <sstream>
+#include <string>
 #include <type_traits>
 #include <utility>
 
@@ -207,6 +258,35 @@ struct BulkTile {
   static constexpr uint32_t kPitch = kRowBytes + 16;
   static constexpr uint32_t kStageBytes = 2 * kTokens * kPitch;
   static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, T::kAccumulatorBytes);
+};
+
+// The stage of the tensor-map copies (AttendTuning::bulk_copies 3, page form). A row of head_dim
+// 16-bit values is head_dim / 64 "halves" of 128 bytes (the widest inner box the 128-byte swizzle
+// allows), and each (K or V, half, warp) has a region of its own: the warp's kWarpRows rows of
+// that half, one 128-byte line each, from a 1024-byte boundary (regions of 8 lines when a warp
+// has fewer rows). In the swizzle of cp.async.bulk.tensor the 16-byte chunk c of a region's line
+// n lands at chunk c ^ (n % 8), so the 8 rows an ldmatrix phase reads (8 consecutive tokens)
+// cover all 32 banks. Layout: [K, V][half][warp][region]; one more KiB of dynamic shared memory
+// lets the kernel round the stages up to a 1024-byte boundary.
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
+struct TmaTile {
+  using T = Tile<kHeadDim, kBlockHeads, 1>;
+  static constexpr uint32_t kTokens = T::kTokens;
+  static constexpr uint32_t kWarpRows = kTokens / kWarps;
+  static constexpr uint32_t kHalves = kHeadDim / 64;
+  static constexpr uint32_t kBoxBytes = kWarpRows * 128;  // one copy: a half of the warp's rows
+  static constexpr uint32_t kRegionBytes = std::max(kWarpRows, 8u) * 128;
+  static constexpr uint32_t kKvBytes = kHalves * kWarps * kRegionBytes;
+  static constexpr uint32_t kStageBytes = 2 * kKvBytes;
+  static constexpr uint32_t kSharedBytes =
+      std::max(kStages * kStageBytes + 1024, T::kAccumulatorBytes);
+  // A warp's rows lie in one page (the smallest page holds 16 tokens, and kWarpRows divides it);
+  // regions are whole swizzle atoms.
+  static_assert(kWarpRows <= 16 && 16 % kWarpRows == 0 && kRegionBytes % 1024 == 0);
+  // The region of (kv, half) of warp `warp`, in bytes from the stage.
+  __host__ __device__ static constexpr uint32_t region(uint32_t kv, uint32_t half, uint32_t warp) {
+    return kv * kKvBytes + (half * kWarps + warp) * kRegionBytes;
+  }
 };
 
 // The smallest kernel head block that holds the group (groups above 8 take several blocks).
@@ -388,6 +468,21 @@ __device__ __forceinline__ void bulk_copy(void* shared, const void* global, uint
       "l"(global), "r"(bytes), "r"(shared_address(barrier))
       : "memory");
 }
+// The box of `map` at coordinates (c0, c1, c2) global -> shared (`shared`: a shared::cta
+// address) by the copy engine, through the tensor map's swizzle; its bytes are counted on
+// `barrier`. `map` is the address of a __grid_constant__ kernel parameter.
+__device__ __forceinline__ void tensor_copy(uint32_t shared, const CUtensorMap* map, int32_t c0,
+                                            int32_t c1, int32_t c2, uint64_t* barrier) {
+  KVSIFT_BULK_ASM(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4}], [%5];\n" ::"r"(shared),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(shared_address(barrier))
+      : "memory");
+}
+// Brings the tensor map into the descriptor cache ahead of the first copy.
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* map) {
+  KVSIFT_BULK_ASM("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
 
 // Split-K merge of one (pair, head block): rescale each split's partial sums to the common max,
 // then normalise. Each partial lives in L2, a round trip of a few hundred ns, so the merge keeps
@@ -472,7 +567,7 @@ struct FmaTile {
   __device__ uint32_t channel(uint32_t j) const { return (j * T::kLanesPerRow + chunk) * 8; }
 
   // Heads past the group (a block of 4 for G = 3) get q = 0: finite logits, never written.
-  __device__ FmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+  __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     chunk = lane % T::kLanesPerRow;
     row_group = warp * T::kRowsPerWarp + lane / T::kLanesPerRow;
@@ -687,27 +782,38 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
 //   accumulators to hold hi and lo apart; a thread's accumulators are heads 2 threadID_in_group
 //   and + 1, whose rescaling factors two shuffles fetch from the heads' lanes.
 // Warps of fewer than 8 tokens pad their 8 columns with copies of their rows at weight zero.
-// kBulk: the stage is BulkTile's (whole rows at a padded pitch, which every warp's lanes can
-// read) and warp w computes the tile's tokens w * kWarpRows .. + kWarpRows - 1.
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kBulk>
+// kCopies (AttendTuning::bulk_copies): 0, the cp.async stage (piece_index); 1 and 2, BulkTile's
+// (whole rows at a padded pitch, which every warp's lanes can read); 3, TmaTile's (whole rows in
+// the tensor map's 128-byte swizzle). With any but 0, warp w computes the tile's tokens
+// w * kWarpRows .. + kWarpRows - 1.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks,
+          uint32_t kCopies>
 struct MmaTile {
   static_assert(D == simd::Dtype::f16 || D == simd::Dtype::bf16, "16-bit K/V only");
-  static_assert(!kBulk || kChunks == 1, "bulk copies move whole rows");
+  static_assert(kCopies == 0 || kChunks == 1, "bulk copies move whole rows");
+  static constexpr bool kBulk = kCopies != 0;  // whole rows, a warp's tokens side by side
+  static constexpr bool kTma = kCopies == 3;   // ... in the tensor map's swizzle
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
   using B = BulkTile<kHeadDim, kBlockHeads>;
-  static constexpr uint32_t kStageBytes = kBulk ? B::kStageBytes : T::kStageBytes;
+  using M = TmaTile<kHeadDim, kBlockHeads>;
+  static constexpr uint32_t kStageBytes = kTma    ? M::kStageBytes
+                                          : kBulk ? B::kStageBytes
+                                                  : T::kStageBytes;
   static constexpr uint32_t kWarpRows = T::kTokens / kWarps;
   static constexpr uint32_t kCols = kWarpRows < 8 ? 8 : kWarpRows;  // S's columns, 8 or 16
   static constexpr uint32_t kNTiles = kCols / 8;
   static constexpr uint32_t kKSteps = kHeadDim / 16;
   static constexpr uint32_t kMTiles = kHeadDim / 16;         // of O^T
   static constexpr uint32_t kRowElems = kHeadDim / kChunks;  // a stage block's row
-  static constexpr bool kSwizzle = !kBulk;                   // the bulk stage is padded instead
+  static constexpr bool kSwizzle = !kBulk;  // piece_index's; the bulk stages place their own
   static_assert(kBlockHeads <= 8 && (kCols == 8 || kCols == 16) && kKSteps % 2 == 0);
+  static_assert(!kTma || kStageBytes == M::kStageBytes);  // sparse_attend passes tile_at's
 
   uint32_t warp, lane;
   // Byte offsets in a stage of the row this lane gives ldmatrix for its columns 8 (lane / 8) ..
-  // + 7 of a 32-column group (the group's piece index has bit 2 clear [0] or set [1]), K, j = 0.
+  // + 7 of a 32-column group, K (j = 0), per tile of 8 tokens, in two variants: the cp.async
+  // stage's for the group's piece index with bit 2 clear or set; the tensor map's for an even or
+  // odd group, of the first 64 columns.
   uint32_t lane_bytes[kNTiles][2];
   uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
   float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
@@ -724,9 +830,12 @@ struct MmaTile {
   // K (kv 0) or V, as piece_index places them; stage_address is the stage's. The swizzle XORs a
   // piece index below 8 into the row's piece, and column0's pieces are a multiple of 4, so the
   // XOR splits into the lane's constant low part and a +4 or -4 on bit 2 that column0 decides at
-  // compile time: no arithmetic per ldmatrix beyond one add.
+  // compile time: no arithmetic per ldmatrix beyond one add. In the tensor map's stage the other
+  // 64-column halves are other regions, a constant away.
   template <uint32_t kKv>
   __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t column0) const {
+    if constexpr (kTma)
+      return stage_address + lane_bytes[nt][column0 / 32 % 2] + M::region(kKv, column0 / 64, 0);
     if constexpr (kBulk)
       return stage_address + lane_bytes[nt][0] + kKv * B::kTokens * B::kPitch + column0 * 2;
     const uint32_t j = column0 / kRowElems, piece = column0 % kRowElems / 8;
@@ -734,7 +843,9 @@ struct MmaTile {
            ((j * 2 + kKv) * kThreads + piece) * uint32_t{sizeof(uint4)};
   }
 
-  __device__ MmaTile(const float* q_pair, uint32_t heads, float q_scale) {
+  // As FmaTile::load_q; sparse_attend calls it once the first copies are in flight, so that q's
+  // loads wait with them.
+  __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t g = lane / 4, t = lane % 4;
     constexpr uint32_t L = T::kLanesPerRow;
@@ -742,6 +853,20 @@ struct MmaTile {
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
       // Columns past kWarpRows repeat the warp's rows (weight zero in tile()).
       const uint32_t token = (nt * 8 + lane % 8) % kWarpRows;
+      if constexpr (kTma) {
+        // An even (b = 0) or odd group of 32 columns: chunks 4 b .. + 3 of the token's line
+        // (line `token` of the warp's region of the half), this lane's chunk 4 b + lane / 8,
+        // placed at chunk ^ (token % 8).
+#pragma unroll
+        for (uint32_t b = 0; b < 2; ++b) {
+          const uint32_t chunk = (4 * b + lane / 8) ^ (token % 8);
+          lane_bytes[nt][b] = M::region(0, 0, warp) + token * 128 + chunk * 16;
+          // Opaque to the compiler, which otherwise recomputed the offsets from the thread index
+          // in every tile (about 25 more PTX instructions a tile at d = 128) to save registers.
+          asm volatile("" : "+r"(lane_bytes[nt][b]));
+        }
+        continue;
+      }
       if constexpr (kBulk) {
         lane_bytes[nt][0] = lane_bytes[nt][1] = tile_row(token) * B::kPitch + lane / 8 * 16;
         continue;
@@ -773,8 +898,11 @@ struct MmaTile {
   }
 
   __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
+    tile_at(shared_address(stages) + stage * kStageBytes, base, last);
+  }
+  // The same, on the stage at shared address stage_address.
+  __device__ void tile_at(uint32_t stage_address, uint32_t base, uint32_t last) {
     const uint32_t t = lane % 4;
-    const uint32_t stage_address = shared_address(stages) + stage * kStageBytes;
 
     float s[kNTiles][4];
 #pragma unroll
@@ -835,17 +963,38 @@ struct MmaTile {
     }
     // O^T += V^T P^T. Matrices 0, 1: channels 16 i + 0..7 and 8..15 of the 8 tokens (A's rows
     // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
+    // The tensor map's boxes hold whole pages' rows: past the list (the open page's unwritten
+    // rows, a clamped box's) they may hold anything, NaN included, and 0 * NaN is NaN. On the
+    // split's last tile the V registers of tokens at weight zero are zeroed: a register's low
+    // and high halves are tokens 2t and 2t + 1 of the 8, exactly those of x[nt][0] and [1].
+    // (Their K needs nothing: those logits were replaced by -inf above.)
+    auto p_v = [&](auto masked) {
 #pragma unroll
-    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+        uint32_t keep = 0xffffffffu;
+        if constexpr (decltype(masked)::value)
+          keep =
+              (x[nt][0] == kNegInf ? 0u : 0x0000ffffu) | (x[nt][1] == kNegInf ? 0u : 0xffff0000u);
 #pragma unroll
-      for (uint32_t i = 0; i < kMTiles; i += 2) {
-        uint32_t v[4];
-        ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
-        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
-                                             pb[nt][1]);
-        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
-                                             pb[nt][1]);
+        for (uint32_t i = 0; i < kMTiles; i += 2) {
+          uint32_t v[4];
+          ldmatrix4<true>(v, address<1>(stage_address, nt, i * 16));
+          if constexpr (decltype(masked)::value)
+            v[0] &= keep, v[1] &= keep, v[2] &= keep, v[3] &= keep;
+          mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
+                                               pb[nt][1]);
+          mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
+                                               pb[nt][1]);
+        }
       }
+    };
+    if constexpr (kTma) {
+      if (last_tile)
+        p_v(std::true_type{});
+      else
+        p_v(std::false_type{});
+    } else {
+      p_v(std::false_type{});
     }
   }
 
@@ -869,13 +1018,14 @@ struct MmaTile {
 // (a branch on it inside the kernel cost registers: ptxas kept a pipeline per size).
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
           uint32_t kBulk, uint32_t kPrefetch, class Form>
-__global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form form) {
+__global__ void __launch_bounds__(kThreads)
+    sparse_attend(AttendParams p, Form form, const __grid_constant__ CUtensorMap kv_map) {
   static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
   static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
+  static_assert(kBulk != 3 || std::is_same_v<Form, PageForm>, "tensor maps copy whole pages");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  using Compute =
-      std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk != 0>,
-                         FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk>,
+                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
   constexpr uint32_t R = T::kRowsPerThread;
   constexpr uint32_t C = kChunks;
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
@@ -888,7 +1038,14 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   auto channel = [&](uint32_t j) { return (j * T::kLanesPerRow + chunk) * 8; };
 
   const float* q_pair = p.q + (std::size_t{pair} * p.group_size + head0) * kHeadDim;
-  Compute compute(q_pair, heads, p.q_scale);
+  // The tensor-core loop loads q (Compute::load_q) once each path has its first copies in flight:
+  // the CTA's first tile then waits on one memory latency, not on q's and then the rows'. The FMA
+  // loop keeps loading it first: its 32 to 64 q registers, live across the copies' addresses,
+  // cost up to 25 more registers a thread there (153 instead of 128 at d = 128, G = 4, one CTA a
+  // multiprocessor less) and small spills.
+  Compute compute;
+  auto load_q = [&] { compute.load_q(q_pair, heads, p.q_scale); };
+  if constexpr (!kTensor) load_q();
 
   const uint32_t list_begin = form.begin(pair);
   const uint32_t n_tokens = form.count(pair, list_begin);
@@ -905,7 +1062,80 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
   // pieces of its warp's lanes, so a __syncwarp after the wait makes them visible and one before
   // the copies keeps a stage from being refilled while other lanes still read it.
   extern __shared__ uint4 stages[];  // [kStages][R][C][K, V][kThreads], or BulkTile's
-  if constexpr (kBulk != 0) {
+  if constexpr (kBulk == 3) {
+    // The tensor-map copies (page form): each warp copies the kWarpRows rows it computes on
+    // (MmaTile::tile_row), which lie in one page (a split starts at a multiple of the tile, a
+    // warp's rows at a multiple of kWarpRows, which divides page_tokens), as one box of K and
+    // one of V per 64 columns through kv_map (SparseDecodeAttention::tensor_map), and waits on
+    // a barrier of its own, as bulk copies 2 do. Lane 0 issues them; the slot id of tile t +
+    // kStages is loaded while tile t + kStages - 1 is issued. A warp whose rows start past the list
+    // copies the box of the list's last row instead (any valid box; MmaTile::tile weighs it zero
+    // and zeroes its V), so every stage's barrier expects the same bytes.
+    using M = TmaTile<kHeadDim, kBlockHeads>;
+    static_assert(Compute::kTma && !Compute::kSwizzle && Compute::kWarpRows == M::kWarpRows);
+    __shared__ uint64_t full[kStages][kWarps];
+    const uint32_t warp = threadIdx.x / 32;
+    const uint32_t n_tiles = first < last ? (last - first + M::kTokens - 1) / M::kTokens : 0;
+    // The stages from the first 1024-byte boundary (TmaTile::kSharedBytes has the slack).
+    uint32_t stages_address = (shared_address(stages) + 1023) & ~1023u;
+    asm volatile("" : "+r"(stages_address));  // computed once, as the offsets in MmaTile
+    if (threadIdx.x == 0) {
+      // (A call that lists nothing may come with no map at all: SparseDecodeAttention::tensor_map.)
+      if (n_tiles != 0) prefetch_tensor_map(&kv_map);
+#pragma unroll
+      for (uint32_t s = 0; s < kStages; ++s)
+#pragma unroll
+        for (uint32_t w = 0; w < kWarps; ++w) barrier_init(&full[s][w], 1);
+      barrier_init_fence();
+    }
+    __syncthreads();
+    // (slot, first row) of the warp's box in tile `tile`.
+    auto locate = [&](uint32_t tile) {
+      TokenAddress at{0, 0};
+      if (tile < n_tiles) {
+        at = form.address(list_begin,
+                          min(first + tile * M::kTokens + warp * M::kWarpRows, last - 1));
+        at.row &= ~(M::kWarpRows - 1);
+      }
+      return at;
+    };
+    auto issue = [&](uint32_t tile, TokenAddress at) {
+      if (lane != 0) return;
+      const uint32_t stage = tile % kStages;
+      const uint32_t to = stages_address + stage * M::kStageBytes;
+      uint64_t* barrier = &full[stage][warp];
+      barrier_expect(barrier, 2 * M::kHalves * M::kBoxBytes);
+      // kv_map's coordinates: (element of a row, row of the slot, slot); a slot's V rows follow
+      // its page_tokens K rows.
+      const auto row = static_cast<int32_t>(at.row);
+      const auto v_row = static_cast<int32_t>(p.page_tokens + at.row);
+      const auto slot = static_cast<int32_t>(at.slot);
+#pragma unroll
+      for (uint32_t h = 0; h < M::kHalves; ++h) {
+        const auto column = static_cast<int32_t>(64 * h);
+        tensor_copy(to + M::region(0, h, warp), &kv_map, column, row, slot, barrier);
+        tensor_copy(to + M::region(1, h, warp), &kv_map, column, v_row, slot, barrier);
+      }
+    };
+    {
+      TokenAddress early[kStages - 1];  // the first tiles' loads all in flight at once
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s) early[s] = locate(s);
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < kStages; ++s)
+        if (s < n_tiles) issue(s, early[s]);
+    }
+    TokenAddress next = locate(kStages - 1);
+    if constexpr (kTensor) load_q();
+    for (uint32_t tile = 0; tile < n_tiles; ++tile) {
+      __syncwarp();  // the warp is done with stage (tile - 1) % kStages: it is refilled next
+      if (tile + kStages - 1 < n_tiles) issue(tile + kStages - 1, next);
+      next = locate(tile + kStages);
+      barrier_wait(&full[tile % kStages][warp], tile / kStages % 2);
+      compute.tile_at(stages_address + tile % kStages * M::kStageBytes, first + tile * M::kTokens,
+                      last);
+    }
+  } else if constexpr (kBulk != 0) {
     // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
     // where the cp.async tile takes 8 16-byte copies from every thread, and a stage's mbarrier
     // counts the bytes in. kBulk 1: warp 0's lanes copy the whole tile and every warp waits on the
@@ -971,6 +1201,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
         if (s < n_tiles) issue(s, early[s]);
       fetch(kStages - 1, next);
     }
+    if constexpr (kTensor) load_q();
     for (uint32_t tile = 0; tile < n_tiles; ++tile) {
       // Whoever computed stage (tile - 1) % kStages is done with it: it is refilled next.
       if constexpr (kPerWarp)
@@ -1030,6 +1261,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
       issue_copies(stage);
     }
     fetch_addresses(issue_base);
+    if constexpr (kTensor) load_q();
 
     // The trip count is the same for every thread of the CTA, so the shuffles see full warps.
     uint32_t stage = 0;
@@ -1097,7 +1329,7 @@ __global__ void __launch_bounds__(kThreads) sparse_attend(AttendParams p, Form f
 // One instantiation and what launching it needs.
 template <class Form>
 struct KernelInfo {
-  void (*kernel)(AttendParams, Form);
+  void (*kernel)(AttendParams, Form, CUtensorMap);
   uint32_t tile_tokens;
   uint32_t shared_bytes;
   uint32_t max_splits;  // the merge stages (m, l) of every split in shared_bytes
@@ -1107,8 +1339,9 @@ template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChun
           uint32_t kBulk, uint32_t kPrefetch, class Form>
 KernelInfo<Form> info() {
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  constexpr uint32_t shared =
-      kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes : T::kSharedBytes;
+  constexpr uint32_t shared = kBulk == 3   ? TmaTile<kHeadDim, kBlockHeads>::kSharedBytes
+                              : kBulk != 0 ? BulkTile<kHeadDim, kBlockHeads>::kSharedBytes
+                                           : T::kSharedBytes;
   return {sparse_attend<D, kHeadDim, kBlockHeads, kChunks, kTensor, kBulk, kPrefetch, Form>,
           T::kTokens, shared, shared / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
@@ -1147,11 +1380,18 @@ KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_
 }
 
 // The 16-bit kernels: the FMA loop, the tensor-core loop with cp.async copies (with or without an
-// L2 prefetch), or with bulk copies.
+// L2 prefetch), or with bulk copies. The tensor-map copies (3) move whole pages' rows: the token
+// form, whose rows are anywhere, takes the per-warp row copies (2) instead.
 template <simd::Dtype D, class Form>
 KernelInfo<Form> kernel_for_16bit(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
   const uint32_t chunks = tuning.chunks_per_lane;
   if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, 0, 0, Form>(d, heads, chunks);
+  if (tuning.bulk_copies == 3) {
+    if constexpr (std::is_same_v<Form, PageForm>)
+      return kernel_for_dim<D, true, 3, 0, Form>(d, heads, chunks);
+    else
+      return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
+  }
   if (tuning.bulk_copies == 1) return kernel_for_dim<D, true, 1, 0, Form>(d, heads, chunks);
   if (tuning.bulk_copies == 2) return kernel_for_dim<D, true, 2, 0, Form>(d, heads, chunks);
   switch (tuning.l2_prefetch) {
@@ -1265,7 +1505,7 @@ template <class Form>
 Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t tokens_per_entry,
               const Form& form, const AttentionShape& shape, const AttendTuning& tuning,
               uint32_t target_ctas, std::size_t partial_slots, float* partials, uint32_t* arrivals,
-              SplitPlan& plan) {
+              const CUtensorMap& kv_map, SplitPlan& plan) {
   const uint32_t pairs = t.n_seqs * shape.n_kv_heads;
   plan = plan_splits(host_offsets, pairs, tokens_per_entry, shape, tuning, target_ctas);
   if (plan.ctas > partial_slots)  // plan_splits keeps ctas <= target + pairs * head_blocks
@@ -1287,9 +1527,12 @@ Result launch(const AttendTarget& t, const uint32_t* host_offsets, uint32_t toke
   const auto stream = static_cast<cudaStream_t>(t.stream);
   const dim3 grid(pairs, plan.splits_per_pair, plan.head_blocks);
   const KernelInfo<Form> k = kernel_for<Form>(shape, tuning);
-  k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form);
+  k.kernel<<<grid, kThreads, k.shared_bytes, stream>>>(params, form, kv_map);
   return cuda_result(cudaGetLastError(), "sparse attention launch");
 }
+
+// The kernel parameter of the launches that use no tensor map.
+const CUtensorMap kNoTensorMap{};
 
 uint32_t log2_exact(uint32_t power_of_two) {
   uint32_t shift = 0;
@@ -1318,6 +1561,9 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
   struct Workspace {
     DeviceBuffer<float> memory;  // the partials, then the arrival counters
   };
+  // The tensor map of bulk copies 3 over a pool (sparse_attend's kv_map), from the cache below or
+  // encoded now.
+  Result tensor_map(const AttendTarget& t, const CUtensorMap** map) noexcept;
   void release() noexcept;
 
   AttentionShape shape_{};
@@ -1331,6 +1577,19 @@ class SparseDecodeAttention final : public backend::SparseDecodeAttention {
   uint32_t* arrivals_ = nullptr;  // workspace_, after the partials: finished splits per (pair,
                                   // head block), back to zero at the end of every call
   SplitPlan plan_{};
+  // Bulk copies 3: the driver's encoder (found by init(), no link to libcuda), the rows of a
+  // warp's box, and the maps of the last few pools. A map depends only on the pool's address,
+  // its slot count and the shape, so an entry stays right for as long as the shape does; encoding
+  // costs about a microsecond of host time, a lookup a few compares.
+  PFN_cuTensorMapEncodeTiled_v12000 encode_tiled_ = nullptr;
+  uint32_t box_rows_ = 0;
+  struct KvMap {
+    const void* pool = nullptr;
+    uint64_t n_slots = 0;
+    CUtensorMap map{};
+  };
+  std::array<KvMap, 4> kv_maps_{};
+  uint32_t kv_maps_used_ = 0, kv_map_next_ = 0;
 };
 
 std::unique_ptr<backend::SparseDecodeAttention> make_sparse_attention() {
@@ -1343,6 +1602,47 @@ void SparseDecodeAttention::release() noexcept {
   arrivals_ = nullptr;
   max_batch_ = 0;
   partial_slots_ = 0;
+  kv_maps_used_ = kv_map_next_ = 0;  // the shape may change
+}
+
+Result SparseDecodeAttention::tensor_map(const AttendTarget& t, const CUtensorMap** map) noexcept {
+  *map = &kNoTensorMap;
+  if (t.n_slots == 0) return Result{};  // nothing can be listed: no copy reads the map
+  for (uint32_t i = 0; i < kv_maps_used_; ++i)
+    if (kv_maps_[i].pool == t.pool && kv_maps_[i].n_slots == t.n_slots) {
+      *map = &kv_maps_[i].map;
+      return Result{};
+    }
+  // The pool as [slots][rows][head_dim]: a slot's page_tokens K rows, then its V rows. A box is
+  // 64 columns (128 bytes, the widest inner extent the 128-byte swizzle allows) of a warp's rows
+  // of K or V (sparse_attend, TmaTile). A copy's coordinates are signed 32-bit: a pool of 2^31
+  // slots or more (16 TiB at 8 KiB a slot) is refused rather than half addressed.
+  if (t.n_slots > uint64_t{1} << 31)
+    return invalid("tuning.bulk_copies=3 addresses at most 2^31 slots (n_slots=", t.n_slots, ")");
+  const simd::PageLayout layout{shape_.page_tokens, shape_.head_dim, shape_.dtype};
+  const cuuint64_t dims[3] = {shape_.head_dim, cuuint64_t{2} * shape_.page_tokens, t.n_slots};
+  const cuuint64_t strides[2] = {layout.row_bytes(), layout.slot_bytes()};  // of dims 1 and 2
+  const cuuint32_t box[3] = {64, box_rows_, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  KvMap& entry = kv_maps_[kv_map_next_];
+  const CUresult r = encode_tiled_(
+      &entry.map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(t.pool), dims, strides, box,
+      element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    entry.pool = nullptr;
+    std::ostringstream message;
+    message << "cuTensorMapEncodeTiled failed (CUresult " << static_cast<int>(r)
+            << ") for the pool at " << t.pool << " of " << t.n_slots << " slots of "
+            << layout.slot_bytes() << " bytes";
+    return Result::failed(message.str());
+  }
+  entry.pool = t.pool;
+  entry.n_slots = t.n_slots;
+  kv_map_next_ = (kv_map_next_ + 1) % kv_maps_.size();
+  kv_maps_used_ = std::min<uint32_t>(kv_maps_used_ + 1, kv_maps_.size());
+  *map = &entry.map;
+  return Result{};
 }
 
 Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_batch,
@@ -1371,8 +1671,8 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
     return invalid("tuning.tensor_cores=", tuning.tensor_cores, " is not 0 or 1");
   if (tuning.l2_prefetch != 0 && tuning.l2_prefetch != 128 && tuning.l2_prefetch != 256)
     return invalid("tuning.l2_prefetch=", tuning.l2_prefetch, " is not 0, 128 or 256");
-  if (tuning.bulk_copies > 2)
-    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1 or 2");
+  if (tuning.bulk_copies > 3)
+    return invalid("tuning.bulk_copies=", tuning.bulk_copies, " is not 0, 1, 2 or 3");
   if (tuning.bulk_copies != 0) {
     const uint32_t bulk = tuning.bulk_copies;
     if (tuning.tensor_cores != 1)
@@ -1426,6 +1726,24 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                      "for compute_",
                      attributes.ptxVersion, ")");
   }
+  // The tensor-map copies need the driver's encoder, looked up once (no link to libcuda).
+  if (tuning.bulk_copies == 3 && encode_tiled_ == nullptr) {
+    void* entry = nullptr;
+    cudaDriverEntryPointQueryResult query = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &entry,
+                                                             12000, cudaEnableDefault, &query);
+#else
+    const cudaError_t err =
+        cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &entry, cudaEnableDefault, &query);
+#endif
+    if (Result r = cuda_result(err, "driver entry point cuTensorMapEncodeTiled"); !r.ok) return r;
+    if (query != cudaDriverEntryPointSuccess || entry == nullptr)
+      return Result::failed(
+          "tuning.bulk_copies=3: the driver has no cuTensorMapEncodeTiled (query result " +
+          std::to_string(static_cast<int>(query)) + ")");
+    encode_tiled_ = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(entry);
+  }
   // The page and token kernels of a shape use the same registers within a few; one bound serves.
   if (Result r = cuda_result(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
                                  &resident, page_kernel.kernel, kThreads, page_kernel.shared_bytes),
@@ -1459,6 +1777,7 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   workspace_ = std::move(workspace);
   partials_ = partials;
   arrivals_ = arrivals;
+  box_rows_ = page_kernel.tile_tokens / kWarps;  // a warp's rows (MmaTile::kWarpRows)
   plan_ = SplitPlan{};
   return Result{};
 }
@@ -1519,8 +1838,11 @@ Result SparseDecodeAttention::run(const PageAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const PageForm form{call.device.offsets, call.device.slots, call.device.last_page_tokens,
                       log2_exact(shape_.page_tokens)};
+  const CUtensorMap* kv_map = &kNoTensorMap;
+  if (tuning_.bulk_copies == 3)
+    if (Result r = tensor_map(call.target, &kv_map); !r.ok) return r;
   return launch(call.target, call.host.offsets, shape_.page_tokens, form, shape_, tuning_,
-                target_ctas_, partial_slots_, partials_, arrivals_, plan_);
+                target_ctas_, partial_slots_, partials_, arrivals_, *kv_map, plan_);
 }
 
 Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
@@ -1530,7 +1852,7 @@ Result SparseDecodeAttention::run(const TokenAttendCall& call) noexcept {
                    ", host.offsets ", call.host.offsets ? "set" : "NULL", ")");
   const TokenForm form{call.device.offsets, call.device.tokens};
   return launch(call.target, call.host.offsets, 1, form, shape_, tuning_, target_ctas_,
-                partial_slots_, partials_, arrivals_, plan_);
+                partial_slots_, partials_, arrivals_, kNoTensorMap, plan_);
 }
 
 }  // namespace cuda

@@ -126,14 +126,17 @@ struct AttendTuning {
   // Instantiated for the tensor-core loop with one piece a lane (tensor_cores 1, chunks_per_lane
   // 1, f16 or bf16) and without bulk copies: init() refuses anything else.
   uint32_t l2_prefetch = 0;
-  // 0, 1 or 2: 1 and 2 bring each K and V row into shared memory with one bulk copy
+  // 0, 1, 2 or 3: 1 and 2 bring each K and V row into shared memory with one bulk copy
   // (cp.async.bulk, the Hopper copy engine, completion counted in bytes on an mbarrier) instead
   // of head_dim / 8 16-byte cp.async per row spread over the CTA's threads; the rows land at a
   // pitch of 16 bytes past a multiple of 128, so ldmatrix meets no bank conflicts. 1: one warp
   // copies the CTA's tile and the CTA synchronises once a tile; 2: each warp copies the rows it
-  // computes on and waits on its own barrier, with no CTA-wide barrier in the loop. The
-  // tensor-core loop only (tensor_cores 1, chunks_per_lane 1, f16 or bf16): init() refuses
-  // anything else.
+  // computes on and waits on its own barrier, with no CTA-wide barrier in the loop. 3: as 2, but
+  // page-form calls bring a warp's rows (consecutive rows of one page) as tensor-map copies of
+  // 64 columns of K and of V (cp.async.bulk.tensor, 128-byte swizzle; the map over the call's
+  // pool is encoded on its first call and cached); token-form calls run 2. The tensor-core loop only
+  // (tensor_cores 1, chunks_per_lane 1, f16 or bf16), and a device of compute capability 9.0 or
+  // later: init() refuses anything else.
   uint32_t bulk_copies = 0;
 };
 

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -410,14 +411,15 @@ std::vector<Case> all_cases() {
     cases.back().tensor_cores = 1;
   }
   // Every 16-bit one-piece shape again on the tensor cores with an L2 prefetch on its copies, and
-  // with bulk copies of both kinds.
+  // with bulk copies of each kind (3, the tensor-map copies, serve the page form; the token form
+  // runs 2 under it).
   for (std::size_t i = 0; i < one_piece; ++i) {
     if (cases[i].dtype == simd::Dtype::q8) continue;
     cases.push_back(cases[i]);
     cases.back().tensor_cores = 1;
     cases.back().l2_prefetch = 256;
   }
-  for (uint32_t bulk : {1u, 2u})
+  for (uint32_t bulk : {1u, 2u, 3u})
     for (std::size_t i = 0; i < one_piece; ++i) {
       if (cases[i].dtype == simd::Dtype::q8) continue;
       cases.push_back(cases[i]);
@@ -447,7 +449,7 @@ TEST_F(GpuTest, a_long_context_splits_and_merges) {
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
         gpu::AttendTuning{0, 2, 1, 1, 128}, gpu::AttendTuning{0, 2, 1, 1, 0, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2}, gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
     if (bulk_copies_refused_here(tuning)) continue;
     SCOPED_TRACE(::testing::Message()
                  << "tensor_cores " << tuning.tensor_cores << ", l2_prefetch " << tuning.l2_prefetch
@@ -482,7 +484,9 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
       {0, 2, 1, 1, 0, 1},  {1, 1, 1, 1, 0, 1},  {2, 2, 1, 1, 0, 1},  {3, 5, 1, 1, 0, 1},
       {8, 2, 1, 1, 0, 1},  {0, 64, 1, 1, 0, 1}, {64, 1, 1, 1, 0, 1}, {0, 2, 1, 1, 0, 2},
       {1, 1, 1, 1, 0, 2},  {2, 2, 1, 1, 0, 2},  {3, 5, 1, 1, 0, 2},  {8, 2, 1, 1, 0, 2},
-      {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}};
+      {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}, {0, 2, 1, 1, 0, 3},  {1, 1, 1, 1, 0, 3},
+      {2, 2, 1, 1, 0, 3},  {3, 5, 1, 1, 0, 3},  {8, 2, 1, 1, 0, 3},  {0, 64, 1, 1, 0, 3},
+      {64, 1, 1, 1, 0, 3}};
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning : tunings) {
@@ -513,7 +517,7 @@ TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
     for (uint32_t chunks : {1u, 2u})
       for (uint32_t tensor_cores : {0u, 1u})
         run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, chunks, tensor_cores});
-    for (uint32_t bulk : {1u, 2u})
+    for (uint32_t bulk : {1u, 2u, 3u})
       if (!bulk_copies_refused_here({0, 2, 1, 1, 0, bulk}))
         run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, 1, 1, 0, bulk});
   }
@@ -525,7 +529,8 @@ TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
   const Problem p = make_problem(c, 11, {2, 1, 2, 2}, {1, 1, 16, 5});
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
     if (bulk_copies_refused_here(tuning)) continue;
     gpu::SplitPlan plan;
     run_and_check(p, Form::pages, &plan, tuning);
@@ -537,7 +542,8 @@ TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
   for (Form form : {Form::pages, Form::tokens})
     for (const gpu::AttendTuning& tuning :
          {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-          gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+          gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
+          gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
       if (bulk_copies_refused_here(tuning)) continue;
       const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
       // Some empty, then all empty.
@@ -553,7 +559,8 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
   const Problem p = make_random_problem(c, 31);
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2}}) {
+        gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
     if (bulk_copies_refused_here(tuning)) continue;
     SCOPED_TRACE(::testing::Message() << "tensor_cores " << tuning.tensor_cores << ", bulk_copies "
                                       << tuning.bulk_copies);
@@ -571,6 +578,35 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
           << "call " << call;
     }
   }
+}
+
+TEST_F(GpuTest, tensor_maps_follow_the_pool) {
+  // bulk_copies 3 encodes a tensor map per pool (its address and slot count) and keeps the last
+  // few: one object over pools that differ in both, called in turn and then again, must read
+  // each call's own pool. Partial last pages hold NaN past their rows (Problem::poison), which
+  // the map's whole-page boxes bring in and the kernel must weigh zero.
+  const gpu::AttendTuning tuning{0, 2, 1, 1, 0, 3};
+  if (bulk_copies_refused_here(tuning)) GTEST_SKIP() << "bulk copies need sm_90";
+  const Case c{2, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
+  std::vector<Problem> problems;
+  problems.push_back(make_problem(c, 61, {40, 3, 17, 1}, {5, 16, 1, 9}));
+  problems.push_back(make_problem(c, 62, {9, 90, 2, 33}, {16, 2, 7, 13}));
+  problems.push_back(make_problem(c, 63, {1, 1, 120, 4}, {1, 3, 15, 16}));
+  std::vector<std::unique_ptr<DeviceProblem>> devices;
+  for (const Problem& p : problems) devices.push_back(std::make_unique<DeviceProblem>(p));
+  gpu::SparseDecodeAttention attention;
+  ASSERT_OK(attention.init(problems[0].shape, c.n_seqs, tuning));
+  for (int round = 0; round < 2; ++round)
+    for (std::size_t i = 0; i < problems.size(); ++i) {
+      SCOPED_TRACE(::testing::Message() << "round " << round << ", pool " << i);
+      ASSERT_OK(attention.validate(devices[i]->pages));
+      ASSERT_OK(attention.run(devices[i]->pages));
+      const std::vector<float> out =
+          DeviceMemory::download(devices[i]->out, problems[i].out_elems());
+      ASSERT_EQ(out.size(), problems[i].out_elems());
+      const std::vector<double> ref = reference(problems[i]);
+      EXPECT_LE(test::relative_error(out.data(), ref.data(), out.size()), 1e-3);
+    }
 }
 
 void expect_invalid(const gpu::Result& r, const std::string& needle) {
@@ -606,8 +642,8 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
                  "tuning.l2_prefetch=128 is instantiated for the tensor-core loop only");
   expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 256}),
                  "tuning.l2_prefetch=256 is instantiated for the tensor-core loop only");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 3}),
-                 "tuning.bulk_copies=3 is not 0, 1 or 2");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 4}),
+                 "tuning.bulk_copies=4 is not 0, 1, 2 or 3");
   expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 1}),
                  "tuning.bulk_copies=1 needs tensor_cores=1");
   expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 2}),
@@ -618,6 +654,12 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
   q8.dtype = simd::Dtype::q8;
   expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 1}),
                  "tuning.bulk_copies=1 needs f16 or bf16 K/V");
+  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 3}),
+                 "tuning.bulk_copies=3 needs f16 or bf16 K/V");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 3}),
+                 "tuning.bulk_copies=3 needs tensor_cores=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 3}),
+                 "tuning.bulk_copies=3 needs chunks_per_lane=1");
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
