@@ -137,6 +137,50 @@
 // tests, memcheck, racecheck and synccheck pass; it is not the default yet because the
 // model-level offload tests have not run with it. The 8% left is for a tensor-map copy of whole
 // pages (above).
+//
+// Wide warp tiles (AttendTuning::warp_tokens 16 and 32, WideTile, WideMmaTile, wide_loop; not yet
+// measured). Nsight Compute at 128K batch 1 (locked clocks, cache flushed) puts torch's kernel,
+// cuDNN's sm80 flash_fprop_wmma 16x128x128, at 87.9% of DRAM bandwidth with 256 CTAs of 4 warps, 2
+// a multiprocessor (8 warps), 86 KB of shared memory each, every CTA consuming 128 tokens (64 KiB
+// of K and V, 16 KiB a warp) an iteration; ours at 70.3% with 528 CTAs, 4 a multiprocessor (16
+// warps), a CTA tile of 32 tokens (16 KiB, 4 KiB a warp). Ours is also the more sensitive to the SM
+// clock (3.38 TB/s at ncu's 1.29 GHz, about 3.9 at 1.98; torch 4.23 and 4.58), so part of the gap
+// is issue work per byte: every 8-token warp tile pays the softmax's maximum, its two shuffles and
+// the rescale test, the pipeline's wait and two __syncwarp, the page-table load and the copies'
+// address arithmetic, fixed costs that a wider tile spreads over more bytes. So warp_tokens 16 or
+// 32: each warp owns 16 or 32 consecutive tokens of a CTA tile of 64 or 128, copies exactly those
+// rows itself (cp.async, 16-byte pieces swizzled by row mod 8, so ldmatrix meets no bank conflicts;
+// or with bulk_copies 2 one cp.async.bulk per row at BulkTile's padded pitch and an mbarrier per
+// warp and stage) and computes S = Q K^T as 2 or 4 n-tiles per k-step (the mma and ldmatrix per
+// byte are unchanged: MmaTile's fragments, hi/lo halves of q and p, O^T += V^T P^T), one softmax
+// maximum, 2 shuffles and one rescale test per wide tile. A warp's rows start at a multiple of its
+// width (splits start at multiples of the CTA tile), so in page form each 16 of them lie in one
+// page: a lane loads one slot id (two for 32 tokens, whose halves may be two 16-token pages), one
+// tile ahead as before, and addresses its 16-byte pieces at constant offsets from it (the CTA tile
+// of 32 loaded a slot id per row a thread copies).
+// PTX of the token loop (nvcc 13, sm_90, bf16, d = 128, G = 4, page form, copies and rare paths
+// included; a warp's tile is 4 KiB of K/V per 8 tokens), instructions per 4 KiB:
+//   tensor-core loop, cp.async (today's default)  308 (308 a tile: 16 mma, 8 ldmatrix, 8 cp.async)
+//   bulk_copies 2                                  255
+//   warp_tokens 16, cp.async                       156 (311 a tile: 32 mma, 16 ldmatrix, 16 cp)
+//   warp_tokens 32, cp.async                       132 (529 a tile: 64 mma, 32 ldmatrix, 32 cp)
+//   warp_tokens 16, bulk_copies 2                  155 (310 a tile)
+//   warp_tokens 32, bulk_copies 2                  100 (399 a tile)
+// (token form: 285 today, 223 and 194 with cp.async, where each row's (slot, row) is loaded.)
+// ptxas (nvcc 13, sm_90), no spills in any of the 160 wide kernels: at d = 128, 132 to 134
+// registers for 16 tokens with cp.async, 112 to 114 with bulk copies; 146 for 32 tokens (168 in
+// token form), 134 to 138 with bulk copies; 108 to 112 at d = 64; 182 to 214 at d = 256 (16 tokens
+// only: init() refuses 32 there, two 128 KiB stages). The kernel is sparse_attend_wide, whose
+// __launch_bounds__(kThreads, 1) lets ptxas use them: under plain __launch_bounds__(kThreads) it
+// aimed at 128 registers (the 4 CTAs that shared memory no longer allows) and spilled 4 bytes.
+// Stages (3 where three fit 110 KiB, else 2) and CTAs a multiprocessor on the H200 at d = 128: 16
+// tokens, 3 x 32 KiB (bulk 3 x 34 KiB), 2 CTAs (8 warps, as torch); 32 tokens 2 x 64 KiB (bulk 2 x
+// 68 KiB), 1 CTA (4 warps). init() sizes the splits from that occupancy: at 128K batch 1, 16 tokens
+// give 264 CTAs of 33 splits x 4032 tokens, 32 tokens 128 CTAs of 16 x 8192. Parts whose blocks
+// take less shared memory (sm_89: 99 KiB) refuse the tunings that do not fit. Instantiated:
+// warp_tokens 16 and 32, cp.async and bulk_copies 2 (sm_90 only, as before), f16 and bf16, both
+// forms, head blocks 1, 2, 4, 8, d = 64, 128, 256 (32 tokens: 64, 128); init() refuses q8,
+// chunks_per_lane 2, l2_prefetch, bulk_copies 1 and the FMA loop with them.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -886,8 +930,7 @@ struct WideTile {
   static constexpr uint32_t kStageBytes = 2 * kKvBytes;
   static constexpr uint32_t kStages = 3 * kStageBytes <= 110 * 1024 ? 3 : 2;
   static constexpr uint32_t kAccumulatorBytes = kWarps * kBlockHeads * kHeadDim * 4;
-  static constexpr uint32_t kSharedBytes =
-      std::max(kStages * kStageBytes, kAccumulatorBytes);
+  static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, kAccumulatorBytes);
 };
 
 // The tensor-core tile of MmaTile (the fragment layouts, the hi/lo split of q and p, P V as
@@ -1049,8 +1092,8 @@ __device__ __forceinline__ void copy16_at(uint32_t to, const void* global, bool 
 // of the copies) and addresses its rows from them with constant offsets. Token form loads each of
 // the lane's rows' (slot, row), one tile ahead. Rows past the list: cp.async writes zeros, the
 // bulk copies repeat the split's last listed row; MmaTile's rule weighs both zero.
-template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens,
-          bool kBulk, class Form, class Compute>
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens, bool kBulk,
+          class Form, class Compute>
 __device__ __forceinline__ void wide_loop(const AttendParams& p, const Form& form, Compute& compute,
                                           uint4* stages, uint32_t list_begin, uint32_t first,
                                           uint32_t last) {
@@ -1134,7 +1177,8 @@ __device__ __forceinline__ void wide_loop(const AttendParams& p, const Form& for
         if constexpr (kPage) {
           // Clamped into the list: a half past it is never read (its rows are zero-filled).
           const uint32_t i = min(base + 16 * e, last - 1);
-          if (tile < n_tiles) to.at[e].slot = __ldg(form.slots + list_begin + (i >> form.page_shift));
+          if (tile < n_tiles)
+            to.at[e].slot = __ldg(form.slots + list_begin + (i >> form.page_shift));
         } else {
           const uint32_t i = base + row0 + e * kStep;
           if (tile < n_tiles && i < last) to.at[e] = form.address(list_begin, i);
@@ -1204,9 +1248,9 @@ __device__ __forceinline__ void attend_cta(const AttendParams& p, const Form& fo
   static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
   static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  static_assert(kWarpTokens == 0 || (kTensor && kChunks == 1 && kPrefetch == 0 &&
-                                      (kBulk == 0 || kBulk == 2)),
-                "wide tiles: the tensor-core loop, one piece, cp.async or per-warp bulk copies");
+  static_assert(
+      kWarpTokens == 0 || (kTensor && kChunks == 1 && kPrefetch == 0 && (kBulk == 0 || kBulk == 2)),
+      "wide tiles: the tensor-core loop, one piece, cp.async or per-warp bulk copies");
   using Compute = std::conditional_t<
       kWarpTokens != 0, WideMmaTile<D, kHeadDim, kBlockHeads, kWarpTokens, kBulk != 0>,
       std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk != 0>,
@@ -1507,8 +1551,8 @@ template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarp
           uint32_t kBulk, class Form>
 KernelInfo<Form> wide_info() {
   using W = WideTile<kHeadDim, kBlockHeads, kWarpTokens, kBulk != 0>;
-  return {sparse_attend_wide<D, kHeadDim, kBlockHeads, kBulk, Form, kWarpTokens>,
-          W::kTokens, W::kSharedBytes, W::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
+  return {sparse_attend_wide<D, kHeadDim, kBlockHeads, kBulk, Form, kWarpTokens>, W::kTokens,
+          W::kSharedBytes, W::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
 }
 
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kWarpTokens, uint32_t kBulk, class Form>
@@ -1807,15 +1851,16 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
       return invalid("tuning.warp_tokens=", wide,
                      " needs f16 or bf16 K/V (q8 has no tensor-core loop)");
     if (tuning.l2_prefetch != 0)
-      return invalid("tuning.warp_tokens=", wide, " is not instantiated with l2_prefetch=",
-                     tuning.l2_prefetch, " (0 only)");
-    if (tuning.bulk_copies != 0 && tuning.bulk_copies != 2)
       return invalid("tuning.warp_tokens=", wide,
-                     " is instantiated with bulk_copies 0 or 2 only, not bulk_copies=",
-                     tuning.bulk_copies);
+                     " is not instantiated with l2_prefetch=", tuning.l2_prefetch, " (0 only)");
+    if (tuning.bulk_copies != 0 && tuning.bulk_copies != 2)
+      return invalid(
+          "tuning.warp_tokens=", wide,
+          " is instantiated with bulk_copies 0 or 2 only, not bulk_copies=", tuning.bulk_copies);
     if (wide == 32 && shape.head_dim == 256)
-      return invalid("tuning.warp_tokens=32 is not instantiated for head_dim=256 (two stages of "
-                     "its 128-token tile would not fit a multiprocessor's shared memory)");
+      return invalid(
+          "tuning.warp_tokens=32 is not instantiated for head_dim=256 (two stages of "
+          "its 128-token tile would not fit a multiprocessor's shared memory)");
   }
 
   release();
@@ -1838,9 +1883,9 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
         !r.ok)
       return r;
     if (page_kernel.shared_bytes > static_cast<uint32_t>(most))
-      return invalid("tuning.warp_tokens=", tuning.warp_tokens, " needs ",
-                     page_kernel.shared_bytes, " bytes of shared memory a block at head_dim=",
-                     shape.head_dim, "; this device allows ", most);
+      return invalid("tuning.warp_tokens=", tuning.warp_tokens, " needs ", page_kernel.shared_bytes,
+                     " bytes of shared memory a block at head_dim=", shape.head_dim,
+                     "; this device allows ", most);
   }
   for (cudaError_t err :
        {cudaFuncSetAttribute(page_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
