@@ -510,69 +510,31 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
   const std::vector<uint32_t> pages = {301, 7, 1, 517, 64, 0, 129, 255};
   const std::vector<uint32_t> last = {9, 16, 3, 1, 16, 0, 11, 15};
   // Then L2 prefetches and bulk copies on the tensor-core loop under the same split tunings.
-  const gpu::AttendTuning tunings[] = {{0, 2, 1},
-                                       {1, 1, 1},
-                                       {2, 2, 1},
-                                       {3, 5, 1},
-                                       {8, 2, 1},
-                                       {16, 2, 1},
-                                       {0, 8, 1},
-                                       {64, 1, 1},
-                                       {0, 64, 1},
-                                       {0, 2, 2},
-                                       {1, 1, 2},
-                                       {8, 2, 2},
-                                       {0, 8, 2},
-                                       {0, 2, 1, 1},
-                                       {1, 1, 1, 1},
-                                       {2, 2, 1, 1},
-                                       {3, 5, 1, 1},
-                                       {8, 2, 1, 1},
-                                       {0, 64, 1, 1},
-                                       {0, 2, 2, 1},
-                                       {8, 2, 2, 1},
-                                       {0, 2, 1, 1, 128},
-                                       {2, 2, 1, 1, 256},
-                                       {8, 2, 1, 1, 128},
-                                       {0, 2, 1, 1, 0, 1},
-                                       {1, 1, 1, 1, 0, 1},
-                                       {2, 2, 1, 1, 0, 1},
-                                       {3, 5, 1, 1, 0, 1},
-                                       {8, 2, 1, 1, 0, 1},
-                                       {0, 64, 1, 1, 0, 1},
-                                       {64, 1, 1, 1, 0, 1},
-                                       {0, 2, 1, 1, 0, 2},
-                                       {1, 1, 1, 1, 0, 2},
-                                       {2, 2, 1, 1, 0, 2},
-                                       {3, 5, 1, 1, 0, 2},
-                                       {8, 2, 1, 1, 0, 2},
-                                       {0, 64, 1, 1, 0, 2},
-                                       {64, 1, 1, 1, 0, 2},
-                                       // The wide warp tiles, cp.async and bulk.
-                                       {0, 2, 1, 1, 0, 0, 16},
-                                       {1, 1, 1, 1, 0, 0, 16},
-                                       {2, 2, 1, 1, 0, 0, 16},
-                                       {3, 5, 1, 1, 0, 0, 16},
-                                       {8, 2, 1, 1, 0, 0, 16},
-                                       {0, 64, 1, 1, 0, 0, 16},
-                                       {64, 1, 1, 1, 0, 0, 16},
-                                       {0, 2, 1, 1, 0, 0, 32},
-                                       {1, 1, 1, 1, 0, 0, 32},
-                                       {3, 5, 1, 1, 0, 0, 32},
-                                       {8, 2, 1, 1, 0, 0, 32},
-                                       {64, 1, 1, 1, 0, 0, 32},
-                                       {0, 2, 1, 1, 0, 2, 16},
-                                       {1, 1, 1, 1, 0, 2, 16},
-                                       {3, 5, 1, 1, 0, 2, 16},
-                                       {8, 2, 1, 1, 0, 2, 16},
-                                       {64, 1, 1, 1, 0, 2, 16},
-                                       {0, 2, 1, 1, 0, 2, 32},
-                                       {1, 1, 1, 1, 0, 2, 32},
-                                       {8, 2, 1, 1, 0, 2, 32},
-                                       {64, 1, 1, 1, 0, 2, 32}};
+  const gpu::AttendTuning tunings[] = {
+      {0, 2, 1},           {1, 1, 1},           {2, 2, 1},           {3, 5, 1},
+      {8, 2, 1},           {16, 2, 1},          {0, 8, 1},           {64, 1, 1},
+      {0, 64, 1},          {0, 2, 2},           {1, 1, 2},           {8, 2, 2},
+      {0, 8, 2},           {0, 2, 1, 1},        {1, 1, 1, 1},        {2, 2, 1, 1},
+      {3, 5, 1, 1},        {8, 2, 1, 1},        {0, 64, 1, 1},       {0, 2, 2, 1},
+      {8, 2, 2, 1},        {0, 2, 1, 1, 128},   {2, 2, 1, 1, 256},   {8, 2, 1, 1, 128},
+      {0, 2, 1, 1, 0, 1},  {1, 1, 1, 1, 0, 1},  {2, 2, 1, 1, 0, 1},  {3, 5, 1, 1, 0, 1},
+      {8, 2, 1, 1, 0, 1},  {0, 64, 1, 1, 0, 1}, {64, 1, 1, 1, 0, 1}, {0, 2, 1, 1, 0, 2},
+      {1, 1, 1, 1, 0, 2},  {2, 2, 1, 1, 0, 2},  {3, 5, 1, 1, 0, 2},  {8, 2, 1, 1, 0, 2},
+      {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}};
+  // The wide warp tiles under the same split tunings, cp.async and bulk.
+  const gpu::AttendTuning wide_tunings[] = {
+      {0, 2, 1, 1, 0, 0, 16},  {1, 1, 1, 1, 0, 0, 16},  {2, 2, 1, 1, 0, 0, 16},
+      {3, 5, 1, 1, 0, 0, 16},  {8, 2, 1, 1, 0, 0, 16},  {0, 64, 1, 1, 0, 0, 16},
+      {64, 1, 1, 1, 0, 0, 16}, {0, 2, 1, 1, 0, 0, 32},  {1, 1, 1, 1, 0, 0, 32},
+      {3, 5, 1, 1, 0, 0, 32},  {8, 2, 1, 1, 0, 0, 32},  {64, 1, 1, 1, 0, 0, 32},
+      {0, 2, 1, 1, 0, 2, 16},  {1, 1, 1, 1, 0, 2, 16},  {3, 5, 1, 1, 0, 2, 16},
+      {8, 2, 1, 1, 0, 2, 16},  {64, 1, 1, 1, 0, 2, 16}, {0, 2, 1, 1, 0, 2, 32},
+      {1, 1, 1, 1, 0, 2, 32},  {8, 2, 1, 1, 0, 2, 32},  {64, 1, 1, 1, 0, 2, 32}};
+  std::vector<gpu::AttendTuning> all(std::begin(tunings), std::end(tunings));
+  all.insert(all.end(), std::begin(wide_tunings), std::end(wide_tunings));
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
-    for (const gpu::AttendTuning& tuning : tunings) {
+    for (const gpu::AttendTuning& tuning : all) {
       if (tuning_refused_here(tuning)) continue;
       SCOPED_TRACE(::testing::Message()
                    << "ctas_per_sm " << tuning.ctas_per_sm << ", min tiles "
@@ -598,8 +560,8 @@ TEST_F(GpuTest, wide_tiles_cover_every_page_size_open_pages_and_split) {
   // at page starts and inside pages (16 rows of a 32- or 64-row page) and span two 16-row pages
   // (32-token tiles); open last pages of 1, some and all rows; lists shorter than one warp tile
   // and than one CTA tile; and splits many and one, both forms, f16 and bf16, every head_dim.
-  // pages[i] pages for pair i, the last holding last[i] rows (a multiple of 16 minus one, one
-  // row, a page): per pair lengths from 1 row up.
+  // Pair i lists pages[i] pages whose open last one holds last[i] rows (one, a full page, one
+  // short of it, a few, half and some): lists from one row (below a warp tile) to 64 pages.
   uint32_t seed = 300;
   for (uint32_t B : {16u, 32u, 64u})
     for (uint32_t d : {64u, 128u, 256u})
