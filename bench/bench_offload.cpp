@@ -222,17 +222,17 @@ DevicePtr device(std::size_t bytes, const char* what) {
 }
 
 // One point of (a)'s sweep over the kernel's tuning:
-// "ctas_per_sm:min_tiles_per_split:chunks[:tensor_cores[:l2_prefetch[:bulk_copies]]]" (fields
-// left out are 0).
+// "ctas_per_sm:min_tiles_per_split:chunks[:tensor_cores[:l2_prefetch[:bulk_copies[:warp_tokens]]]]"
+// (fields left out are 0).
 struct TuningPoint {
   gpu::AttendTuning tuning;
   std::string text;
 };
 
 TuningPoint parse_tuning(const std::string& text) {
-  uint32_t fields[6] = {};
+  uint32_t fields[7] = {};
   const std::size_t colons = static_cast<std::size_t>(std::count(text.begin(), text.end(), ':'));
-  const int n_fields = static_cast<int>(std::clamp<std::size_t>(colons + 1, 3, 6));
+  const int n_fields = static_cast<int>(std::clamp<std::size_t>(colons + 1, 3, 7));
   std::size_t at = 0;
   for (int i = 0; i < n_fields; ++i) {
     const std::size_t end = i + 1 < n_fields ? text.find(':', at) : text.size();
@@ -246,11 +246,13 @@ TuningPoint parse_tuning(const std::string& text) {
     if (field.empty() || used != field.size() || field[0] == '-')
       throw kvsift::apps::UsageError(
           "--a-tunings: '" + text +
-          "' is not CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES]]] "
+          "' is not "
+          "CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES[:WARP_TOKENS]]]] "
           "(unsigned integers)");
     at = end + 1;
   }
-  return {gpu::AttendTuning{fields[0], fields[1], fields[2], fields[3], fields[4], fields[5]},
+  return {gpu::AttendTuning{fields[0], fields[1], fields[2], fields[3], fields[4], fields[5],
+                            fields[6]},
           text};
 }
 
@@ -263,7 +265,8 @@ struct Config {
   // (a)'s sweep: 0 CTAs per multiprocessor is the kernel's occupancy; 0:2:1 is the default;
   // a 4th field of 1 runs the tensor-core inner loop, a 5th asks its copies for an L2 prefetch
   // of that many bytes, a 6th of 1 or 2 brings its rows with bulk copies, 3 with tensor-map
-  // copies of whole pages' rows (gpu::AttendTuning).
+  // copies of whole pages' rows, a 7th of 16 or 32 gives each warp that many tokens a tile
+  // (gpu::AttendTuning).
   std::vector<std::string> a_tunings{"0:2:1", "2:2:1",   "8:2:1",   "0:2:2",
                                      "8:2:2", "0:2:1:1", "2:2:1:1", "8:2:1:1"};
   std::vector<TuningPoint> a_points;  // a_tunings parsed
@@ -922,7 +925,8 @@ int main(int argc, char** argv) {
   app.add_option(
          "--a-tunings", cfg.a_tunings,
          "(a) also times the kernel tuned as each "
-         "CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES]]] asks "
+         "CTAS_PER_SM:MIN_TILES:CHUNKS[:TENSOR_CORES[:L2_PREFETCH[:BULK_COPIES[:WARP_TOKENS]]]] "
+         "asks "
          "(gpu::AttendTuning; 0 CTAs per multiprocessor: its occupancy; fields left out are 0); "
          "'none': no sweep")
       ->delimiter(',');

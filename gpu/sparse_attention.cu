@@ -184,6 +184,50 @@
 // and 2 keep their 96; at d = 64 and 256 the tensor-core kernels move by up to 8 either way
 // (56-80, 164-168); the FMA kernels keep theirs exactly; bulk 2's one spill (8 bytes at d = 64,
 // G = 2, token form) is gone.
+//
+// Wide warp tiles (AttendTuning::warp_tokens 16 and 32, WideTile, WideMmaTile, wide_loop; not yet
+// measured). Nsight Compute at 128K batch 1 (locked clocks, cache flushed) puts torch's kernel,
+// cuDNN's sm80 flash_fprop_wmma 16x128x128, at 87.9% of DRAM bandwidth with 256 CTAs of 4 warps, 2
+// a multiprocessor (8 warps), 86 KB of shared memory each, every CTA consuming 128 tokens (64 KiB
+// of K and V, 16 KiB a warp) an iteration; ours at 70.3% with 528 CTAs, 4 a multiprocessor (16
+// warps), a CTA tile of 32 tokens (16 KiB, 4 KiB a warp). Ours is also the more sensitive to the SM
+// clock (3.38 TB/s at ncu's 1.29 GHz, about 3.9 at 1.98; torch 4.23 and 4.58), so part of the gap
+// is issue work per byte: every 8-token warp tile pays the softmax's maximum, its two shuffles and
+// the rescale test, the pipeline's wait and two __syncwarp, the page-table load and the copies'
+// address arithmetic, fixed costs that a wider tile spreads over more bytes. So warp_tokens 16 or
+// 32: each warp owns 16 or 32 consecutive tokens of a CTA tile of 64 or 128, copies exactly those
+// rows itself (cp.async, 16-byte pieces swizzled by row mod 8, so ldmatrix meets no bank conflicts;
+// or with bulk_copies 2 one cp.async.bulk per row at BulkTile's padded pitch and an mbarrier per
+// warp and stage) and computes S = Q K^T as 2 or 4 n-tiles per k-step (the mma and ldmatrix per
+// byte are unchanged: MmaTile's fragments, hi/lo halves of q and p, O^T += V^T P^T), one softmax
+// maximum, 2 shuffles and one rescale test per wide tile. A warp's rows start at a multiple of its
+// width (splits start at multiples of the CTA tile), so in page form each 16 of them lie in one
+// page: a lane loads one slot id (two for 32 tokens, whose halves may be two 16-token pages), one
+// tile ahead as before, and addresses its 16-byte pieces at constant offsets from it (the CTA tile
+// of 32 loaded a slot id per row a thread copies).
+// PTX of the token loop (nvcc 13, sm_90, bf16, d = 128, G = 4, page form, copies and rare paths
+// included; a warp's tile is 4 KiB of K/V per 8 tokens), instructions per 4 KiB:
+//   tensor-core loop, cp.async (today's default)  308 (308 a tile: 16 mma, 8 ldmatrix, 8 cp.async)
+//   bulk_copies 2                                  255
+//   warp_tokens 16, cp.async                       156 (311 a tile: 32 mma, 16 ldmatrix, 16 cp)
+//   warp_tokens 32, cp.async                       132 (529 a tile: 64 mma, 32 ldmatrix, 32 cp)
+//   warp_tokens 16, bulk_copies 2                  155 (310 a tile)
+//   warp_tokens 32, bulk_copies 2                  100 (399 a tile)
+// (token form: 285 today, 223 and 194 with cp.async, where each row's (slot, row) is loaded.)
+// ptxas (nvcc 13, sm_90), no spills in any of the 160 wide kernels: at d = 128, 132 to 134
+// registers for 16 tokens with cp.async, 112 to 114 with bulk copies; 146 for 32 tokens (168 in
+// token form), 134 to 138 with bulk copies; 108 to 112 at d = 64; 182 to 214 at d = 256 (16 tokens
+// only: init() refuses 32 there, two 128 KiB stages). The kernel is sparse_attend_wide, whose
+// __launch_bounds__(kThreads, 1) lets ptxas use them: under plain __launch_bounds__(kThreads) it
+// aimed at 128 registers (the 4 CTAs that shared memory no longer allows) and spilled 4 bytes.
+// Stages (3 where three fit 110 KiB, else 2) and CTAs a multiprocessor on the H200 at d = 128: 16
+// tokens, 3 x 32 KiB (bulk 3 x 34 KiB), 2 CTAs (8 warps, as torch); 32 tokens 2 x 64 KiB (bulk 2 x
+// 68 KiB), 1 CTA (4 warps). init() sizes the splits from that occupancy: at 128K batch 1, 16 tokens
+// give 264 CTAs of 33 splits x 4032 tokens, 32 tokens 128 CTAs of 16 x 8192. Parts whose blocks
+// take less shared memory (sm_89: 99 KiB) refuse the tunings that do not fit. Instantiated:
+// warp_tokens 16 and 32, cp.async and bulk_copies 2 (sm_90 only, as before), f16 and bf16, both
+// forms, head blocks 1, 2, 4, 8, d = 64, 128, 256 (32 tokens: 64, 128); init() refuses q8,
+// chunks_per_lane 2, l2_prefetch, bulk_copies 1 and the FMA loop with them.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver's encoder comes at run time
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
@@ -1014,18 +1058,360 @@ struct MmaTile {
   }
 };
 
+// The wide warp tiles (AttendTuning::warp_tokens 16 and 32): the tensor-core loop with each warp
+// computing on kWarpTokens rows a tile that its own lanes copy, so the per-tile work (softmax
+// maximum and rescale, the shuffles, the pipeline's wait and __syncwarp, the page-table load and
+// the copies' address arithmetic) is spread over 2 or 4 times the bytes of the loop above.
+// A stage is [K, V][kTokens] rows of head_dim 16-bit values, kPitch bytes apart; warp w owns rows
+// w * kWarpTokens .. + kWarpTokens - 1. With cp.async (kBulk false) the rows are packed and each
+// row's 16-byte pieces XOR-swizzled by the row's index mod 8 (piece ^ (row & 7)), so the 8 rows of
+// an ldmatrix phase, one piece column each, fall in 8 different bank groups; with the per-warp
+// bulk copies (kBulk true, AttendTuning::bulk_copies 2) the rows are whole, at BulkTile's padded
+// pitch. Stages: 3 where three fit about half a multiprocessor's shared memory (two CTAs a
+// multiprocessor), else 2.
+template <uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens, bool kBulk>
+struct WideTile {
+  static_assert(kWarpTokens == 16 || kWarpTokens == 32, "a warp tile of 16 or 32 tokens");
+  static constexpr uint32_t kTokens = kWarps * kWarpTokens;  // the CTA's tile
+  static constexpr uint32_t kRowBytes = kHeadDim * 2;
+  static constexpr uint32_t kPitch = kBulk ? kRowBytes + 16 : kRowBytes;
+  static constexpr uint32_t kKvBytes = kTokens * kPitch;  // V's rows start here
+  static constexpr uint32_t kStageBytes = 2 * kKvBytes;
+  static constexpr uint32_t kStages = 3 * kStageBytes <= 110 * 1024 ? 3 : 2;
+  static constexpr uint32_t kAccumulatorBytes = kWarps * kBlockHeads * kHeadDim * 4;
+  static constexpr uint32_t kSharedBytes = std::max(kStages * kStageBytes, kAccumulatorBytes);
+};
+
+// The tensor-core tile of MmaTile (the fragment layouts, the hi/lo split of q and p, P V as
+// O^T += V^T P^T) over kNTiles = kWarpTokens / 8 n-tiles of S: the online softmax's maximum,
+// shuffles and rescale happen once per wide tile.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens, bool kBulk>
+struct WideMmaTile {
+  static_assert(D == simd::Dtype::f16 || D == simd::Dtype::bf16, "16-bit K/V only");
+  using W = WideTile<kHeadDim, kBlockHeads, kWarpTokens, kBulk>;
+  static constexpr uint32_t kNTiles = kWarpTokens / 8;
+  static constexpr uint32_t kKSteps = kHeadDim / 16;
+  static constexpr uint32_t kMTiles = kHeadDim / 16;  // of O^T
+  static_assert(kBlockHeads <= 8 && kKSteps % 2 == 0);
+
+  uint32_t warp, lane;
+  // Byte offsets in a stage of the row this lane gives ldmatrix (row warp * kWarpTokens +
+  // lane % 8 of n-tile 0, K) for a 32-column group of even [0] or odd [1] index: the group's
+  // pieces are 4 cg .. 4 cg + 3, the lane's 4 cg + lane / 8, and the swizzle XORs lane % 8 into
+  // it, which splits into a constant low part and a +4 or -4 on bit 2 that cg's parity decides.
+  uint32_t lane_bytes[2];
+  uint32_t qa[kKSteps][4];  // A fragments of [q_hi; q_lo]
+  float acc[kMTiles][4];    // O^T: channels 16 i + groupID (0, 1), + 8 (2, 3); heads 2 tig, + 1
+  float m, l;               // head groupID's reference max and (this lane's part of) the sum
+
+  // Shared address for ldmatrix: the lane's row of n-tile nt, 32-column group cg, K or V.
+  template <uint32_t kKv>
+  __device__ uint32_t address(uint32_t stage_address, uint32_t nt, uint32_t cg) const {
+    return stage_address + lane_bytes[cg % 2] + kKv * W::kKvBytes + nt * 8 * W::kPitch + cg * 64;
+  }
+
+  __device__ WideMmaTile() {
+    warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint32_t row_bytes = (warp * kWarpTokens + lane % 8) * W::kPitch;
+    if constexpr (kBulk) {
+      lane_bytes[0] = lane_bytes[1] = row_bytes + lane / 8 * 16;
+    } else {
+      const uint32_t low = (lane / 8) ^ (lane % 4), high = lane & 4;
+      lane_bytes[0] = row_bytes + (low + high) * 16;
+      lane_bytes[1] = row_bytes + (low - high) * 16;
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
+    m = kNegInf;
+    l = 0.0f;
+  }
+
+  // As MmaTile::load_q: wide_loop calls it once its first copies are in flight.
+  __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
+    const uint32_t g = lane / 4, t = lane % 4;
+#pragma unroll
+    for (uint32_t kk = 0; kk < kKSteps; ++kk)
+#pragma unroll
+      for (uint32_t half = 0; half < 2; ++half) {
+        float2 x = make_float2(0.f, 0.f);
+        if (g < heads)
+          x = __ldg(
+              reinterpret_cast<const float2*>(q_pair + g * kHeadDim + kk * 16 + half * 8 + 2 * t));
+        split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
+      }
+  }
+
+  // One tile: the warp's rows of `stage`, its first token `base` (of the pair's list), which the
+  // split ends at `last`; rows at or past `last` weigh zero.
+  __device__ void tile(const uint4* stages, uint32_t stage, uint32_t base, uint32_t last) {
+    const uint32_t t = lane % 4;
+    const uint32_t stage_address = shared_address(stages) + stage * W::kStageBytes;
+
+    float s[kNTiles][4];
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (uint32_t kk = 0; kk < kKSteps; kk += 2)
+#pragma unroll
+      for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+        // Matrices 0, 1: channels 16 kk + 0..7 and 8..15 (b0, b1 of k-step kk); 2, 3: kk + 1.
+        uint32_t b[4];
+        ldmatrix4<false>(b, address<0>(stage_address, nt, kk / 2));
+        mma_m16n8k16<D == simd::Dtype::bf16>(s[nt], qa[kk], b[0], b[1]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(s[nt], qa[kk + 1], b[2], b[3]);
+      }
+    // Logits of head g for the warp's tokens nt * 8 + 2t + e.
+    float x[kNTiles][2];
+    const bool last_tile = base + kWarpTokens > last;
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt)
+#pragma unroll
+      for (uint32_t e = 0; e < 2; ++e) {
+        x[nt][e] = s[nt][e] + s[nt][e + 2];
+        if (last_tile && base + nt * 8 + 2 * t + e >= last) x[nt][e] = kNegInf;
+      }
+    // Lazy rescaling as in FmaTile::tile; the 4 lanes of a head see the same maximum.
+    float tile_max = fmaxf(x[0][0], x[0][1]);
+#pragma unroll
+    for (uint32_t nt = 1; nt < kNTiles; ++nt) tile_max = fmaxf(tile_max, fmaxf(x[nt][0], x[nt][1]));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    const bool grows = tile_max > m + kLazyRescale;
+    if (__any_sync(0xffffffffu, grows)) {
+      float alpha = 1.0f;
+      if (grows) {
+        alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
+        m = tile_max;
+        l *= alpha;
+      }
+      // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
+      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+      for (uint32_t i = 0; i < kMTiles; ++i) {
+        acc[i][0] *= alpha0, acc[i][1] *= alpha1;
+        acc[i][2] *= alpha0, acc[i][3] *= alpha1;
+      }
+    }
+    const float m_safe = m == kNegInf ? 0.0f : m;
+    uint32_t pb[kNTiles][2];  // per 8 tokens, B of P^T: p_hi (k 0-7), p_lo (k 8-15)
+#pragma unroll
+    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+      const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
+      l += p0 + p1;
+      split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
+    }
+    // O^T += V^T P^T, as MmaTile::tile, per n-tile.
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; i += 2)
+#pragma unroll
+      for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+        uint32_t v[4];
+        ldmatrix4<true>(v, address<1>(stage_address, nt, i / 2));
+        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i], {v[0], v[1], v[0], v[1]}, pb[nt][0],
+                                             pb[nt][1]);
+        mma_m16n8k16<D == simd::Dtype::bf16>(acc[i + 1], {v[2], v[3], v[2], v[3]}, pb[nt][0],
+                                             pb[nt][1]);
+      }
+  }
+
+  __device__ void store(float (*s_acc)[kBlockHeads][kHeadDim], float (*s_m)[kBlockHeads],
+                        float (*s_l)[kBlockHeads]) {
+    const uint32_t g = lane / 4, t = lane % 4;
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; ++i)
+#pragma unroll
+      for (uint32_t e = 0; e < 4; ++e) {
+        const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
+        if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
+      }
+    if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+  }
+};
+
+// 16 bytes global -> shared at a shared-space address (copy16 without a prefetch size).
+__device__ __forceinline__ void copy16_at(uint32_t to, const void* global, bool fill) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(global),
+               "r"(fill ? 16u : 0u));
+}
+
+// The wide tiles' token loop: each warp copies and computes its own kWarpTokens rows of every CTA
+// tile, so the loop has no CTA-wide barrier, as the loops above. The split starts at a multiple of
+// the CTA's tile (plan_splits), so a warp's rows start at a multiple of kWarpTokens; page form
+// with 16-token pages or longer then puts each 16 of them in one page: a lane loads the slot ids
+// of its warp tile's one or two 16-token halves (the same ids for the whole warp, one tile ahead
+// of the copies) and addresses its rows from them with constant offsets. Token form loads each of
+// the lane's rows' (slot, row), one tile ahead. Rows past the list: cp.async writes zeros, the
+// bulk copies repeat the split's last listed row; MmaTile's rule weighs both zero.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens, bool kBulk,
+          class Form, class Compute, class LoadQ>
+__device__ __forceinline__ void wide_loop(const AttendParams& p, const Form& form, Compute& compute,
+                                          const LoadQ& load_q, uint4* stages, uint32_t list_begin,
+                                          uint32_t first, uint32_t last) {
+  using W = WideTile<kHeadDim, kBlockHeads, kWarpTokens, kBulk>;
+  constexpr uint32_t S = W::kStages;
+  const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const uint32_t n_tiles = first < last ? (last - first + W::kTokens - 1) / W::kTokens : 0;
+  const simd::PageLayout layout{p.page_tokens, kHeadDim, D};
+  const auto* pool = reinterpret_cast<const std::byte*>(p.pool);
+  const std::size_t value_bytes = layout.page_elems() * 2;  // a slot's V after its K
+  const uint32_t stages_address = shared_address(stages);
+  auto warp_base = [&](uint32_t tile) { return first + tile * W::kTokens + warp * kWarpTokens; };
+
+  if constexpr (kBulk) {
+    // As sparse_attend's bulk_copies 2: one mbarrier per stage and warp. A lane copies K row
+    // lane % kWarpTokens (lanes below kWarpTokens) or V row lane % kWarpTokens (16-token tiles,
+    // the other lanes); with 32-token tiles each lane copies both.
+    __shared__ uint64_t full[S][kWarps];
+    constexpr uint32_t kRowBytes = W::kRowBytes;
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (uint32_t s = 0; s < S; ++s)
+#pragma unroll
+        for (uint32_t w = 0; w < kWarps; ++w) barrier_init(&full[s][w], 1);
+      barrier_init_fence();
+    }
+    __syncthreads();
+    const uint32_t local = lane % kWarpTokens;
+    auto fetch = [&](uint32_t tile) {
+      return tile < n_tiles ? form.address(list_begin, min(warp_base(tile) + local, last - 1))
+                            : TokenAddress{0, 0};
+    };
+    auto issue = [&](uint32_t tile, TokenAddress from) {
+      const uint32_t stage = tile % S;
+      std::byte* to = reinterpret_cast<std::byte*>(stages) + stage * W::kStageBytes +
+                      (warp * kWarpTokens + local) * W::kPitch;
+      if (lane == 0) barrier_expect(&full[stage][warp], 2 * kWarpTokens * kRowBytes);
+      __syncwarp();
+      const std::byte* slot = layout.slot(pool, from.slot);
+      if (kWarpTokens == 32 || lane < 16)
+        bulk_copy(to, layout.key(slot, from.row), kRowBytes, &full[stage][warp]);
+      if (kWarpTokens == 32 || lane >= 16)
+        bulk_copy(to + W::kKvBytes, layout.value(slot, from.row), kRowBytes, &full[stage][warp]);
+    };
+    {
+      TokenAddress early[S - 1];
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < S; ++s) early[s] = fetch(s);
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < S; ++s)
+        if (s < n_tiles) issue(s, early[s]);
+    }
+    TokenAddress next = fetch(S - 1);
+    load_q();
+    for (uint32_t tile = 0; tile < n_tiles; ++tile) {
+      __syncwarp();  // the warp is done with stage (tile - 1) % S, refilled next
+      if (tile + S - 1 < n_tiles) issue(tile + S - 1, next);
+      next = fetch(tile + S);
+      barrier_wait(&full[tile % S][warp], tile / S % 2);
+      compute.tile(stages, tile % S, warp_base(tile), last);
+    }
+  } else {
+    // A lane copies piece lane % P of rows lane / P + k kStep, k < kCopies, of K and of V (one
+    // 16-byte cp.async each).
+    constexpr uint32_t P = kHeadDim / 8, kStep = 32 / P, kCopies = kWarpTokens / kStep;
+    constexpr bool kPage = std::is_same_v<Form, PageForm>;
+    // Page form: the slot ids of the warp tile's 16-token halves; token form: the lane's rows.
+    constexpr uint32_t kEntries = kPage ? kWarpTokens / 16 : kCopies;
+    struct Sources {
+      TokenAddress at[kEntries];
+    };
+    const uint32_t row0 = lane / P;          // the lane's first row of the warp tile
+    const uint32_t piece = lane % P;         // its piece of each row
+    const uint32_t swizzled = piece ^ row0;  // row0 + k kStep has row0 in its low bits
+    // The lane's first destination in a stage (K, row row0, swizzle of row0 alone).
+    const uint32_t lane_to = (warp * kWarpTokens + row0) * W::kRowBytes;
+    auto fetch = [&](uint32_t tile, Sources& to) {
+      const uint32_t base = warp_base(tile);
+#pragma unroll
+      for (uint32_t e = 0; e < kEntries; ++e) {
+        to.at[e] = TokenAddress{0, 0};
+        if constexpr (kPage) {
+          // Clamped into the list: a half past it is never read (its rows are zero-filled).
+          const uint32_t i = min(base + 16 * e, last - 1);
+          if (tile < n_tiles)
+            to.at[e].slot = __ldg(form.slots + list_begin + (i >> form.page_shift));
+        } else {
+          const uint32_t i = base + row0 + e * kStep;
+          if (tile < n_tiles && i < last) to.at[e] = form.address(list_begin, i);
+        }
+      }
+    };
+    auto issue = [&](uint32_t tile, const Sources& from) {
+      const uint32_t base = warp_base(tile);
+      // Rows row0 + k kStep below `listed` are in the list.
+      const uint32_t listed = last > base ? last - base : 0;
+      const uint32_t to = stages_address + tile % S * W::kStageBytes + lane_to;
+#pragma unroll
+      for (uint32_t k = 0; k < kCopies; ++k) {
+        const uint32_t local = k * kStep;  // + row0
+        const std::byte* key;
+        if constexpr (kPage) {
+          // Half e's rows are rows (base + 16 e) % page_tokens .. + 15 of its page.
+          const uint32_t e = local / 16;
+          const uint32_t page_row = ((base + 16 * e) & ((1u << form.page_shift) - 1)) + row0;
+          key = reinterpret_cast<const std::byte*>(
+                    layout.key(layout.slot(pool, from.at[e].slot), page_row)) +
+                (local - 16 * e) * W::kRowBytes;
+        } else {
+          key = reinterpret_cast<const std::byte*>(
+              layout.key(layout.slot(pool, from.at[k].slot), from.at[k].row));
+        }
+        key += piece * 16;
+        const uint32_t at = to + local * W::kRowBytes + ((swizzled ^ (local % 8)) * 16);
+        const bool fill = row0 + local < listed;
+        copy16_at(at, key, fill);
+        copy16_at(at + W::kKvBytes, key + value_bytes, fill);
+      }
+    };
+    {
+      Sources early[S - 1];
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < S; ++s) fetch(s, early[s]);
+#pragma unroll
+      for (uint32_t s = 0; s + 1 < S; ++s) {
+        if (s < n_tiles) issue(s, early[s]);
+        commit_copies();
+      }
+    }
+    Sources next;
+    fetch(S - 1, next);
+    load_q();
+    for (uint32_t tile = 0; tile < n_tiles; ++tile) {
+      __syncwarp();  // the warp is done with stage (tile - 1) % S, refilled next
+      if (tile + S - 1 < n_tiles) issue(tile + S - 1, next);
+      commit_copies();  // empty past the end: the wait below counts groups
+      fetch(tile + S, next);
+      wait_copies<S - 1>();  // all but the newest S - 1 groups: tile `tile` has landed
+      __syncwarp();          // and the other lanes' pieces are visible
+      compute.tile(stages, tile % S, warp_base(tile), last);
+    }
+    wait_copies<0>();
+  }
+}
+
 // kPrefetch: AttendTuning::l2_prefetch, a qualifier of the copy instruction, hence a parameter
 // (a branch on it inside the kernel cost registers: ptxas kept a pipeline per size).
+// kWarpTokens: AttendTuning::warp_tokens, 0 for the loops above, 16 or 32 for wide_loop. The
+// CTA's work, called by the kernels sparse_attend and sparse_attend_wide (which differ only in
+// their launch bounds).
 template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
-          uint32_t kBulk, uint32_t kPrefetch, class Form>
-__global__ void __launch_bounds__(kThreads)
-    sparse_attend(AttendParams p, Form form, const __grid_constant__ CUtensorMap kv_map) {
+          uint32_t kBulk, uint32_t kPrefetch, class Form, uint32_t kWarpTokens>
+__device__ __forceinline__ void attend_cta(const AttendParams& p, const Form& form,
+                                           const CUtensorMap& kv_map) {
   static_assert(!kBulk || kTensor, "bulk copies feed the tensor-core loop only");
   static_assert(!kBulk || kPrefetch == 0, "bulk copies have no prefetch qualifier");
   static_assert(kBulk != 3 || std::is_same_v<Form, PageForm>, "tensor maps copy whole pages");
   using T = Tile<kHeadDim, kBlockHeads, kChunks>;
-  using Compute = std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk>,
-                                     FmaTile<D, kHeadDim, kBlockHeads, kChunks>>;
+  static_assert(
+      kWarpTokens == 0 || (kTensor && kChunks == 1 && kPrefetch == 0 && (kBulk == 0 || kBulk == 2)),
+      "wide tiles: the tensor-core loop, one piece, cp.async or per-warp bulk copies");
+  using Compute = std::conditional_t<
+      kWarpTokens != 0, WideMmaTile<D, kHeadDim, kBlockHeads, kWarpTokens, kBulk != 0>,
+      std::conditional_t<kTensor, MmaTile<D, kHeadDim, kBlockHeads, kChunks, kBulk>,
+                         FmaTile<D, kHeadDim, kBlockHeads, kChunks>>>;
   constexpr uint32_t R = T::kRowsPerThread;
   constexpr uint32_t C = kChunks;
   const uint32_t pair = blockIdx.x, split = blockIdx.y, block = blockIdx.z;
@@ -1135,6 +1521,9 @@ __global__ void __launch_bounds__(kThreads)
       compute.tile_at(stages_address + tile % kStages * M::kStageBytes, first + tile * M::kTokens,
                       last);
     }
+  } else if constexpr (kWarpTokens != 0) {
+    wide_loop<D, kHeadDim, kBlockHeads, kWarpTokens, kBulk != 0>(p, form, compute, load_q, stages,
+                                                                 list_begin, first, last);
   } else if constexpr (kBulk != 0) {
     // The bulk copies: each K and V row (256 bytes at d = 128) is one copy by the copy engine,
     // where the cp.async tile takes 8 16-byte copies from every thread, and a stage's mbarrier
@@ -1326,6 +1715,25 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) p.arrivals[unit] = 0;  // ready for the next call on the stream
 }
 
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kChunks, bool kTensor,
+          uint32_t kBulk, uint32_t kPrefetch, class Form>
+__global__ void __launch_bounds__(kThreads)
+    sparse_attend(AttendParams p, Form form, const __grid_constant__ CUtensorMap kv_map) {
+  attend_cta<D, kHeadDim, kBlockHeads, kChunks, kTensor, kBulk, kPrefetch, Form, 0>(p, form,
+                                                                                    kv_map);
+}
+
+// The wide tiles' kernel. Shared memory, not registers, bounds its residency (2 CTAs a
+// multiprocessor, 1 with stages of 64 KiB), so it asks ptxas for no more than one resident CTA's
+// register bound: under plain __launch_bounds__(kThreads) ptxas aimed at 128 registers (4 CTAs)
+// and spilled.
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kBulk, class Form,
+          uint32_t kWarpTokens>
+__global__ void __launch_bounds__(kThreads, 1)
+    sparse_attend_wide(AttendParams p, Form form, const __grid_constant__ CUtensorMap kv_map) {
+  attend_cta<D, kHeadDim, kBlockHeads, 1, true, kBulk, 0, Form, kWarpTokens>(p, form, kv_map);
+}
+
 // One instantiation and what launching it needs.
 template <class Form>
 struct KernelInfo {
@@ -1379,13 +1787,57 @@ KernelInfo<Form> kernel_for_dim(uint32_t head_dim, uint32_t block_heads, uint32_
   }
 }
 
+// The wide tiles' kernels (AttendTuning::warp_tokens 16, 32): cp.async (kBulk 0) or per-warp
+// bulk copies (2); 32-token tiles at head_dim 64 and 128 only (init() refuses 256: two stages of
+// 128 KiB would not fit a multiprocessor).
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kBlockHeads, uint32_t kWarpTokens,
+          uint32_t kBulk, class Form>
+KernelInfo<Form> wide_info() {
+  using W = WideTile<kHeadDim, kBlockHeads, kWarpTokens, kBulk != 0>;
+  return {sparse_attend_wide<D, kHeadDim, kBlockHeads, kBulk, Form, kWarpTokens>, W::kTokens,
+          W::kSharedBytes, W::kSharedBytes / (2 * kBlockHeads * uint32_t{sizeof(float)})};
+}
+
+template <simd::Dtype D, uint32_t kHeadDim, uint32_t kWarpTokens, uint32_t kBulk, class Form>
+KernelInfo<Form> wide_kernel_for_heads(uint32_t block_heads) {
+  switch (block_heads) {
+    case 1: return wide_info<D, kHeadDim, 1, kWarpTokens, kBulk, Form>();
+    case 2: return wide_info<D, kHeadDim, 2, kWarpTokens, kBulk, Form>();
+    case 4: return wide_info<D, kHeadDim, 4, kWarpTokens, kBulk, Form>();
+    default: return wide_info<D, kHeadDim, kMaxBlockHeads, kWarpTokens, kBulk, Form>();
+  }
+}
+
+template <simd::Dtype D, uint32_t kWarpTokens, uint32_t kBulk, class Form>
+KernelInfo<Form> wide_kernel_for_dim(uint32_t head_dim, uint32_t block_heads) {
+  switch (head_dim) {
+    case 64: return wide_kernel_for_heads<D, 64, kWarpTokens, kBulk, Form>(block_heads);
+    case 128: return wide_kernel_for_heads<D, 128, kWarpTokens, kBulk, Form>(block_heads);
+    default:
+      if constexpr (kWarpTokens == 16)
+        return wide_kernel_for_heads<D, 256, kWarpTokens, kBulk, Form>(block_heads);
+      else  // not reached: init() refuses 32-token tiles at head_dim 256
+        return wide_kernel_for_heads<D, 128, kWarpTokens, kBulk, Form>(block_heads);
+  }
+}
+
+template <simd::Dtype D, class Form>
+KernelInfo<Form> wide_kernel_for(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
+  if (tuning.warp_tokens == 32)
+    return tuning.bulk_copies == 2 ? wide_kernel_for_dim<D, 32, 2, Form>(d, heads)
+                                   : wide_kernel_for_dim<D, 32, 0, Form>(d, heads);
+  return tuning.bulk_copies == 2 ? wide_kernel_for_dim<D, 16, 2, Form>(d, heads)
+                                 : wide_kernel_for_dim<D, 16, 0, Form>(d, heads);
+}
+
 // The 16-bit kernels: the FMA loop, the tensor-core loop with cp.async copies (with or without an
-// L2 prefetch), or with bulk copies. The tensor-map copies (3) move whole pages' rows: the token
-// form, whose rows are anywhere, takes the per-warp row copies (2) instead.
+// L2 prefetch), or with bulk copies, or the wide tiles. The tensor-map copies (3) move whole
+// pages' rows: the token form, whose rows are anywhere, takes the per-warp row copies (2) instead.
 template <simd::Dtype D, class Form>
 KernelInfo<Form> kernel_for_16bit(uint32_t d, uint32_t heads, const AttendTuning& tuning) {
   const uint32_t chunks = tuning.chunks_per_lane;
   if (tuning.tensor_cores == 0) return kernel_for_dim<D, false, 0, 0, Form>(d, heads, chunks);
+  if (tuning.warp_tokens > 8) return wide_kernel_for<D, Form>(d, heads, tuning);
   if (tuning.bulk_copies == 3) {
     if constexpr (std::is_same_v<Form, PageForm>)
       return kernel_for_dim<D, true, 3, 0, Form>(d, heads, chunks);
@@ -1695,6 +2147,32 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
                      "chunks_per_lane=1, f16 or bf16)");
   }
 
+  if (tuning.warp_tokens != 0 && tuning.warp_tokens != 8 && tuning.warp_tokens != 16 &&
+      tuning.warp_tokens != 32)
+    return invalid("tuning.warp_tokens=", tuning.warp_tokens, " is not 0, 8, 16 or 32");
+  if (tuning.warp_tokens > 8) {
+    const uint32_t wide = tuning.warp_tokens;
+    if (tuning.tensor_cores != 1)
+      return invalid("tuning.warp_tokens=", wide,
+                     " needs tensor_cores=1 (the wide tiles are the tensor-core loop's)");
+    if (tuning.chunks_per_lane != 1)
+      return invalid("tuning.warp_tokens=", wide, " needs chunks_per_lane=1");
+    if (shape.dtype == simd::Dtype::q8)
+      return invalid("tuning.warp_tokens=", wide,
+                     " needs f16 or bf16 K/V (q8 has no tensor-core loop)");
+    if (tuning.l2_prefetch != 0)
+      return invalid("tuning.warp_tokens=", wide,
+                     " is not instantiated with l2_prefetch=", tuning.l2_prefetch, " (0 only)");
+    if (tuning.bulk_copies != 0 && tuning.bulk_copies != 2)
+      return invalid(
+          "tuning.warp_tokens=", wide,
+          " is instantiated with bulk_copies 0 or 2 only, not bulk_copies=", tuning.bulk_copies);
+    if (wide == 32 && shape.head_dim == 256)
+      return invalid(
+          "tuning.warp_tokens=32 is not instantiated for head_dim=256 (two stages of "
+          "its 128-token tile would not fit a multiprocessor's shared memory)");
+  }
+
   release();
   int device = 0, multiprocessors = 0, resident = 0;
   if (Result r = cuda_result(cudaGetDevice(&device), "cudaGetDevice"); !r.ok) return r;
@@ -1706,6 +2184,19 @@ Result SparseDecodeAttention::init(const AttentionShape& shape, uint32_t max_bat
   // Both forms' kernels may take more than the default 48 KiB of dynamic shared memory.
   const KernelInfo<PageForm> page_kernel = kernel_for<PageForm>(shape, tuning);
   const KernelInfo<TokenForm> token_kernel = kernel_for<TokenForm>(shape, tuning);
+  // The wide tiles' stages can exceed what a block may take on smaller parts (99 KiB on sm_89).
+  if (tuning.warp_tokens > 8) {
+    int most = 0;
+    if (Result r = cuda_result(
+            cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+            "shared memory per block");
+        !r.ok)
+      return r;
+    if (page_kernel.shared_bytes > static_cast<uint32_t>(most))
+      return invalid("tuning.warp_tokens=", tuning.warp_tokens, " needs ", page_kernel.shared_bytes,
+                     " bytes of shared memory a block at head_dim=", shape.head_dim,
+                     "; this device allows ", most);
+  }
   for (cudaError_t err :
        {cudaFuncSetAttribute(page_kernel.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                              page_kernel.shared_bytes),

@@ -138,6 +138,16 @@ struct AttendTuning {
   // (tensor_cores 1, chunks_per_lane 1, f16 or bf16), and a device of compute capability 9.0 or
   // later: init() refuses anything else.
   uint32_t bulk_copies = 0;
+  // 0, 8, 16 or 32: tokens each warp computes on per tile in the tensor-core loop (0 and 8: the
+  // loop above, whose warps take 8 tokens at d = 128 and a CTA tile of 32). 16 and 32 give each
+  // warp a tile of 16 or 32 rows that its own lanes copy (2 or 4 n-tiles of S per k-step), so the
+  // per-tile work (online-softmax maximum, rescale, shuffles, pipeline waits, page-table lookup,
+  // address arithmetic) is paid once per 2 or 4 times the bytes; the CTA tile is 64 or 128 tokens,
+  // a stage 2 or 4 times larger, fewer CTAs fit a multiprocessor (init() sizes the splits from the
+  // occupancy). With the cp.async copies (bulk_copies 0) or the per-warp bulk copies (bulk_copies
+  // 2); tensor_cores 1, chunks_per_lane 1, l2_prefetch 0, f16 or bf16: init() refuses anything
+  // else.
+  uint32_t warp_tokens = 0;
 };
 
 // How the last call was split, and what it read.

@@ -97,6 +97,7 @@ struct Case {
   uint32_t tensor_cores = 0;        // gpu::AttendTuning::tensor_cores
   uint32_t l2_prefetch = 0;         // gpu::AttendTuning::l2_prefetch
   uint32_t bulk_copies = 0;         // gpu::AttendTuning::bulk_copies
+  uint32_t warp_tokens = 0;         // gpu::AttendTuning::warp_tokens
 };
 
 std::string case_name(const Case& c) {
@@ -109,6 +110,7 @@ std::string case_name(const Case& c) {
        << (c.tensor_cores ? "_tc" : "");
   if (c.l2_prefetch != 0) name << "_pf" << c.l2_prefetch;
   if (c.bulk_copies != 0) name << "_bulk" << c.bulk_copies;
+  if (c.warp_tokens != 0) name << "_w" << c.warp_tokens;
   return name.str();
 }
 
@@ -319,6 +321,27 @@ bool bulk_copies_refused_here(const gpu::AttendTuning& tuning) {
 #endif
 }
 
+// As bulk_copies_refused_here, and the wide tiles (AttendTuning::warp_tokens 16, 32), whose
+// stages can exceed what a block may take on smaller parts (99 KiB on sm_89): init() refuses them
+// there with a message naming the bytes, which this checks.
+bool tuning_refused_here(const gpu::AttendTuning& tuning,
+                         const gpu::AttentionShape& shape = {1, 4, 128, 16, simd::Dtype::bf16}) {
+  if (tuning.warp_tokens <= 8) return bulk_copies_refused_here(tuning);
+#if KVSIFT_TEST_WITH_CUDA
+  int n_devices = 0;
+  if (!gpu::device_count(&n_devices).ok) return false;  // GpuTest skips
+  gpu::SparseDecodeAttention attention;
+  const gpu::Result r = attention.init(shape, 1, tuning);
+  if (r.ok) return false;
+  const bool known = r.message.find("bytes of shared memory a block") != std::string::npos ||
+                     r.message.find("compute capability 9.0") != std::string::npos;
+  EXPECT_TRUE(known) << r.message;
+  return true;
+#else
+  return false;
+#endif
+}
+
 // Runs the case's form and checks it against the reference; returns the output.
 std::vector<float> run_and_check(const Problem& p, Form form, gpu::SplitPlan* plan = nullptr,
                                  const gpu::AttendTuning& tuning = {}) {
@@ -376,7 +399,8 @@ TEST_P(GpuAttentionCase, matches_the_float64_reference) {
   tuning.tensor_cores = c.tensor_cores;
   tuning.l2_prefetch = c.l2_prefetch;
   tuning.bulk_copies = c.bulk_copies;
-  if (bulk_copies_refused_here(tuning)) GTEST_SKIP() << "bulk copies need sm_90";
+  tuning.warp_tokens = c.warp_tokens;
+  if (tuning_refused_here(tuning, p.shape)) GTEST_SKIP() << "this device refuses the tuning";
   run_and_check(p, c.form, nullptr, tuning);
 }
 
@@ -426,6 +450,17 @@ std::vector<Case> all_cases() {
       cases.back().tensor_cores = 1;
       cases.back().bulk_copies = bulk;
     }
+  // And with wide warp tiles, cp.async and per-warp bulk copies (32-token tiles stop at d = 128).
+  for (uint32_t warp_tokens : {16u, 32u})
+    for (uint32_t bulk : {0u, 2u})
+      for (std::size_t i = 0; i < one_piece; ++i) {
+        if (cases[i].dtype == simd::Dtype::q8) continue;
+        if (warp_tokens == 32 && cases[i].head_dim == 256) continue;
+        cases.push_back(cases[i]);
+        cases.back().tensor_cores = 1;
+        cases.back().bulk_copies = bulk;
+        cases.back().warp_tokens = warp_tokens;
+      }
   return cases;
 }
 
@@ -449,11 +484,14 @@ TEST_F(GpuTest, a_long_context_splits_and_merges) {
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
         gpu::AttendTuning{0, 2, 1, 1, 128}, gpu::AttendTuning{0, 2, 1, 1, 0, 1},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 2}, gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
-    if (bulk_copies_refused_here(tuning)) continue;
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2}, gpu::AttendTuning{0, 2, 1, 1, 0, 3},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 0, 16}, gpu::AttendTuning{0, 2, 1, 1, 0, 0, 32},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2, 16}, gpu::AttendTuning{0, 2, 1, 1, 0, 2, 32}}) {
+    if (tuning_refused_here(tuning)) continue;
     SCOPED_TRACE(::testing::Message()
                  << "tensor_cores " << tuning.tensor_cores << ", l2_prefetch " << tuning.l2_prefetch
-                 << ", bulk_copies " << tuning.bulk_copies);
+                 << ", bulk_copies " << tuning.bulk_copies << ", warp_tokens "
+                 << tuning.warp_tokens);
     Case c{1, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
     const std::vector<uint32_t> pages(8, 1024);
     gpu::SplitPlan plan;
@@ -487,15 +525,27 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
       {0, 64, 1, 1, 0, 2}, {64, 1, 1, 1, 0, 2}, {0, 2, 1, 1, 0, 3},  {1, 1, 1, 1, 0, 3},
       {2, 2, 1, 1, 0, 3},  {3, 5, 1, 1, 0, 3},  {8, 2, 1, 1, 0, 3},  {0, 64, 1, 1, 0, 3},
       {64, 1, 1, 1, 0, 3}};
+  // The wide warp tiles under the same split tunings, cp.async and bulk.
+  const gpu::AttendTuning wide_tunings[] = {
+      {0, 2, 1, 1, 0, 0, 16},  {1, 1, 1, 1, 0, 0, 16},  {2, 2, 1, 1, 0, 0, 16},
+      {3, 5, 1, 1, 0, 0, 16},  {8, 2, 1, 1, 0, 0, 16},  {0, 64, 1, 1, 0, 0, 16},
+      {64, 1, 1, 1, 0, 0, 16}, {0, 2, 1, 1, 0, 0, 32},  {1, 1, 1, 1, 0, 0, 32},
+      {3, 5, 1, 1, 0, 0, 32},  {8, 2, 1, 1, 0, 0, 32},  {64, 1, 1, 1, 0, 0, 32},
+      {0, 2, 1, 1, 0, 2, 16},  {1, 1, 1, 1, 0, 2, 16},  {3, 5, 1, 1, 0, 2, 16},
+      {8, 2, 1, 1, 0, 2, 16},  {64, 1, 1, 1, 0, 2, 16}, {0, 2, 1, 1, 0, 2, 32},
+      {1, 1, 1, 1, 0, 2, 32},  {8, 2, 1, 1, 0, 2, 32},  {64, 1, 1, 1, 0, 2, 32}};
+  std::vector<gpu::AttendTuning> all(std::begin(tunings), std::end(tunings));
+  all.insert(all.end(), std::begin(wide_tunings), std::end(wide_tunings));
   uint32_t seed = 90;
   for (Form form : {Form::pages, Form::tokens})
-    for (const gpu::AttendTuning& tuning : tunings) {
-      if (bulk_copies_refused_here(tuning)) continue;
+    for (const gpu::AttendTuning& tuning : all) {
+      if (tuning_refused_here(tuning)) continue;
       SCOPED_TRACE(::testing::Message()
                    << "ctas_per_sm " << tuning.ctas_per_sm << ", min tiles "
                    << tuning.min_tiles_per_split << ", chunks " << tuning.chunks_per_lane
                    << ", tensor_cores " << tuning.tensor_cores << ", l2_prefetch "
-                   << tuning.l2_prefetch << ", bulk_copies " << tuning.bulk_copies);
+                   << tuning.l2_prefetch << ", bulk_copies " << tuning.bulk_copies
+                   << ", warp_tokens " << tuning.warp_tokens);
       const Case c{1, 4, 128, 16, simd::Dtype::bf16, form, 8};
       gpu::SplitPlan plan;
       run_and_check(make_problem(c, ++seed, pages, last), form, &plan, tuning);
@@ -506,6 +556,48 @@ TEST_F(GpuTest, every_split_tuning_matches_the_float64_reference) {
         EXPECT_GT(plan.splits_per_pair, 1u);
       }
     }
+}
+
+TEST_F(GpuTest, wide_tiles_cover_every_page_size_open_pages_and_split) {
+  // The wide warp tiles address a warp's 16 or 32 rows from one or two slot ids (page form) and
+  // leave the rows past a split's list at weight zero: every page size, so that warp tiles start
+  // at page starts and inside pages (16 rows of a 32- or 64-row page) and span two 16-row pages
+  // (32-token tiles); open last pages of 1, some and all rows; lists shorter than one warp tile
+  // and than one CTA tile; and splits many and one, both forms, f16 and bf16, every head_dim.
+  // Pair i lists pages[i] pages whose open last one holds last[i] rows (one, a full page, one
+  // short of it, a few, half and some): lists from one row (below a warp tile) to 64 pages.
+  uint32_t seed = 300;
+  for (uint32_t B : {16u, 32u, 64u})
+    for (uint32_t d : {64u, 128u, 256u})
+      for (uint32_t warp_tokens : {16u, 32u})
+        for (uint32_t bulk : {0u, 2u}) {
+          if (warp_tokens == 32 && d == 256) continue;
+          const std::vector<uint32_t> pages = {1, 1, 2, 3, 37, 5, 64, 9};
+          const std::vector<uint32_t> last = {1, B, B - 1, 17 % B + 1, B / 2 + 3, 16, B, 2};
+          const simd::Dtype dtype = (B + d) % 3 == 0 ? simd::Dtype::f16 : simd::Dtype::bf16;
+          for (Form form : {Form::pages, Form::tokens})
+            for (const gpu::AttendTuning& tuning :
+                 {gpu::AttendTuning{0, 2, 1, 1, 0, bulk, warp_tokens},
+                  gpu::AttendTuning{8, 1, 1, 1, 0, bulk, warp_tokens},
+                  gpu::AttendTuning{1, 64, 1, 1, 0, bulk, warp_tokens}}) {
+              const Case c{2, 4, d, B, dtype, form, 4, 40, 0.7};
+              if (tuning_refused_here(tuning, {c.n_kv_heads, c.group_size, d, B, dtype})) continue;
+              SCOPED_TRACE(::testing::Message()
+                           << "page_tokens " << B << ", head_dim " << d << ", warp_tokens "
+                           << warp_tokens << ", bulk_copies " << bulk << ", ctas_per_sm "
+                           << tuning.ctas_per_sm << ", min tiles " << tuning.min_tiles_per_split
+                           << (form == Form::pages ? ", pages" : ", tokens"));
+              gpu::SplitPlan plan;
+              run_and_check(make_problem(c, ++seed, pages, last), form, &plan, tuning);
+              EXPECT_EQ(plan.tokens_per_split % (4 * warp_tokens), 0u);
+              if (tuning.ctas_per_sm == 8 && form == Form::pages) {
+                EXPECT_GT(plan.splits_per_pair, 1u);
+              }
+              if (tuning.min_tiles_per_split == 64) {
+                EXPECT_EQ(plan.splits_per_pair, 1u);
+              }
+            }
+        }
 }
 
 TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
@@ -520,6 +612,11 @@ TEST_F(GpuTest, logits_that_keep_growing_rescale_the_running_sums) {
     for (uint32_t bulk : {1u, 2u, 3u})
       if (!bulk_copies_refused_here({0, 2, 1, 1, 0, bulk}))
         run_and_check(make_random_problem(c, 51), form, nullptr, {0, 2, 1, 1, 0, bulk});
+    for (uint32_t bulk : {0u, 2u})
+      for (uint32_t warp_tokens : {16u, 32u})
+        if (!tuning_refused_here({0, 2, 1, 1, 0, bulk, warp_tokens}))
+          run_and_check(make_random_problem(c, 51), form, nullptr,
+                        {0, 2, 1, 1, 0, bulk, warp_tokens});
   }
 }
 
@@ -530,8 +627,10 @@ TEST_F(GpuTest, a_short_selection_writes_the_output_without_a_merge) {
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
         gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
-    if (bulk_copies_refused_here(tuning)) continue;
+        gpu::AttendTuning{0, 2, 1, 1, 0, 3}, gpu::AttendTuning{0, 2, 1, 1, 0, 0, 16},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 0, 32}, gpu::AttendTuning{0, 2, 1, 1, 0, 2, 16},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2, 32}}) {
+    if (tuning_refused_here(tuning)) continue;
     gpu::SplitPlan plan;
     run_and_check(p, Form::pages, &plan, tuning);
     EXPECT_EQ(plan.splits_per_pair, 1u);
@@ -543,8 +642,10 @@ TEST_F(GpuTest, pairs_with_nothing_listed_get_zeros) {
     for (const gpu::AttendTuning& tuning :
          {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
           gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
-          gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
-      if (bulk_copies_refused_here(tuning)) continue;
+          gpu::AttendTuning{0, 2, 1, 1, 0, 3}, gpu::AttendTuning{0, 2, 1, 1, 0, 0, 16},
+          gpu::AttendTuning{0, 2, 1, 1, 0, 0, 32}, gpu::AttendTuning{0, 2, 1, 1, 0, 2, 16},
+          gpu::AttendTuning{0, 2, 1, 1, 0, 2, 32}}) {
+      if (tuning_refused_here(tuning)) continue;
       const Case c{2, 4, 64, 16, simd::Dtype::bf16, form, 2, 40, 0.5};
       // Some empty, then all empty.
       run_and_check(make_problem(c, 21, {0, 30, 0, 3}, {0, 4, 0, 16}), form, nullptr, tuning);
@@ -560,10 +661,12 @@ TEST_F(GpuTest, repeated_runs_give_identical_bits) {
   for (const gpu::AttendTuning& tuning :
        {gpu::AttendTuning{0, 2, 1, 0}, gpu::AttendTuning{0, 2, 1, 1},
         gpu::AttendTuning{0, 2, 1, 1, 0, 1}, gpu::AttendTuning{0, 2, 1, 1, 0, 2},
-        gpu::AttendTuning{0, 2, 1, 1, 0, 3}}) {
-    if (bulk_copies_refused_here(tuning)) continue;
-    SCOPED_TRACE(::testing::Message() << "tensor_cores " << tuning.tensor_cores << ", bulk_copies "
-                                      << tuning.bulk_copies);
+        gpu::AttendTuning{0, 2, 1, 1, 0, 3}, gpu::AttendTuning{0, 2, 1, 1, 0, 0, 16},
+        gpu::AttendTuning{0, 2, 1, 1, 0, 2, 32}}) {
+    if (tuning_refused_here(tuning)) continue;
+    SCOPED_TRACE(::testing::Message()
+                 << "tensor_cores " << tuning.tensor_cores << ", bulk_copies " << tuning.bulk_copies
+                 << ", warp_tokens " << tuning.warp_tokens);
     const std::vector<float> checked = run_and_check(p, Form::tokens, nullptr, tuning);
     DeviceProblem dev(p);
     gpu::SparseDecodeAttention attention;
@@ -660,6 +763,22 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
                  "tuning.bulk_copies=3 needs tensor_cores=1");
   expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 3}),
                  "tuning.bulk_copies=3 needs chunks_per_lane=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 0, 12}),
+                 "tuning.warp_tokens=12 is not 0, 8, 16 or 32");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 0, 16}),
+                 "tuning.warp_tokens=16 needs tensor_cores=1");
+  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 0, 32}),
+                 "tuning.warp_tokens=32 needs chunks_per_lane=1");
+  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 0, 16}),
+                 "tuning.warp_tokens=16 needs f16 or bf16 K/V");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 128, 0, 16}),
+                 "tuning.warp_tokens=16 is not instantiated with l2_prefetch=128");
+  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 1, 32}),
+                 "tuning.warp_tokens=32 is instantiated with bulk_copies 0 or 2 only");
+  gpu::AttentionShape d256 = good;
+  d256.head_dim = 256;
+  expect_invalid(attention.init(d256, 1, {0, 2, 1, 1, 0, 0, 32}),
+                 "tuning.warp_tokens=32 is not instantiated for head_dim=256");
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
