@@ -66,7 +66,7 @@ for run in $(seq 1 "$runs"); do
   # shellcheck disable=SC2086  # BENCH_ARGS is a list of flags
   timeout "${BENCH_TIMEOUT:-270}" "$bin" --contexts "${contexts// /,}" \
     --batches "${batches// /,}" --csv "$out/offload_$run.csv" ${BENCH_ARGS:-} 2>&1 |
-    tee "$out/offload.log" || {
+    tee "$out/offload_$run.log" || {
     echo "$target: exit ${PIPESTATUS[0]} (124: timed out, 2: a row failed)"
     status=1
   }
@@ -74,6 +74,7 @@ done
 # The first run's files are the table's (and keep their old names).
 [[ -f $out/sdpa_1.csv ]] && cp "$out/sdpa_1.csv" "$out/sdpa.csv"
 [[ -f $out/offload_1.csv ]] && cp "$out/offload_1.csv" "$out/offload.csv"
+[[ -f $out/offload_1.log ]] && cp "$out/offload_1.log" "$out/offload.log"
 
 echo
 python3 - "$out/offload.csv" "$out/sdpa.csv" <<'PY' | tee "$out/table.txt"
@@ -174,7 +175,7 @@ if not ours:
 PY
 if ((runs > 1)); then
   python3 - "$out" "$runs" <<'PY' | tee -a "$out/table.txt"
-import csv, os, statistics, sys
+import csv, os, re, statistics, sys
 
 out, runs = sys.argv[1], int(sys.argv[2])
 
@@ -189,6 +190,9 @@ def num(x):
 
 # Per (context, batch): each run's c/a (its step over its own torch) and a_ours/a_torch.
 steps, kernels = {}, {}
+sweeps = {}  # (context, batch, tuning) -> each run's (a) sweep median over that run's torch
+row_re = re.compile(r"row context (\d+), batch (\d+)")
+sweep_re = re.compile(r"\(a\) sweep (\S+) .*: ([0-9.]+) us \(")
 for run in range(1, runs + 1):
     torch = {}
     for r in rows(os.path.join(out, f"sdpa_{run}.csv")):
@@ -202,6 +206,13 @@ for run in range(1, runs + 1):
             steps.setdefault(key, []).append(c / torch[key])
         if key in torch and a is not None:
             kernels.setdefault(key, []).append(a / torch[key])
+    log = os.path.join(out, f"offload_{run}.log")
+    key = None
+    for line in open(log) if os.path.exists(log) else []:
+        if m := row_re.search(line):
+            key = (int(m[1]), int(m[2]))
+        elif (m := sweep_re.search(line)) and key in torch:
+            sweeps.setdefault((*key, m[1]), []).append(float(m[2]) / torch[key])
 
 print(f"\nover {runs} runs (each ratio against the same run's torch SDPA): median (min..max), n")
 for key in sorted(set(steps) | set(kernels)):
@@ -220,6 +231,12 @@ for key in sorted(set(steps) | set(kernels)):
         m = statistics.median(kernels[key])
         print(f"    goal (a ours)/(a torch) <= 1.05, B={B}, median: {m:.2f} "
               f"{'met' if m <= 1.05 else 'NOT met'}")
+if sweeps:
+    print("\n(a) sweep over torch SDPA, each run's tuning against the same run's torch: median "
+          "(min..max), n")
+    for (T, B, tuning), values in sorted(sweeps.items()):
+        print(f"  ctx {T:>8} B {B:>2} {tuning:>18}: {statistics.median(values):.3f} "
+              f"({min(values):.3f}..{max(values):.3f}) n={len(values)}")
 PY
 fi
 # The kernel tuning sweeps (kvsift-bench-offload --a-tunings, gpu::AttendTuning): per row, one line
