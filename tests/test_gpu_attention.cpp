@@ -19,6 +19,7 @@
 #include <numeric>
 #include <random>
 #include <sstream>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -162,6 +163,11 @@ Problem make_problem(const Case& c, uint32_t seed, const std::vector<uint32_t>& 
   Problem p;
   p.shape = gpu::AttentionShape{c.n_kv_heads, c.group_size, c.head_dim, c.page_tokens, c.dtype};
   p.n_seqs = c.n_seqs;
+  // One context length and one last-page length per (sequence, KV head) pair.
+  if (context_pages.size() != p.pairs() || last_tokens.size() != p.pairs())
+    throw std::invalid_argument("make_problem: " + std::to_string(context_pages.size()) + " and " +
+                                std::to_string(last_tokens.size()) + " lengths for " +
+                                std::to_string(p.pairs()) + " pairs");
   const uint32_t B = c.page_tokens, d = c.head_dim;
   std::mt19937 rng(seed);
   const uint32_t total_pages = std::accumulate(context_pages.begin(), context_pages.end(), 0u);
@@ -690,7 +696,7 @@ TEST_F(GpuTest, tensor_maps_follow_the_pool) {
   // the map's whole-page boxes bring in and the kernel must weigh zero.
   const gpu::AttendTuning tuning{0, 2, 1, 1, 0, 3};
   if (bulk_copies_refused_here(tuning)) GTEST_SKIP() << "bulk copies need sm_90";
-  const Case c{2, 4, 128, 16, simd::Dtype::bf16, Form::pages, 8};
+  const Case c{2, 4, 128, 16, simd::Dtype::bf16, Form::pages, 2};
   std::vector<Problem> problems;
   problems.push_back(make_problem(c, 61, {40, 3, 17, 1}, {5, 16, 1, 9}));
   problems.push_back(make_problem(c, 62, {9, 90, 2, 33}, {16, 2, 7, 13}));
