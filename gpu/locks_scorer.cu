@@ -41,6 +41,12 @@
 // Shared memory a page: 6.5 wavefronts to write the record, about 4 to read V (conflict-free by
 // the swizzle), 4 for the query codes, 2-3 for mu and C.
 // Registers 56-80 (80 for 4 heads), no spills, for sm_80, sm_89 and sm_90.
+// Measured with this kernel (H200, bench/bench_offload.cpp --locks-device 0, the (c) step's
+// selection a step, medians of 32 steps; docs/results/gpu-scale/raw/kernels/dec03/): 87.1 us at
+// 128K batch 1 (86.3-90.0 with the previous kernel, three runs), 453.8 at batch 8 (495.5-498.7),
+// 285.9 at 1M batch 1 (297.2-300.8, two runs): 0-10% less, where reaching the floor would have
+// taken about 25 us off at 128K batch 1 (37 us of scoring then, 12.4 the floor). Whether this
+// kernel reaches its floor is not profiled yet.
 #include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

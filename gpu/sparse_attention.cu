@@ -175,38 +175,38 @@
 // instructions, 16 mma.sync, 8 ldmatrix); what bulk 3 saves is in the copies (98 -> 78 instructions
 // a warp, 16 -> 4 copy-engine requests). ptxas (sm_90), no spills: 96 registers at d = 128 (as bulk
 // 2), 58 to 68 at d = 64, 160 at d = 256 (bulk 2: 162 to 164); 4 CTAs a multiprocessor at d = 128.
-// It has not run on a device yet. The fixed cost F: every kernel loaded q (a global round trip,
-// then the conversions) before it issued its first copies, so a CTA's first tile waited on q's
-// latency and then on the rows'. The tensor-core kernels now load q once their first copies are in
-// flight (Compute::load_q); the FMA loop keeps the old order, where the move cost registers
+// Measured below, after the wide tiles. The fixed cost F: every kernel loaded q (a global round
+// trip, then the conversions) before it issued its first copies, so a CTA's first tile waited on
+// q's latency and then on the rows'. The tensor-core kernels now load q once their first copies are
+// in flight (Compute::load_q); the FMA loop keeps the old order, where the move cost registers
 // (sparse_attend). ptxas (sm_90), against the old order: at d = 128 the cp.async tensor-core
 // kernels go from 124-126 to 125-128 registers (4 CTAs a multiprocessor still) and bulk copies 1
 // and 2 keep their 96; at d = 64 and 256 the tensor-core kernels move by up to 8 either way
 // (56-80, 164-168); the FMA kernels keep theirs exactly; bulk 2's one spill (8 bytes at d = 64,
 // G = 2, token form) is gone.
 //
-// Wide warp tiles (AttendTuning::warp_tokens 16 and 32, WideTile, WideMmaTile, wide_loop; not yet
-// measured). Nsight Compute at 128K batch 1 (locked clocks, cache flushed) puts torch's kernel,
-// cuDNN's sm80 flash_fprop_wmma 16x128x128, at 87.9% of DRAM bandwidth with 256 CTAs of 4 warps, 2
-// a multiprocessor (8 warps), 86 KB of shared memory each, every CTA consuming 128 tokens (64 KiB
-// of K and V, 16 KiB a warp) an iteration; ours at 70.3% with 528 CTAs, 4 a multiprocessor (16
-// warps), a CTA tile of 32 tokens (16 KiB, 4 KiB a warp). Ours is also the more sensitive to the SM
-// clock (3.38 TB/s at ncu's 1.29 GHz, about 3.9 at 1.98; torch 4.23 and 4.58), so part of the gap
-// is issue work per byte: every 8-token warp tile pays the softmax's maximum, its two shuffles and
-// the rescale test, the pipeline's wait and two __syncwarp, the page-table load and the copies'
-// address arithmetic, fixed costs that a wider tile spreads over more bytes. So warp_tokens 16 or
-// 32: each warp owns 16 or 32 consecutive tokens of a CTA tile of 64 or 128, copies exactly those
-// rows itself (cp.async, 16-byte pieces swizzled by row mod 8, so ldmatrix meets no bank conflicts;
-// or with bulk_copies 2 one cp.async.bulk per row at BulkTile's padded pitch and an mbarrier per
-// warp and stage) and computes S = Q K^T as 2 or 4 n-tiles per k-step (the mma and ldmatrix per
-// byte are unchanged: MmaTile's fragments, hi/lo halves of q and p, O^T += V^T P^T), one softmax
-// maximum, 2 shuffles and one rescale test per wide tile. A warp's rows start at a multiple of its
-// width (splits start at multiples of the CTA tile), so in page form each 16 of them lie in one
-// page: a lane loads one slot id (two for 32 tokens, whose halves may be two 16-token pages), one
-// tile ahead as before, and addresses its 16-byte pieces at constant offsets from it (the CTA tile
-// of 32 loaded a slot id per row a thread copies).
-// PTX of the token loop (nvcc 13, sm_90, bf16, d = 128, G = 4, page form, copies and rare paths
-// included; a warp's tile is 4 KiB of K/V per 8 tokens), instructions per 4 KiB:
+// Wide warp tiles (AttendTuning::warp_tokens 16 and 32, WideTile, WideMmaTile, wide_loop;
+// measured below). Nsight Compute at 128K batch 1 (locked clocks, cache flushed) puts torch's
+// kernel, cuDNN's sm80 flash_fprop_wmma 16x128x128, at 87.9% of DRAM bandwidth with 256 CTAs of 4
+// warps, 2 a multiprocessor (8 warps), 86 KB of shared memory each, every CTA consuming 128 tokens
+// (64 KiB of K and V, 16 KiB a warp) an iteration; ours at 70.3% with 528 CTAs, 4 a multiprocessor
+// (16 warps), a CTA tile of 32 tokens (16 KiB, 4 KiB a warp). Ours is also the more sensitive to
+// the SM clock (3.38 TB/s at ncu's 1.29 GHz, about 3.9 at 1.98; torch 4.23 and 4.58), so part of
+// the gap is issue work per byte: every 8-token warp tile pays the softmax's maximum, its two
+// shuffles and the rescale test, the pipeline's wait and two __syncwarp, the page-table load and
+// the copies' address arithmetic, fixed costs that a wider tile spreads over more bytes. So
+// warp_tokens 16 or 32: each warp owns 16 or 32 consecutive tokens of a CTA tile of 64 or 128,
+// copies exactly those rows itself (cp.async, 16-byte pieces swizzled by row mod 8, so ldmatrix
+// meets no bank conflicts; or with bulk_copies 2 one cp.async.bulk per row at BulkTile's padded
+// pitch and an mbarrier per warp and stage) and computes S = Q K^T as 2 or 4 n-tiles per k-step
+// (the mma and ldmatrix per byte are unchanged: MmaTile's fragments, hi/lo halves of q and p, O^T
+// += V^T P^T), one softmax maximum, 2 shuffles and one rescale test per wide tile. A warp's rows
+// start at a multiple of its width (splits start at multiples of the CTA tile), so in page form
+// each 16 of them lie in one page: a lane loads one slot id (two for 32 tokens, whose halves may be
+// two 16-token pages), one tile ahead as before, and addresses its 16-byte pieces at constant
+// offsets from it (the CTA tile of 32 loaded a slot id per row a thread copies). PTX of the token
+// loop (nvcc 13, sm_90, bf16, d = 128, G = 4, page form, copies and rare paths included; a warp's
+// tile is 4 KiB of K/V per 8 tokens), instructions per 4 KiB:
 //   tensor-core loop, cp.async (today's default)  308 (308 a tile: 16 mma, 8 ldmatrix, 8 cp.async)
 //   bulk_copies 2                                  255
 //   warp_tokens 16, cp.async                       156 (311 a tile: 32 mma, 16 ldmatrix, 16 cp)
@@ -228,6 +228,25 @@
 // warp_tokens 16 and 32, cp.async and bulk_copies 2 (sm_90 only, as before), f16 and bf16, both
 // forms, head blocks 1, 2, 4, 8, d = 64, 128, 256 (32 tokens: 64, 128); init() refuses q8,
 // chunks_per_lane 2, l2_prefetch, bulk_copies 1 and the FMA loop with them.
+//
+// Measured, the tensor-map copies and the wide tiles (H200, bench_offload's (a) sweep of 20 calls
+// a point; per tuning the median, over five runs at 128K and three at 1M, of its time over the
+// same run's torch SDPA, min..max in docs/results/gpu-scale/raw/kernels/dec03/; torch took 127.7,
+// 927.4 and 927.7 us in the first run):
+//                 default  bulk 2  bulk 3  2:..:0:3  w16    w16 bulk 2  w32    w32 bulk 2
+//   128K batch 1  1.198    1.086   1.095   1.127     1.163  1.094       1.157  1.422
+//   128K batch 8  1.193    1.076   1.098   1.130     1.187  1.072       1.180  1.448
+//   1M batch 1    1.181    1.073   1.093   1.121     1.183  1.089       1.182  1.449
+// Neither design moves the kernel past bulk 2. The tensor-map copies cost 1-2% more than bulk
+// 2's row copies: a quarter of the copy requests (4 a warp a tile, not 16) bought no time, so the
+// kernel is not bound by issuing its copies. The wide tiles with cp.async gain 3% on the default at
+// 128K batch 1 and nothing at batch 8 or 1M; with bulk copies, 16 tokens ties bulk 2 (ahead by 0.4%
+// at batch 8, behind by 0.7-1.5% elsewhere) and 32 tokens is 31-35% slower (one CTA of 4 warps a
+// multiprocessor keeps too few bytes in flight). So the per-tile issue work is not what keeps the
+// kernel at 1.07-1.09x torch either; bulk 2 reads K and V at 3.85 TB/s at 128K batch 1 and 4.31
+// at 1M, torch at 4.20 and 4.63 (of the H200's 4.8). Loading q after the first copies left the
+// default where it was (153.0 us at 128K batch 1 against 154.0 before). All variants pass the
+// attention tests, and compute-sanitizer's memcheck and racecheck, on the H200.
 #include <cuda.h>          // CUtensorMap and its enums only: the driver's encoder comes at run time
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 #include <cuda_bf16.h>
