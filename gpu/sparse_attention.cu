@@ -827,6 +827,46 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
                  : "r"(address));
 }
 
+// The online softmax of one tile of the tensor-core loops (MmaTile::tile, WideMmaTile::tile):
+// x holds the lane's two logits of each n-tile (-inf where a token weighs zero), t is lane % 4.
+// Updates the running maximum m and sum l, rescales the accumulators O^T lazily as
+// FmaTile::tile does (the 4 lanes of a head see the same maximum), and returns P as the B
+// fragments of P^T V's mma, p_hi (k 0-7) and p_lo (k 8-15) per n-tile.
+template <simd::Dtype D, uint32_t kNTiles, uint32_t kMTiles>
+__device__ __forceinline__ void softmax_tile(const float (&x)[kNTiles][2], uint32_t t, float& m,
+                                             float& l, float (&acc)[kMTiles][4],
+                                             uint32_t (&pb)[kNTiles][2]) {
+  float tile_max = fmaxf(x[0][0], x[0][1]);
+#pragma unroll
+  for (uint32_t nt = 1; nt < kNTiles; ++nt) tile_max = fmaxf(tile_max, fmaxf(x[nt][0], x[nt][1]));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+  const bool grows = tile_max > m + kLazyRescale;
+  if (__any_sync(0xffffffffu, grows)) {
+    float alpha = 1.0f;
+    if (grows) {
+      alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
+      m = tile_max;
+      l *= alpha;
+    }
+    // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
+    const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
+    const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
+#pragma unroll
+    for (uint32_t i = 0; i < kMTiles; ++i) {
+      acc[i][0] *= alpha0, acc[i][1] *= alpha1;
+      acc[i][2] *= alpha0, acc[i][3] *= alpha1;
+    }
+  }
+  const float m_safe = m == kNegInf ? 0.0f : m;
+#pragma unroll
+  for (uint32_t nt = 0; nt < kNTiles; ++nt) {
+    const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
+    l += p0 + p1;
+    split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
+  }
+}
+
 // The tensor-core loop (AttendTuning::tensor_cores; f16 and bf16). Each warp computes on the
 // rows its own lanes copied, kWarpRows tokens a tile (2 to 16: R blocks of kRowsPerWarp rows),
 // and keeps one online softmax per head for them. With groupID = lane / 4 and
@@ -993,37 +1033,8 @@ struct MmaTile {
             (last_tile && base + tile_row(token) >= last))
           x[nt][e] = kNegInf;  // padding, or rows past the list: weight zero
       }
-    // Lazy rescaling as in FmaTile::tile; the 4 lanes of a head see the same maximum.
-    float tile_max = x[0][0];
-#pragma unroll
-    for (uint32_t nt = 0; nt < kNTiles; ++nt) tile_max = fmaxf(tile_max, fmaxf(x[nt][0], x[nt][1]));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const bool grows = tile_max > m + kLazyRescale;
-    if (__any_sync(0xffffffffu, grows)) {
-      float alpha = 1.0f;
-      if (grows) {
-        alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
-        m = tile_max;
-        l *= alpha;
-      }
-      // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
-      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
-      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-#pragma unroll
-      for (uint32_t i = 0; i < kMTiles; ++i) {
-        acc[i][0] *= alpha0, acc[i][1] *= alpha1;
-        acc[i][2] *= alpha0, acc[i][3] *= alpha1;
-      }
-    }
-    const float m_safe = m == kNegInf ? 0.0f : m;
     uint32_t pb[kNTiles][2];  // per 8 tokens, B of P^T: p_hi (k 0-7), p_lo (k 8-15)
-#pragma unroll
-    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-      const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
-      l += p0 + p1;
-      split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
-    }
+    softmax_tile<D>(x, t, m, l, acc, pb);
     // O^T += V^T P^T. Matrices 0, 1: channels 16 i + 0..7 and 8..15 of the 8 tokens (A's rows
     // groupID and groupID + 8), 2, 3: those of 16 (i + 1); transposed, each is A at k = tokens.
     // The tensor map's boxes hold whole pages' rows: past the list (the open page's unwritten
@@ -1189,37 +1200,8 @@ struct WideMmaTile {
         x[nt][e] = s[nt][e] + s[nt][e + 2];
         if (last_tile && base + nt * 8 + 2 * t + e >= last) x[nt][e] = kNegInf;
       }
-    // Lazy rescaling as in FmaTile::tile; the 4 lanes of a head see the same maximum.
-    float tile_max = fmaxf(x[0][0], x[0][1]);
-#pragma unroll
-    for (uint32_t nt = 1; nt < kNTiles; ++nt) tile_max = fmaxf(tile_max, fmaxf(x[nt][0], x[nt][1]));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-    tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    const bool grows = tile_max > m + kLazyRescale;
-    if (__any_sync(0xffffffffu, grows)) {
-      float alpha = 1.0f;
-      if (grows) {
-        alpha = fast_exp2(m - tile_max);  // 0 when m was -inf
-        m = tile_max;
-        l *= alpha;
-      }
-      // The accumulators' heads 2t and 2t + 1 keep their state on lanes 8t and 8t + 4.
-      const float alpha0 = __shfl_sync(0xffffffffu, alpha, 8 * t);
-      const float alpha1 = __shfl_sync(0xffffffffu, alpha, 8 * t + 4);
-#pragma unroll
-      for (uint32_t i = 0; i < kMTiles; ++i) {
-        acc[i][0] *= alpha0, acc[i][1] *= alpha1;
-        acc[i][2] *= alpha0, acc[i][3] *= alpha1;
-      }
-    }
-    const float m_safe = m == kNegInf ? 0.0f : m;
     uint32_t pb[kNTiles][2];  // per 8 tokens, B of P^T: p_hi (k 0-7), p_lo (k 8-15)
-#pragma unroll
-    for (uint32_t nt = 0; nt < kNTiles; ++nt) {
-      const float p0 = fast_exp2(x[nt][0] - m_safe), p1 = fast_exp2(x[nt][1] - m_safe);
-      l += p0 + p1;
-      split2<D>(p0, p1, pb[nt][0], pb[nt][1]);
-    }
+    softmax_tile<D>(x, t, m, l, acc, pb);
     // O^T += V^T P^T, as MmaTile::tile, per n-tile.
 #pragma unroll
     for (uint32_t i = 0; i < kMTiles; i += 2)

@@ -740,51 +740,48 @@ TEST(GpuSparseAttention, init_rejects_a_shape_it_has_no_kernel_for) {
   expect_invalid(with([](auto& s) { s.n_kv_heads = 0; }), "n_kv_heads=0");
   expect_invalid(with([](auto& s) { s.dtype = static_cast<simd::Dtype>(7); }), "dtype=7");
   expect_invalid(attention.init(good, 0), "max_batch=0 is not in 1..65536");
-  expect_invalid(attention.init(good, 1, {65, 2}), "tuning.ctas_per_sm=65 is not in 0..64");
-  expect_invalid(attention.init(good, 1, {0, 0}), "tuning.min_tiles_per_split=0 is not in 1..64");
-  expect_invalid(attention.init(good, 1, {0, 65}), "tuning.min_tiles_per_split=65");
-  expect_invalid(attention.init(good, 1, {0, 2, 3}), "tuning.chunks_per_lane=3 is not 1 or 2");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 2}), "tuning.tensor_cores=2 is not 0 or 1");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 64}),
-                 "tuning.l2_prefetch=64 is not 0, 128 or 256");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 128}),
-                 "tuning.l2_prefetch=128 is instantiated for the tensor-core loop only");
-  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 256}),
-                 "tuning.l2_prefetch=256 is instantiated for the tensor-core loop only");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 4}),
-                 "tuning.bulk_copies=4 is not 0, 1, 2 or 3");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 1}),
-                 "tuning.bulk_copies=1 needs tensor_cores=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 2}),
-                 "tuning.bulk_copies=2 needs chunks_per_lane=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 128, 1}),
-                 "tuning.l2_prefetch=128 applies to the cp.async copies");
   gpu::AttentionShape q8 = good;
   q8.dtype = simd::Dtype::q8;
-  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 1}),
-                 "tuning.bulk_copies=1 needs f16 or bf16 K/V");
-  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 3}),
-                 "tuning.bulk_copies=3 needs f16 or bf16 K/V");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 3}),
-                 "tuning.bulk_copies=3 needs tensor_cores=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 3}),
-                 "tuning.bulk_copies=3 needs chunks_per_lane=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 0, 12}),
-                 "tuning.warp_tokens=12 is not 0, 8, 16 or 32");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 0, 0, 0, 16}),
-                 "tuning.warp_tokens=16 needs tensor_cores=1");
-  expect_invalid(attention.init(good, 1, {0, 2, 2, 1, 0, 0, 32}),
-                 "tuning.warp_tokens=32 needs chunks_per_lane=1");
-  expect_invalid(attention.init(q8, 1, {0, 2, 1, 1, 0, 0, 16}),
-                 "tuning.warp_tokens=16 needs f16 or bf16 K/V");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 128, 0, 16}),
-                 "tuning.warp_tokens=16 is not instantiated with l2_prefetch=128");
-  expect_invalid(attention.init(good, 1, {0, 2, 1, 1, 0, 1, 32}),
-                 "tuning.warp_tokens=32 is instantiated with bulk_copies 0 or 2 only");
   gpu::AttentionShape d256 = good;
   d256.head_dim = 256;
-  expect_invalid(attention.init(d256, 1, {0, 2, 1, 1, 0, 0, 32}),
-                 "tuning.warp_tokens=32 is not instantiated for head_dim=256");
+  const struct {
+    gpu::AttentionShape shape;
+    gpu::AttendTuning tuning;
+    const char* message;
+  } refused[] = {
+      {good, {65, 2}, "tuning.ctas_per_sm=65 is not in 0..64"},
+      {good, {0, 0}, "tuning.min_tiles_per_split=0 is not in 1..64"},
+      {good, {0, 65}, "tuning.min_tiles_per_split=65"},
+      {good, {0, 2, 3}, "tuning.chunks_per_lane=3 is not 1 or 2"},
+      {good, {0, 2, 1, 2}, "tuning.tensor_cores=2 is not 0 or 1"},
+      {good, {0, 2, 1, 1, 64}, "tuning.l2_prefetch=64 is not 0, 128 or 256"},
+      {good,
+       {0, 2, 1, 0, 128},
+       "tuning.l2_prefetch=128 is instantiated for the tensor-core loop only"},
+      {good,
+       {0, 2, 2, 1, 256},
+       "tuning.l2_prefetch=256 is instantiated for the tensor-core loop only"},
+      {good, {0, 2, 1, 1, 0, 4}, "tuning.bulk_copies=4 is not 0, 1, 2 or 3"},
+      {good, {0, 2, 1, 0, 0, 1}, "tuning.bulk_copies=1 needs tensor_cores=1"},
+      {good, {0, 2, 2, 1, 0, 2}, "tuning.bulk_copies=2 needs chunks_per_lane=1"},
+      {good, {0, 2, 1, 1, 128, 1}, "tuning.l2_prefetch=128 applies to the cp.async copies"},
+      {q8, {0, 2, 1, 1, 0, 1}, "tuning.bulk_copies=1 needs f16 or bf16 K/V"},
+      {q8, {0, 2, 1, 1, 0, 3}, "tuning.bulk_copies=3 needs f16 or bf16 K/V"},
+      {good, {0, 2, 1, 0, 0, 3}, "tuning.bulk_copies=3 needs tensor_cores=1"},
+      {good, {0, 2, 2, 1, 0, 3}, "tuning.bulk_copies=3 needs chunks_per_lane=1"},
+      {good, {0, 2, 1, 1, 0, 0, 12}, "tuning.warp_tokens=12 is not 0, 8, 16 or 32"},
+      {good, {0, 2, 1, 0, 0, 0, 16}, "tuning.warp_tokens=16 needs tensor_cores=1"},
+      {good, {0, 2, 2, 1, 0, 0, 32}, "tuning.warp_tokens=32 needs chunks_per_lane=1"},
+      {q8, {0, 2, 1, 1, 0, 0, 16}, "tuning.warp_tokens=16 needs f16 or bf16 K/V"},
+      {good,
+       {0, 2, 1, 1, 128, 0, 16},
+       "tuning.warp_tokens=16 is not instantiated with l2_prefetch=128"},
+      {good,
+       {0, 2, 1, 1, 0, 1, 32},
+       "tuning.warp_tokens=32 is instantiated with bulk_copies 0 or 2 only"},
+      {d256, {0, 2, 1, 1, 0, 0, 32}, "tuning.warp_tokens=32 is not instantiated for head_dim=256"},
+  };
+  for (const auto& r : refused) expect_invalid(attention.init(r.shape, 1, r.tuning), r.message);
   gpu::PageAttendCall call;
   expect_invalid(attention.validate(call), "not initialised");
   expect_invalid(attention.run(call), "not initialised");
