@@ -827,6 +827,49 @@ __device__ __forceinline__ void ldmatrix4(uint32_t (&r)[4], uint32_t address) {
                  : "r"(address));
 }
 
+// q's A fragments [q_hi; q_lo] for the tensor-core loops (MmaTile, WideMmaTile), one m16n8k16
+// per 16 channels: registers 0 and 2 hold row g = lane / 4 (hi) at columns 2t, 2t + 1 and
+// 8 + 2t, 9 + 2t of the k-step (t = lane % 4), registers 1 and 3 row g + 8 (lo) at the same
+// columns; heads past `heads` are 0.
+template <simd::Dtype D, uint32_t kHeadDim>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&qa)[kHeadDim / 16][4],
+                                                 const float* q_pair, uint32_t heads, float q_scale,
+                                                 uint32_t lane) {
+  const uint32_t g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (uint32_t kk = 0; kk < kHeadDim / 16; ++kk)
+#pragma unroll
+    for (uint32_t half = 0; half < 2; ++half) {
+      float2 x = make_float2(0.f, 0.f);
+      if (g < heads)
+        x = __ldg(
+            reinterpret_cast<const float2*>(q_pair + g * kHeadDim + kk * 16 + half * 8 + 2 * t));
+      split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
+    }
+}
+
+// A warp's state at the end of a split on the tensor-core loops, for the merge: O^T's
+// accumulators (channels 16 i + groupID and + 8, heads 2t and 2t + 1), head groupID's maximum m and
+// the sum l, whose 4 lanes' parts are added here.
+template <uint32_t kHeadDim, uint32_t kBlockHeads>
+__device__ __forceinline__ void store_mma_state(const float (&acc)[kHeadDim / 16][4], float m,
+                                                float l, uint32_t warp, uint32_t lane,
+                                                float (*s_acc)[kBlockHeads][kHeadDim],
+                                                float (*s_m)[kBlockHeads],
+                                                float (*s_l)[kBlockHeads]) {
+  const uint32_t g = lane / 4, t = lane % 4;
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+  for (uint32_t i = 0; i < kHeadDim / 16; ++i)
+#pragma unroll
+    for (uint32_t e = 0; e < 4; ++e) {
+      const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
+      if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
+    }
+  if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+}
+
 // The online softmax of one tile of the tensor-core loops (MmaTile::tile, WideMmaTile::tile):
 // x holds the lane's two logits of each n-tile (-inf where a token weighs zero), t is lane % 4.
 // Updates the running maximum m and sum l, rescales the accumulators O^T lazily as
@@ -950,7 +993,6 @@ struct MmaTile {
   // loads wait with them.
   __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
     warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    const uint32_t g = lane / 4, t = lane % 4;
     constexpr uint32_t L = T::kLanesPerRow;
 #pragma unroll
     for (uint32_t nt = 0; nt < kNTiles; ++nt) {
@@ -982,18 +1024,7 @@ struct MmaTile {
       lane_bytes[nt][0] = (low + (flip & 4)) * uint32_t{sizeof(uint4)};
       lane_bytes[nt][1] = (low - (flip & 4)) * uint32_t{sizeof(uint4)};
     }
-#pragma unroll
-    for (uint32_t kk = 0; kk < kKSteps; ++kk)
-#pragma unroll
-      for (uint32_t half = 0; half < 2; ++half) {
-        // Registers 0 and 2: row g (hi) at columns 2t, 2t + 1 and 8 + 2t, 9 + 2t of the k-step;
-        // registers 1 and 3: row g + 8 (lo) at the same columns.
-        float2 x = make_float2(0.f, 0.f);
-        if (g < heads)
-          x = __ldg(
-              reinterpret_cast<const float2*>(q_pair + g * kHeadDim + kk * 16 + half * 8 + 2 * t));
-        split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
-      }
+    load_q_fragments<D, kHeadDim>(qa, q_pair, heads, q_scale, lane);
 #pragma unroll
     for (uint32_t i = 0; i < kMTiles; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.0f;
     m = kNegInf;
@@ -1073,18 +1104,8 @@ struct MmaTile {
   }
 
   __device__ void store(float (*s_acc)[kBlockHeads][kHeadDim], float (*s_m)[kBlockHeads],
-                        float (*s_l)[kBlockHeads]) {
-    const uint32_t g = lane / 4, t = lane % 4;
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-#pragma unroll
-    for (uint32_t i = 0; i < kMTiles; ++i)
-#pragma unroll
-      for (uint32_t e = 0; e < 4; ++e) {
-        const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
-        if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
-      }
-    if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+                        float (*s_l)[kBlockHeads]) const {
+    store_mma_state<kHeadDim, kBlockHeads>(acc, m, l, warp, lane, s_acc, s_m, s_l);
   }
 };
 
@@ -1158,17 +1179,7 @@ struct WideMmaTile {
 
   // As MmaTile::load_q: wide_loop calls it once its first copies are in flight.
   __device__ void load_q(const float* q_pair, uint32_t heads, float q_scale) {
-    const uint32_t g = lane / 4, t = lane % 4;
-#pragma unroll
-    for (uint32_t kk = 0; kk < kKSteps; ++kk)
-#pragma unroll
-      for (uint32_t half = 0; half < 2; ++half) {
-        float2 x = make_float2(0.f, 0.f);
-        if (g < heads)
-          x = __ldg(
-              reinterpret_cast<const float2*>(q_pair + g * kHeadDim + kk * 16 + half * 8 + 2 * t));
-        split2<D>(x.x * q_scale, x.y * q_scale, qa[kk][2 * half], qa[kk][2 * half + 1]);
-      }
+    load_q_fragments<D, kHeadDim>(qa, q_pair, heads, q_scale, lane);
   }
 
   // One tile: the warp's rows of `stage`, its first token `base` (of the pair's list), which the
@@ -1217,18 +1228,8 @@ struct WideMmaTile {
   }
 
   __device__ void store(float (*s_acc)[kBlockHeads][kHeadDim], float (*s_m)[kBlockHeads],
-                        float (*s_l)[kBlockHeads]) {
-    const uint32_t g = lane / 4, t = lane % 4;
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-#pragma unroll
-    for (uint32_t i = 0; i < kMTiles; ++i)
-#pragma unroll
-      for (uint32_t e = 0; e < 4; ++e) {
-        const uint32_t head = 2 * t + e % 2, c = 16 * i + g + (e / 2) * 8;
-        if (head < kBlockHeads) s_acc[warp][head][c] = acc[i][e];
-      }
-    if (g < kBlockHeads && t == 0) s_m[warp][g] = m, s_l[warp][g] = l;
+                        float (*s_l)[kBlockHeads]) const {
+    store_mma_state<kHeadDim, kBlockHeads>(acc, m, l, warp, lane, s_acc, s_m, s_l);
   }
 };
 
