@@ -525,7 +525,8 @@ void dense_phase(const Config& cfg, Host& host, Row& row, const std::vector<floa
       check(tuned.init(shape, batch, point.tuning), "a: tuned attention workspace");
       const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
       const gpu::SplitPlan& plan = tuned.last_plan();
-      say("  (a) sweep %s (ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk]]]): "
+      say("  (a) sweep %s "
+          "(ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk[:warp_tokens]]]]): "
           "%u splits x %u tokens, %lu CTAs against %u: %.1f us (%.1f..%.1f over %d), %.2f TB/s",
           point.text.c_str(), plan.splits_per_pair, plan.tokens_per_split,
           static_cast<unsigned long>(plan.ctas), plan.device_ctas, t.median, t.min, t.max,
@@ -620,7 +621,7 @@ void selective_sweep(const Config& cfg, const Host& host, const OffloadAttention
       const Spread t = time_attention(tuned, call, stream, cfg.a_reps);
       const gpu::SplitPlan& plan = tuned.last_plan();
       say("  (c) attend sweep %s "
-          "(ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk]]]), "
+          "(ctas_per_sm:min_tiles:chunks[:tensor_cores[:l2_prefetch[:bulk[:warp_tokens]]]]), "
           "%u pairs, %u pages: %u splits x %u tokens, %lu CTAs: %.1f us (%.1f..%.1f over %d)",
           point.text.c_str(), pairs, offsets[pairs], plan.splits_per_pair, plan.tokens_per_split,
           static_cast<unsigned long>(plan.ctas), t.median, t.min, t.max, cfg.a_reps);
