@@ -111,11 +111,16 @@ if [[ " $checks " == *" tests "* ]]; then
   # GPU_CHECK_FILTER: a gtest filter for every binary (and no sanitizer runs).
   for t in kvsift_gpu_tests kvsift_gpu_llama_tests kvsift_gpu_louver_tests kvsift_gpu_locks_tests \
     kvsift_offload_tests; do
-    OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" --gtest_brief=1 \
-      --gtest_filter="${GPU_CHECK_FILTER:-*}" >"$logs/$t.log" 2>&1 ||
-      status=1
+    # Whole output (not --gtest_brief): where a binary dies, its last RUN line names the test.
+    rc=0
+    OMP_NUM_THREADS=${OMP_NUM_THREADS:-8} "$stage/$t" \
+      --gtest_filter="${GPU_CHECK_FILTER:-*}" >"$logs/$t.log" 2>&1 || rc=$?
+    ((rc == 0)) || status=1
     echo "$t: $(grep -E '^\[  (PASSED|FAILED)' "$logs/$t.log" | tr '\n' ' ')"
     grep -E '^\[  FAILED|Failure|error' "$logs/$t.log" | head -20 || true
+    if ((rc != 0)) && ! grep -qE '^\[  (PASSED|FAILED)' "$logs/$t.log"; then
+      echo "  exit $rc before the summary, in $(grep -E '^\[ RUN' "$logs/$t.log" | tail -n 1)"
+    fi
   done
   # The CPU suite's tests that compare the device model runner with the CPU one.
   "$stage/kvsift_tests" --gtest_brief=1 --gtest_filter='ModelTest.*device*' \
