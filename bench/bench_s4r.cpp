@@ -13,6 +13,8 @@
 // compression, on kThreads threads: the projection of one prefill block of 4096 keys (the product
 // and the rounding to bf16), and the reconstruction of a 10% budget of that context (3277 tokens:
 // decoding their coefficients and the product). GFLOPS counts 2 M K N per product.
+// BM_s4r_fit_basis/llama8b/threads:<n>: the basis fit of one such layer's K (D' = 1024, 20,480
+// sampled rows), on the calling thread (0) and with its Gram spread over kThreads threads.
 // BM_s4r_prefill_overhead: the real model (KVSIFT_MODEL; skipped without it) prefills an 8K-token
 // prompt, then one decode step under S4R at 2.5x compresses every layer:
 //   prefill_s, compress_s, share = compress_s / prefill_s (8191 prompt tokens: the model has 8192)
@@ -24,6 +26,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -200,6 +203,26 @@ void BM_s4r_reconstruct(benchmark::State& state, double compression) {
                                                 benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// fit_basis at the 8B layer's D' = 1024 over 20,480 sampled rows (what a 51K-token compressed span
+// samples at 2.5x), the rank of a 32K context at 2.5x: on the calling thread (threads 0) and with
+// the Gram's tiles over a pool of kThreads, in the same process.
+void BM_s4r_fit_basis(benchmark::State& state) {
+  namespace s4r = kvsift::select::s4r;
+  const ProductCase c(2.5);
+  constexpr uint64_t kSample = 20480;
+  std::vector<float> rows(kSample * c.dim);
+  Random(kSeed + 2).fill(rows);
+  std::vector<uint32_t> sample(kSample);
+  for (uint32_t i = 0; i < kSample; ++i) sample[i] = i;
+  const auto threads = static_cast<int>(state.range(0));
+  std::unique_ptr<kvsift::ThreadPool> pool;
+  if (threads > 0) pool = std::make_unique<kvsift::ThreadPool>(threads);
+  for (auto _ : state)
+    benchmark::DoNotOptimize(s4r::fit_basis(rows.data(), kSample, c.dim, c.dim, sample.data(),
+                                            kSample, c.rank, pool.get()));
+  state.counters["rank"] = c.rank;
+}
+
 // `context` positions: a prompt of all but one of them, then the one decode step.
 void prefill_overhead(benchmark::State& state, const char* path, uint32_t context) {
   const uint32_t tokens = context - 1;
@@ -284,6 +307,12 @@ int main(int argc, char** argv) {
                                  compression)
         ->Unit(benchmark::kMillisecond);
   }
+  benchmark::RegisterBenchmark("BM_s4r_fit_basis/llama8b", BM_s4r_fit_basis)
+      ->ArgName("threads")
+      ->Arg(0)
+      ->Arg(kThreads)
+      ->Unit(benchmark::kMillisecond)
+      ->Iterations(3);
   benchmark::RegisterBenchmark("BM_s4r_prefill_overhead/smollm2", BM_s4r_prefill_overhead)
       ->Arg(8192)
       ->UseManualTime()

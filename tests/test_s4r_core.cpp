@@ -295,6 +295,28 @@ TEST(S4rBasis, matches_lapack_svd_on_random_matrices) {
   }
 }
 
+// The Gram's tiles spread over a pool give the basis of the calling thread alone, bit for bit: dim
+// 320 is two whole 128-column tiles and a partial one, 2,500 sampled rows two whole 1024-row
+// blocks and a partial one.
+TEST(S4rBasis, the_basis_is_the_same_bits_for_any_number_of_threads) {
+  const uint32_t dim = 320, rank = 24;
+  const uint64_t n = 4000;
+  const auto rows = spiked_rows(n, dim, dim, 12, 9);
+  const auto sample = s4r::hybrid_sample(0, n, 2500, 0.7);
+  const s4r::Basis alone =
+      s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
+  EXPECT_LT(orthonormality_error(alone), 1e-5);
+  for (uint32_t threads : {1u, 2u, 3u, 5u}) {
+    SCOPED_TRACE(testing::Message() << threads << " threads");
+    ThreadPool pool(threads);
+    const s4r::Basis split =
+        s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank, &pool);
+    EXPECT_EQ(split.rows_used, alone.rows_used);
+    EXPECT_EQ(split.singular_values, alone.singular_values);
+    EXPECT_EQ(split.columns, alone.columns);
+  }
+}
+
 // B^T B = I and the sampled rows' reconstruction error is the SVD tail energy; the normalisation
 // acts on the sampled rows only, scaling a row changes nothing (docs/methods.md, S4R: prefill).
 TEST(S4rBasis, sample_reconstruction_error_is_the_tail_energy) {

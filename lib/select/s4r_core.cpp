@@ -2,9 +2,13 @@
 
 #include <Eigen/Eigenvalues>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <utility>
+#include <vector>
 
 #include "lib/core/error.hpp"
 
@@ -13,8 +17,12 @@ namespace kvsift::select::s4r {
 namespace {
 
 // Rows per Gram update: a block of the normalised sample is [1024, dim] doubles (8 MB at dim
-// 1024), enough for Eigen's blocked rank update to run at its matrix-product speed.
+// 1024), enough for each tile's product to run at Eigen's matrix-product speed.
 constexpr uint64_t kGramRows = 1024;
+// Columns of a Gram tile: each block's update is a product per tile of the lower triangle (36 at
+// dim 1024), spread over the pool; a tile is always one task's, so its sums run in block order
+// whatever the number of threads.
+constexpr Eigen::Index kGramTile = 128;
 // Rows per product in project(): their float32 coefficients (4096 x rank) before rounding.
 constexpr uint64_t kProjectRows = 4096;
 // Decode kernels: a block of key tokens is decoded and transposed once and then serves every
@@ -217,7 +225,7 @@ std::vector<uint32_t> hybrid_sample(uint64_t first, uint64_t end, uint64_t count
 // its rounding (a few 1e-9 of lambda_1) moved the singular values near sigma_1 / 80 by over 1e-5
 // relative against LAPACK, so the Gram is float64.
 Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
-                const uint32_t* sample, uint64_t n_sample, uint32_t rank) {
+                const uint32_t* sample, uint64_t n_sample, uint32_t rank, ThreadPool* pool) {
   check_dim_rank(dim, rank, "fit_basis");
   require(n_sample > 0, "fit_basis: n_sample must be > 0 (no rows to fit the basis to)");
   require(row_stride >= dim, "fit_basis: row_stride=", row_stride, " < dim=", dim);
@@ -229,8 +237,28 @@ Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_s
   Eigen::MatrixXd gram = Eigen::MatrixXd::Zero(dim, dim);
   Eigen::Index filled = 0;
   uint64_t used = 0;
+  // The lower triangle's tiles (row tile >= column tile); the eigen-solver reads only that.
+  std::vector<std::pair<Eigen::Index, Eigen::Index>> tiles;
+  const Eigen::Index width = dim;
+  for (Eigen::Index i = 0; i < width; i += kGramTile)
+    for (Eigen::Index j = 0; j <= i; j += kGramTile) tiles.emplace_back(i, j);
   auto flush = [&] {
-    gram.selfadjointView<Eigen::Lower>().rankUpdate(block.topRows(filled).transpose());
+    const auto sampled = block.topRows(filled);
+    bool failed = false;  // Eigen's product may allocate; the pool's tasks may not throw
+    parallel_static(pool, tiles.size(), [&](uint64_t t0, uint64_t t1, int) noexcept {
+      try {
+        for (uint64_t t = t0; t < t1; ++t) {
+          const auto [i, j] = tiles[t];
+          const Eigen::Index rows_i = std::min(kGramTile, width - i);
+          const Eigen::Index cols_j = std::min(kGramTile, width - j);
+          gram.block(i, j, rows_i, cols_j).noalias() +=
+              sampled.middleCols(i, rows_i).transpose() * sampled.middleCols(j, cols_j);
+        }
+      } catch (const std::bad_alloc&) {
+        std::atomic_ref<bool>(failed).store(true, std::memory_order_relaxed);
+      }
+    });
+    if (failed) throw std::bad_alloc();
     filled = 0;
   };
   for (uint64_t i = 0; i < n_sample; ++i) {

@@ -20,7 +20,9 @@
 // Parallelism: project, reconstruct and relevance split their rows over the pool they are given
 // (the calling thread alone for nullptr), and their results do not depend on the number of
 // threads; project and reconstruct run the kernel table's float32 product (simd/kernels.hpp:
-// gemm_f32). fit_basis runs its Gram through Eigen on the calling thread.
+// gemm_f32). fit_basis updates its Gram through Eigen's products in tiles spread over the pool
+// (each tile summed in the same order for any number of threads) and runs the eigen-decomposition
+// on the calling thread.
 #pragma once
 
 #include <cstdint>
@@ -96,10 +98,12 @@ struct Basis {
 // squaring costs relative accuracy only below about 1e-5 sigma_1 (1e-5 relative there), far
 // under any singular value a basis keeps. Each column's component of largest magnitude (the
 // first, on ties) is positive, so the basis is deterministic. Allocates the dim x dim Gram and a
-// 1024-row block. Throws on rank 0, rank > dim, n_sample 0, a sample id >= n_rows, row_stride <
-// dim.
+// 1024-row block. pool: the threads the Gram's tiles are spread over (the basis is the same for
+// any number of them); nullptr: the calling thread. Throws on rank 0, rank > dim, n_sample 0, a
+// sample id >= n_rows, row_stride < dim.
 Basis fit_basis(const float* rows, uint64_t n_rows, uint32_t dim, uint64_t row_stride,
-                const uint32_t* sample, uint64_t n_sample, uint32_t rank);
+                const uint32_t* sample, uint64_t n_sample, uint32_t rank,
+                ThreadPool* pool = nullptr);
 
 // ---- Projection and reconstruction (docs/methods.md, S4R: prefill and S4R: decode) -----------
 

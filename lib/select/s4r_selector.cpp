@@ -155,7 +155,8 @@ void S4rSelector::compress(int32_t seq_id, uint32_t layer, LayerState& st) {
         }
         s4r::Basis& basis = keys ? unit.keys : unit.values;
         std::vector<uint16_t>& coeffs = keys ? unit.key_coeffs : unit.value_coeffs;
-        basis = s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank);
+        basis =
+            s4r::fit_basis(rows.data(), n, dim, dim, sample.data(), sample.size(), rank, &pool_);
         basis.singular_values = {};  // diagnostics of the fit; decode needs only the columns
         coeffs.resize(static_cast<std::size_t>(n) * rank);
         s4r::project(rows.data(), n, dim, basis, coeffs.data(), g.row_dtype(), kernels_, &pool_);
